@@ -1,0 +1,285 @@
+"""LLMEngine (add_request / step / abort) and the offline `LLM.generate` front end."""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, replace
+from typing import Any
+
+from transformers import AutoConfig, AutoTokenizer
+
+from engine.config import EngineConfig
+from engine.detokenizer import IncrementalDetokenizer
+from engine.kv_cache.manager import KVCacheManager
+from engine.model_runner import ModelRunner, ProgressFn
+from engine.outputs import CompletionOutput, RequestOutput, SequenceUpdate
+from engine.request import Request, RequestStatus, SamplingParams
+from engine.scheduler import Scheduler
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(slots=True)
+class _Sequence:
+    """Engine-side bookkeeping of one sample of one caller request."""
+
+    request: Request
+    parent_id: str
+    index: int
+    detokenizer: IncrementalDetokenizer
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig, progress: ProgressFn | None = None) -> None:
+        self.config = config
+        self.tokenizer = AutoTokenizer.from_pretrained(config.tokenizer or config.model)
+        hf_config = AutoConfig.from_pretrained(config.model)
+        self.hf_config = hf_config
+        self.max_model_len = config.max_model_len or int(hf_config.max_position_embeddings)
+        self.vocab_size = int(hf_config.vocab_size)
+        self.eos_token_ids = _eos_token_ids(hf_config, self.tokenizer, config.model)
+
+        self.runner = ModelRunner(config, hf_config, self.max_model_len, progress)
+        num_blocks = self.runner.num_blocks_for_memory()
+        capacity = num_blocks * config.block_size
+        if capacity < self.max_model_len:
+            raise ValueError(
+                f"the KV cache holds {capacity} tokens ({num_blocks} blocks), fewer than "
+                f"max_model_len={self.max_model_len}: raise kv_cache_memory or lower max_model_len"
+            )
+        self.runner.allocate_kv_cache(num_blocks)
+        self.kv = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching)
+        self.scheduler = Scheduler(
+            self.kv,
+            max_num_seqs=config.max_num_seqs,
+            max_num_batched_tokens=config.max_num_batched_tokens,
+            enable_chunked_prefill=config.enable_chunked_prefill,
+        )
+        self.sequences: dict[str, _Sequence] = {}
+        self.parents: dict[str, list[str]] = {}
+        logger.info(
+            "KV cache: %d blocks x %d tokens = %d tokens (%.1f MiB, %s); max concurrency at "
+            "max_model_len=%d: %.1fx",
+            num_blocks, config.block_size, capacity,
+            num_blocks * self.runner.bytes_per_block / 2**20, self.runner.dtype,
+            self.max_model_len, capacity / self.max_model_len,
+        )
+
+    # -- requests ---------------------------------------------------------------------------
+
+    def tokenize(self, prompt: str | Sequence[int]) -> list[int]:
+        if isinstance(prompt, str):
+            return list(self.tokenizer(prompt, add_special_tokens=True)["input_ids"])
+        return [int(t) for t in prompt]
+
+    def add_request(
+        self,
+        request_id: str,
+        prompt: str | Sequence[int],
+        params: SamplingParams,
+        *,
+        adapter_id: str | None = None,
+        cache_salt: str | None = None,
+        fairness_key: str | None = None,
+    ) -> list[int]:
+        """Queue a request; returns its prompt token ids. Raises ValueError for
+        a request that could never run (the gateway maps it to HTTP 400)."""
+        if request_id in self.parents:
+            raise ValueError(f"request id {request_id!r} is already running")
+        prompt_ids = self.tokenize(prompt)
+        self._validate(prompt_ids, params)
+        if params.max_tokens is None:
+            params = replace(params, max_tokens=self.max_model_len - len(prompt_ids))
+        eos = None if not self.eos_token_ids else min(self.eos_token_ids)
+        child_ids = []
+        for index in range(params.n):
+            child_params = params
+            if params.n > 1:
+                seed = None if params.seed is None else params.seed + index
+                child_params = replace(params, n=1, seed=seed)
+            child_id = request_id if params.n == 1 else f"{request_id}#{index}"
+            request = Request(
+                child_id, prompt_ids, child_params, eos,
+                adapter_id=adapter_id, cache_salt=cache_salt, fairness_key=fairness_key,
+            )
+            detok = IncrementalDetokenizer(
+                self.tokenizer, prompt_ids, child_params.stop, child_params.skip_special_tokens
+            )
+            self.sequences[child_id] = _Sequence(request, request_id, index, detok)
+            self.scheduler.add_request(request)
+            child_ids.append(child_id)
+        self.parents[request_id] = child_ids
+        return prompt_ids
+
+    def _validate(self, prompt_ids: list[int], params: SamplingParams) -> None:
+        params.verify()
+        if not prompt_ids:
+            raise ValueError("the prompt is empty")
+        if min(prompt_ids) < 0 or max(prompt_ids) >= self.vocab_size:
+            raise ValueError(f"prompt token ids must be in [0, {self.vocab_size})")
+        max_tokens = params.max_tokens or 1
+        if len(prompt_ids) + max_tokens > self.max_model_len:
+            raise ValueError(
+                f"this model's maximum context length is {self.max_model_len} tokens; the "
+                f"request asks for {len(prompt_ids)} prompt tokens plus {max_tokens} output tokens"
+            )
+
+    def abort(self, request_id: str) -> None:
+        """Stop a request now; its blocks return to the pool at once."""
+        for child_id in self.parents.pop(request_id, []):
+            seq = self.sequences.pop(child_id)
+            self.scheduler.finish(seq.request, RequestStatus.FINISHED_ABORTED)
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished
+
+    # -- the step ---------------------------------------------------------------------------
+
+    def step(self) -> list[SequenceUpdate]:
+        sched = self.scheduler.schedule()
+        if sched.is_empty:
+            return []
+        sampled, sampler_out = self.runner.execute(sched, self.kv)
+        for request, num_new in sched.scheduled:
+            request.num_computed_tokens += num_new
+        if sampler_out is None:
+            return []
+        now = time.monotonic()
+        updates = []
+        for request, token_id, logprobs in zip(
+            sampled, sampler_out.token_ids, sampler_out.logprobs, strict=True
+        ):
+            seq = self.sequences[request.request_id]
+            request.all_token_ids.append(token_id)
+            if request.first_token_time is None:
+                request.first_token_time = now
+            if logprobs is not None and request.logprobs is not None:
+                request.logprobs.append(logprobs)
+            status = self._check_stop(seq, token_id)
+            if status is not None:
+                self._finish(seq, status)
+            updates.append(self._update(seq, token_id, logprobs))
+        return updates
+
+    def _check_stop(self, seq: _Sequence, token_id: int) -> RequestStatus | None:
+        request = seq.request
+        params = request.sampling_params
+        # Below min_tokens no stop condition but length applies (as in vLLM).
+        may_stop = request.num_output_tokens >= params.min_tokens
+        stop_string = seq.detokenizer.update(token_id, check_stop=may_stop)
+        if may_stop:
+            if not params.ignore_eos and token_id in self.eos_token_ids:
+                return RequestStatus.FINISHED_STOPPED
+            if token_id in params.stop_token_ids:
+                request.stop_reason = token_id
+                return RequestStatus.FINISHED_STOPPED
+            if stop_string is not None:
+                request.stop_reason = stop_string
+                return RequestStatus.FINISHED_STOPPED
+        assert params.max_tokens is not None
+        if request.num_output_tokens >= params.max_tokens or request.num_tokens >= self.max_model_len:
+            return RequestStatus.FINISHED_LENGTH
+        return None
+
+    def _finish(self, seq: _Sequence, status: RequestStatus) -> None:
+        self.scheduler.finish(seq.request, status)
+        del self.sequences[seq.request.request_id]
+        siblings = self.parents[seq.parent_id]
+        siblings.remove(seq.request.request_id)
+        if not siblings:
+            del self.parents[seq.parent_id]
+
+    @staticmethod
+    def _update(seq: _Sequence, token_id: int, logprobs: dict[int, float] | None) -> SequenceUpdate:
+        request = seq.request
+        detok = seq.detokenizer
+        finished = request.is_finished
+        text = detok.text if finished else detok.text[: detok.num_stream_safe_chars]
+        return SequenceUpdate(
+            request_id=seq.parent_id,
+            index=seq.index,
+            new_token_ids=[token_id],
+            text=text,
+            new_logprobs=None if logprobs is None else [logprobs],
+            num_prompt_tokens=request.num_prompt_tokens,
+            num_cached_tokens=max(0, request.num_cached_tokens),
+            finish_reason=request.finish_reason if finished else None,
+            stop_reason=request.stop_reason,
+            error=request.error,
+        )
+
+
+def _eos_token_ids(hf_config: Any, tokenizer: Any, model_dir: str) -> frozenset[int]:
+    ids: set[int] = set()
+    try:
+        from transformers import GenerationConfig
+
+        gen = GenerationConfig.from_pretrained(model_dir)
+        eos = gen.eos_token_id
+    except OSError:
+        eos = getattr(hf_config, "eos_token_id", None)
+    if eos is None:
+        eos = tokenizer.eos_token_id
+    if isinstance(eos, int):
+        ids.add(eos)
+    elif eos is not None:
+        ids.update(int(e) for e in eos)
+    return frozenset(ids)
+
+
+class LLM:
+    """Offline batch generation: `LLM(model=...).generate(prompts, SamplingParams(...))`."""
+
+    def __init__(self, model: str, progress: ProgressFn | None = None, **kwargs: Any) -> None:
+        self.engine = LLMEngine(EngineConfig(model=model, **kwargs), progress)
+        self._next_id = 0
+
+    @property
+    def tokenizer(self) -> Any:
+        return self.engine.tokenizer
+
+    def generate(
+        self,
+        prompts: Sequence[str] | Sequence[Sequence[int]] | str,
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        *,
+        adapter_id: str | None = None,
+        cache_salt: str | None = None,
+        on_step: Callable[[int], None] | None = None,
+    ) -> list[RequestOutput]:
+        """Run every prompt to completion; results in prompt order.
+
+        `on_step(num_finished)` is called after each step (progress bars)."""
+        if isinstance(prompts, str):
+            prompts = [prompts]
+        if sampling_params is None:
+            sampling_params = SamplingParams()
+        params_list = (
+            [sampling_params] * len(prompts)
+            if isinstance(sampling_params, SamplingParams)
+            else list(sampling_params)
+        )
+        if len(params_list) != len(prompts):
+            raise ValueError("one SamplingParams per prompt, or one for all")
+        results: dict[str, RequestOutput] = {}
+        order = []
+        for prompt, params in zip(prompts, params_list, strict=True):
+            request_id = str(self._next_id)
+            self._next_id += 1
+            prompt_ids = self.engine.add_request(
+                request_id, prompt, params, adapter_id=adapter_id, cache_salt=cache_salt
+            )
+            results[request_id] = RequestOutput(
+                request_id, prompt_ids, [CompletionOutput(i) for i in range(params.n)]
+            )
+            order.append(request_id)
+        num_finished = 0
+        while self.engine.has_unfinished_requests():
+            for update in self.engine.step():
+                results[update.request_id].apply(update)
+                num_finished += update.finished
+            if on_step is not None:
+                on_step(num_finished)
+        return [results[r] for r in order]

@@ -1,0 +1,195 @@
+"""Turn a SchedulerOutput into one forward pass and sampled tokens.
+
+Every scheduled token of every request is flattened into one "super
+sequence": input_ids, positions and KV slots, decode rows first, then prefill
+rows. Only rows that have caught up with all their known tokens are sampled;
+a partial prompt chunk only writes its KV.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from pathlib import Path
+
+import numpy as np
+import torch
+from transformers import PretrainedConfig
+
+from engine.config import EngineConfig
+from engine.kv_cache.manager import KVCacheManager
+from engine.models.llama import (
+    SUPPORTED_ARCHITECTURES,
+    LlamaForCausalLM,
+    iter_safetensors,
+    weight_names,
+)
+from engine.request import Request
+from engine.sampler import Sampler, SamplerOutput
+from engine.scheduler import SchedulerOutput
+from kernels.attention import build_plan
+
+logger = logging.getLogger(__name__)
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+CPU_DEFAULT_KV_CACHE_MEMORY = 2 << 30
+
+ProgressFn = Callable[[int, int], None]
+
+
+def resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(name)
+
+
+def resolve_dtype(name: str, hf_config: PretrainedConfig, device: torch.device) -> torch.dtype:
+    if name != "auto":
+        return DTYPES[name]
+    if device.type == "cpu":
+        return torch.float32
+    checkpoint = getattr(hf_config, "torch_dtype", None) or getattr(hf_config, "dtype", None)
+    if isinstance(checkpoint, str):
+        checkpoint = DTYPES.get(checkpoint)
+    return checkpoint if checkpoint in (torch.bfloat16, torch.float16) else torch.bfloat16
+
+
+class ModelRunner:
+    def __init__(
+        self,
+        config: EngineConfig,
+        hf_config: PretrainedConfig,
+        max_model_len: int,
+        progress: ProgressFn | None = None,
+    ) -> None:
+        self.config = config
+        self.block_size = config.block_size
+        self.device = resolve_device(config.device)
+        self.dtype = resolve_dtype(config.dtype, hf_config, self.device)
+        if config.num_threads:
+            torch.set_num_threads(config.num_threads)
+        architectures = set(getattr(hf_config, "architectures", None) or ["LlamaForCausalLM"])
+        if not architectures & SUPPORTED_ARCHITECTURES:
+            raise ValueError(
+                f"unsupported architecture {sorted(architectures)}; "
+                f"supported: {sorted(SUPPORTED_ARCHITECTURES)}"
+            )
+        model_dir = Path(config.model)
+        names = weight_names(model_dir)
+        qkv_bias = any(n.endswith("q_proj.bias") for n in names)
+        torch.manual_seed(config.seed)
+        with torch.device(self.device):
+            self.model = LlamaForCausalLM(hf_config, max_model_len, qkv_bias).to(self.dtype)
+        self.model.eval()
+        self.model.layers[0].self_attn.rotary.to(torch.float32)
+        total = len(names)
+        done = 0
+
+        def on_tensor(_: str) -> None:
+            nonlocal done
+            done += 1
+            if progress is not None:
+                progress(done, total)
+
+        with torch.no_grad():
+            self.model.load_weights(iter_safetensors(model_dir), on_tensor)
+        attn = self.model.layers[0].self_attn
+        self.num_layers = len(self.model.layers)
+        self.num_kv_heads = attn.num_kv_heads
+        self.head_dim = attn.head_dim
+        self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
+        self.sampler = Sampler(self.device, config.seed)
+
+    @property
+    def bytes_per_block(self) -> int:
+        elem = torch.finfo(self.dtype).bits // 8
+        return 2 * self.num_layers * self.block_size * self.num_kv_heads * self.head_dim * elem
+
+    def num_blocks_for_memory(self) -> int:
+        """The KV pool size: an explicit override, kv_cache_memory, or free CUDA memory."""
+        if self.config.num_kv_blocks is not None:
+            return self.config.num_kv_blocks
+        if self.device.type == "cuda" and self.config.kv_cache_memory is None:
+            budget = self._profile_cuda_kv_budget()
+        else:
+            budget = self.config.kv_cache_memory or CPU_DEFAULT_KV_CACHE_MEMORY
+        return max(0, budget // self.bytes_per_block)
+
+    def _profile_cuda_kv_budget(self) -> int:
+        """Run a forward of max_num_batched_tokens to find peak activation memory,
+        then give the KV cache what remains of memory_utilization."""
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats(self.device)
+        n = self.config.max_num_batched_tokens
+        ids = torch.zeros(n, dtype=torch.long, device=self.device)
+        pos = torch.arange(n, device=self.device) % self.model.layers[0].self_attn.rotary.cos.shape[0]
+        scratch = [
+            (torch.zeros(1, n, self.num_kv_heads, self.head_dim, dtype=self.dtype, device=self.device),)
+            * 2
+            for _ in range(self.num_layers)
+        ]
+        plan = build_plan(
+            np.array([n]), np.array([n]), [[0]], np.arange(n), 0, n, self.device
+        )
+        with torch.no_grad():
+            self.model.compute_logits(self.model(ids, pos, plan, scratch)[-1:])
+        torch.cuda.synchronize()
+        peak = torch.cuda.max_memory_allocated(self.device)
+        del scratch
+        torch.cuda.empty_cache()
+        _, total = torch.cuda.mem_get_info(self.device)
+        return max(0, int(total * self.config.memory_utilization) - peak)
+
+    def allocate_kv_cache(self, num_blocks: int) -> None:
+        shape = (num_blocks, self.block_size, self.num_kv_heads, self.head_dim)
+        # Zeroed, not empty: padded attention reads stale slots with weight 0,
+        # and 0 * NaN garbage would still be NaN.
+        self.kv_caches = [
+            (
+                torch.zeros(shape, dtype=self.dtype, device=self.device),
+                torch.zeros(shape, dtype=self.dtype, device=self.device),
+            )
+            for _ in range(self.num_layers)
+        ]
+
+    @torch.inference_mode()
+    def execute(
+        self, sched: SchedulerOutput, kv: KVCacheManager
+    ) -> tuple[list[Request], SamplerOutput | None]:
+        rows = sorted(sched.scheduled, key=lambda item: item[1] != 1)  # decodes first, stable
+        num_decode = sum(1 for _, n in rows if n == 1)
+        bs = self.block_size
+        num_tokens = sched.num_batched_tokens
+        input_ids = np.empty(num_tokens, dtype=np.int64)
+        positions = np.empty(num_tokens, dtype=np.int64)
+        slots = np.empty(num_tokens, dtype=np.int64)
+        query_lens = np.empty(len(rows), dtype=np.int64)
+        seq_lens = np.empty(len(rows), dtype=np.int64)
+        block_tables: list[list[int]] = []
+        sample_rows: list[Request] = []
+        sample_index: list[int] = []
+        t = 0
+        for i, (request, n) in enumerate(rows):
+            start = request.num_computed_tokens
+            table = kv.block_ids(request.request_id)
+            block_tables.append(table)
+            query_lens[i] = n
+            seq_lens[i] = start + n
+            pos = np.arange(start, start + n)
+            positions[t : t + n] = pos
+            input_ids[t : t + n] = request.all_token_ids[start : start + n]
+            slots[t : t + n] = np.asarray(table)[pos // bs] * bs + pos % bs
+            t += n
+            if start + n == request.num_tokens:
+                sample_rows.append(request)
+                sample_index.append(t - 1)
+
+        plan = build_plan(query_lens, seq_lens, block_tables, slots, num_decode, bs, self.device)
+        ids_t = torch.from_numpy(input_ids).to(self.device)
+        pos_t = torch.from_numpy(positions).to(self.device)
+        hidden = self.model(ids_t, pos_t, plan, self.kv_caches)
+        if not sample_rows:
+            return [], None
+        index = torch.tensor(sample_index, device=self.device)
+        logits = self.model.compute_logits(hidden[index])
+        return sample_rows, self.sampler(logits, sample_rows)

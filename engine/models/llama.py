@@ -1,0 +1,253 @@
+"""Llama-family decoder (Llama, Mistral, Qwen2) over a paged KV cache, loading HF weights.
+
+The forward pass takes the step's flattened tokens ([num_tokens]) with their
+positions and one AttentionPlan; there is no batch dimension and no padding
+outside attention. q/k/v and gate/up are fused into one matmul each at load.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from safetensors import safe_open
+from torch import nn
+from transformers import PretrainedConfig
+from transformers.activations import ACT2FN
+from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+from kernels.attention import AttentionPlan, paged_attention, write_kv
+
+SUPPORTED_ARCHITECTURES = {"LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM"}
+# Rope types whose frequencies do not depend on the running sequence length.
+STATIC_ROPE_TYPES = {"default", "linear", "llama3", "yarn"}
+
+
+class RMSNorm(nn.Module):
+    """Computed in float32 exactly as HF does, so greedy outputs match token for token."""
+
+    def __init__(self, hidden_size: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(hidden_size))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
+        x32 = x.to(torch.float32)
+        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x32.to(dtype)
+
+
+class RotaryEmbedding(nn.Module):
+    """cos/sin tables for every position up to max_model_len, indexed per token."""
+
+    def __init__(self, config: PretrainedConfig, head_dim: int, max_len: int) -> None:
+        super().__init__()
+        rope = getattr(config, "rope_parameters", None) or {"rope_type": "default"}
+        rope_type = rope.get("rope_type", rope.get("type", "default"))
+        if rope_type not in STATIC_ROPE_TYPES:
+            raise ValueError(f"rope type {rope_type!r} is not supported (supported: {sorted(STATIC_ROPE_TYPES)})")
+        if rope_type == "default":
+            base = rope.get("rope_theta", getattr(config, "rope_theta", 10000.0))
+            inv_freq = 1.0 / (base ** (torch.arange(0, head_dim, 2, dtype=torch.float) / head_dim))
+            scaling = 1.0
+        else:
+            inv_freq, scaling = ROPE_INIT_FUNCTIONS[rope_type](config, None)
+        freqs = torch.arange(max_len, dtype=torch.float)[:, None] * inv_freq[None, :]
+        emb = torch.cat((freqs, freqs), dim=-1)
+        self.register_buffer("cos", emb.cos() * scaling, persistent=False)
+        self.register_buffer("sin", emb.sin() * scaling, persistent=False)
+
+    def forward(
+        self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        cos = self.cos[positions].unsqueeze(1).to(q.dtype)
+        sin = self.sin[positions].unsqueeze(1).to(q.dtype)
+        return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+class Attention(nn.Module):
+    def __init__(self, config: PretrainedConfig, rotary: RotaryEmbedding, bias: bool) -> None:
+        super().__init__()
+        self.num_heads = config.num_attention_heads
+        self.num_kv_heads = config.num_key_value_heads
+        self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // self.num_heads
+        self.q_size = self.num_heads * self.head_dim
+        self.kv_size = self.num_kv_heads * self.head_dim
+        self.scale = self.head_dim**-0.5
+        self.qkv_proj = nn.Linear(config.hidden_size, self.q_size + 2 * self.kv_size, bias=bias)
+        self.o_proj = nn.Linear(self.q_size, config.hidden_size, bias=False)
+        self.rotary = rotary
+
+    def forward(
+        self,
+        positions: torch.Tensor,
+        x: torch.Tensor,
+        plan: AttentionPlan,
+        kv_cache: tuple[torch.Tensor, torch.Tensor],
+    ) -> torch.Tensor:
+        n = x.shape[0]
+        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = q.view(n, self.num_heads, self.head_dim)
+        k = k.view(n, self.num_kv_heads, self.head_dim)
+        v = v.reshape(n, self.num_kv_heads, self.head_dim)
+        q, k = self.rotary(positions, q, k)
+        key_cache, value_cache = kv_cache
+        write_kv(k, v, key_cache, value_cache, plan.slot_mapping)
+        out = paged_attention(q, key_cache, value_cache, plan, self.scale)
+        return self.o_proj(out.view(n, self.q_size))
+
+
+class MLP(nn.Module):
+    def __init__(self, config: PretrainedConfig) -> None:
+        super().__init__()
+        self.intermediate_size = config.intermediate_size
+        self.gate_up_proj = nn.Linear(config.hidden_size, 2 * config.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
+        act = config.hidden_act
+        self.act: Callable[[torch.Tensor], torch.Tensor] = F.silu if act == "silu" else ACT2FN[act]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)
+        return self.down_proj(self.act(gate) * up)
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, config: PretrainedConfig, rotary: RotaryEmbedding, bias: bool) -> None:
+        super().__init__()
+        self.self_attn = Attention(config, rotary, bias)
+        self.mlp = MLP(config)
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+    def forward(
+        self,
+        positions: torch.Tensor,
+        x: torch.Tensor,
+        plan: AttentionPlan,
+        kv_cache: tuple[torch.Tensor, torch.Tensor],
+    ) -> torch.Tensor:
+        x = x + self.self_attn(positions, self.input_layernorm(x), plan, kv_cache)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class LlamaForCausalLM(nn.Module):
+    def __init__(self, config: PretrainedConfig, max_model_len: int, qkv_bias: bool = False) -> None:
+        super().__init__()
+        self.config = config
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+        rotary = RotaryEmbedding(config, head_dim, max_model_len)
+        self.layers = nn.ModuleList(
+            DecoderLayer(config, rotary, qkv_bias) for _ in range(config.num_hidden_layers)
+        )
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        if self.tie_word_embeddings:
+            self.lm_head.weight = self.embed_tokens.weight
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        plan: AttentionPlan,
+        kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
+    ) -> torch.Tensor:
+        x = self.embed_tokens(input_ids)
+        for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
+            x = layer(positions, x, plan, kv_cache)
+        return self.norm(x)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(hidden).float()
+
+    def load_weights(
+        self, weights: Iterator[tuple[str, torch.Tensor]], progress: Callable[[str], None] | None = None
+    ) -> None:
+        """Copy HF-named tensors in, fusing q/k/v and gate/up. Every parameter must be filled."""
+        params = dict(self.named_parameters())
+        filled: set[str] = set()
+        fused = {
+            "q_proj": ("self_attn.qkv_proj", 0), "k_proj": ("self_attn.qkv_proj", 1),
+            "v_proj": ("self_attn.qkv_proj", 2), "gate_proj": ("mlp.gate_up_proj", 0),
+            "up_proj": ("mlp.gate_up_proj", 1),
+        }
+        for name, tensor in weights:
+            if progress is not None:
+                progress(name)
+            if "rotary_emb" in name:
+                continue
+            name = name.removeprefix("model.")
+            parts = name.split(".")
+            if len(parts) >= 5 and parts[0] == "layers" and parts[3] in fused:
+                target, shard = fused[parts[3]]
+                full = f"layers.{parts[1]}.{target}.{parts[4]}"
+                self._load_shard(params[full], tensor, parts[3], shard)
+                filled.add(f"{full}#{shard}")
+                continue
+            if name == "lm_head.weight" and self.tie_word_embeddings:
+                continue
+            if name not in params:
+                raise ValueError(f"unexpected weight {name!r} in checkpoint")
+            param = params[name]
+            if param.shape != tensor.shape:
+                raise ValueError(f"{name}: checkpoint shape {tuple(tensor.shape)} != model {tuple(param.shape)}")
+            param.data.copy_(tensor)
+            filled.add(name)
+        missing = [n for n in params if n not in filled and not self._fused_complete(n, filled)]
+        if self.tie_word_embeddings:
+            missing = [n for n in missing if n != "lm_head.weight"]
+        if missing:
+            raise ValueError(f"checkpoint is missing weights: {missing[:5]}")
+
+    def _load_shard(self, param: torch.Tensor, tensor: torch.Tensor, proj: str, shard: int) -> None:
+        attn = self.layers[0].self_attn
+        if proj in ("q_proj", "k_proj", "v_proj"):
+            sizes = [attn.q_size, attn.kv_size, attn.kv_size]
+        else:
+            sizes = [self.config.intermediate_size] * 2
+        start = sum(sizes[:shard])
+        if tensor.shape[0] != sizes[shard]:
+            raise ValueError(f"{proj}: checkpoint rows {tensor.shape[0]} != expected {sizes[shard]}")
+        param.data[start : start + sizes[shard]].copy_(tensor)
+
+    @staticmethod
+    def _fused_complete(name: str, filled: set[str]) -> bool:
+        shards = 3 if "qkv_proj" in name else 2 if "gate_up_proj" in name else 0
+        return shards > 0 and all(f"{name}#{i}" in filled for i in range(shards))
+
+
+def _safetensors_files(model_dir: Path) -> list[Path]:
+    index = model_dir / "model.safetensors.index.json"
+    if index.exists():
+        names = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        return [model_dir / name for name in names]
+    files = sorted(model_dir.glob("*.safetensors"))
+    if not files:
+        raise FileNotFoundError(f"no *.safetensors weights in {model_dir} (pickled .bin is refused)")
+    return files
+
+
+def weight_names(model_dir: Path) -> list[str]:
+    names: list[str] = []
+    for file in _safetensors_files(model_dir):
+        with safe_open(str(file), framework="pt") as f:
+            names.extend(f.keys())
+    return names
+
+
+def iter_safetensors(model_dir: Path) -> Iterator[tuple[str, torch.Tensor]]:
+    """Yield every tensor of a single-file or sharded safetensors checkpoint."""
+    for file in _safetensors_files(model_dir):
+        with safe_open(str(file), framework="pt") as f:
+            for key in f.keys():  # noqa: SIM118 - safe_open is not a mapping
+                yield key, f.get_tensor(key)

@@ -1,0 +1,62 @@
+"""What the engine hands back: per-sequence updates from a step, and finished results."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass(slots=True)
+class SequenceUpdate:
+    """One sequence's progress in one step. `request_id` is the caller's id;
+    `index` tells the n > 1 samples of one request apart."""
+
+    request_id: str
+    index: int
+    new_token_ids: list[int]
+    text: str  # the whole output text so far that is safe to show (stop-string lookahead held back)
+    new_logprobs: list[dict[int, float]] | None
+    num_prompt_tokens: int
+    num_cached_tokens: int
+    finish_reason: str | None = None  # stop | length | abort | error
+    stop_reason: int | str | None = None
+    error: str | None = None
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+@dataclass(slots=True)
+class CompletionOutput:
+    index: int
+    text: str = ""
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[dict[int, float]] | None = None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+
+
+@dataclass(slots=True)
+class RequestOutput:
+    request_id: str
+    prompt_token_ids: list[int]
+    outputs: list[CompletionOutput]
+    num_cached_tokens: int = 0
+    error: str | None = None
+
+    @property
+    def finished(self) -> bool:
+        return all(o.finish_reason is not None for o in self.outputs)
+
+    def apply(self, update: SequenceUpdate) -> None:
+        out = self.outputs[update.index]
+        out.token_ids.extend(update.new_token_ids)
+        out.text = update.text
+        if update.new_logprobs is not None:
+            out.logprobs = (out.logprobs or []) + update.new_logprobs
+        if update.finished:
+            out.finish_reason = update.finish_reason
+            out.stop_reason = update.stop_reason
+        self.num_cached_tokens = max(self.num_cached_tokens, update.num_cached_tokens)
+        if update.error:
+            self.error = update.error

@@ -1,0 +1,145 @@
+"""Turn each sampling request's last-position logits into its next token.
+
+Batched over the step's rows: greedy rows take the argmax; random rows go
+through penalties, temperature, min-p, top-k and top-p, then sample with the
+exponential race (argmax of p / Exp(1) noise), which draws a categorical
+sample with one noise vector per row. Seeded requests draw their noise from
+their own generator, so a seed reproduces the same tokens whatever else shares
+the batch.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from engine.request import Request
+
+
+@dataclass(slots=True)
+class SamplerOutput:
+    token_ids: list[int]
+    # Per row: {token_id: logprob} for the sampled token and the top-N, or None.
+    logprobs: list[dict[int, float] | None]
+
+
+class Sampler:
+    def __init__(self, device: torch.device, seed: int) -> None:
+        self.device = device
+        self.generator = torch.Generator(device=device)
+        self.generator.manual_seed(seed)
+
+    def __call__(self, logits: torch.Tensor, requests: list[Request]) -> SamplerOutput:
+        params = [r.sampling_params for r in requests]
+        want_logprobs = [p.logprobs for p in params]
+        raw_logprobs = (
+            torch.log_softmax(logits, dim=-1) if any(n is not None for n in want_logprobs) else None
+        )
+        logits = self._apply_min_tokens(logits, requests)
+        if any(p.needs_penalties for p in params):
+            logits = self._apply_penalties(logits, requests)
+
+        greedy = [p.greedy for p in params]
+        if all(greedy):
+            sampled = logits.argmax(dim=-1)
+        else:
+            sampled = self._sample(logits, requests, greedy)
+        token_ids = sampled.tolist()
+
+        logprobs: list[dict[int, float] | None] = [None] * len(requests)
+        if raw_logprobs is not None:
+            for i, n in enumerate(want_logprobs):
+                if n is None:
+                    continue
+                row = raw_logprobs[i]
+                entry = {token_ids[i]: float(row[token_ids[i]])}
+                if n > 0:
+                    values, ids = row.topk(n)
+                    for tok, lp in zip(ids.tolist(), values.tolist(), strict=True):
+                        entry.setdefault(tok, lp)
+                logprobs[i] = entry
+        return SamplerOutput(token_ids, logprobs)
+
+    @staticmethod
+    def _apply_min_tokens(logits: torch.Tensor, requests: list[Request]) -> torch.Tensor:
+        rows = [i for i, r in enumerate(requests) if r.num_output_tokens < r.sampling_params.min_tokens]
+        if not rows:
+            return logits
+        logits = logits.clone()
+        for i in rows:
+            r = requests[i]
+            banned = list(r.sampling_params.stop_token_ids)
+            if r.eos_token_id is not None and not r.sampling_params.ignore_eos:
+                banned.append(r.eos_token_id)
+            if banned:
+                logits[i, banned] = float("-inf")
+        return logits
+
+    @staticmethod
+    def _apply_penalties(logits: torch.Tensor, requests: list[Request]) -> torch.Tensor:
+        logits = logits.clone()
+        vocab = logits.shape[-1]
+        for i, r in enumerate(requests):
+            p = r.sampling_params
+            if not p.needs_penalties:
+                continue
+            row = logits[i]
+            if p.repetition_penalty != 1.0:
+                seen = torch.tensor(sorted(set(r.all_token_ids)), dtype=torch.long, device=row.device)
+                vals = row[seen]
+                row[seen] = torch.where(vals > 0, vals / p.repetition_penalty, vals * p.repetition_penalty)
+            if p.frequency_penalty or p.presence_penalty:
+                out = torch.tensor(r.output_token_ids, dtype=torch.long, device=row.device)
+                counts = torch.bincount(out, minlength=vocab)[:vocab].to(row.dtype)
+                row -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0).to(row.dtype)
+        return logits
+
+    def _sample(self, logits: torch.Tensor, requests: list[Request], greedy: list[bool]) -> torch.Tensor:
+        params = [r.sampling_params for r in requests]
+        device = logits.device
+        temps = torch.tensor([1.0 if g else p.temperature for g, p in zip(greedy, params, strict=True)],
+                             device=device, dtype=logits.dtype)
+        greedy_ids = logits.argmax(dim=-1)
+        scaled = logits / temps.unsqueeze(1)
+
+        min_ps = [p.min_p for p in params]
+        if any(min_ps):
+            probs = scaled.softmax(dim=-1)
+            threshold = torch.tensor(min_ps, device=device).unsqueeze(1) * probs.amax(-1, keepdim=True)
+            scaled = scaled.masked_fill(probs < threshold, float("-inf"))
+
+        top_ks = [p.top_k if p.top_k > 0 else 0 for p in params]
+        top_ps = [p.top_p for p in params]
+        if any(top_ks) or any(tp < 1.0 for tp in top_ps):
+            scaled = _top_k_top_p(scaled, top_ks, top_ps)
+
+        probs = scaled.softmax(dim=-1)
+        noise = torch.empty_like(probs)
+        for i, r in enumerate(requests):
+            if greedy[i]:
+                noise[i].fill_(1.0)
+            elif r.sampling_params.seed is not None:
+                if r.generator is None:
+                    r.generator = torch.Generator(device=device)
+                    r.generator.manual_seed(r.sampling_params.seed)
+                noise[i].exponential_(generator=r.generator)
+            else:
+                noise[i].exponential_(generator=self.generator)
+        sampled = (probs / noise).argmax(dim=-1)
+        is_greedy = torch.tensor(greedy, device=device)
+        return torch.where(is_greedy, greedy_ids, sampled)
+
+
+def _top_k_top_p(logits: torch.Tensor, top_ks: list[int], top_ps: list[float]) -> torch.Tensor:
+    vocab = logits.shape[-1]
+    sorted_logits, order = logits.sort(dim=-1, descending=True)
+    k = torch.tensor([min(k, vocab) if k > 0 else vocab for k in top_ks], device=logits.device)
+    positions = torch.arange(vocab, device=logits.device).unsqueeze(0)
+    drop = positions >= k.unsqueeze(1)
+    p = torch.tensor(top_ps, device=logits.device, dtype=logits.dtype).unsqueeze(1)
+    sorted_probs = sorted_logits.masked_fill(drop, float("-inf")).softmax(dim=-1)
+    # Keep the smallest prefix whose mass reaches top_p (the first token always stays).
+    drop |= (sorted_probs.cumsum(dim=-1) - sorted_probs) >= p
+    sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
+    return torch.empty_like(logits).scatter_(-1, order, sorted_logits)
