@@ -10,6 +10,11 @@ from engine.outputs import CompletionOutput, RequestOutput, SequenceUpdate
 from engine.request import SamplingParams
 
 __all__ = [
-    "LLM", "CompletionOutput", "EngineConfig", "LLMEngine", "RequestOutput", "SamplingParams",
+    "LLM",
+    "CompletionOutput",
+    "EngineConfig",
+    "LLMEngine",
+    "RequestOutput",
+    "SamplingParams",
     "SequenceUpdate",
 ]

@@ -18,8 +18,14 @@ _PROMPT_CONTEXT_TOKENS = 5
 
 class IncrementalDetokenizer:
     __slots__ = (
-        "_decode", "_token_ids", "_prefix_offset", "_read_offset", "text",
-        "_stop", "_max_stop_len", "_skip_special",
+        "_decode",
+        "_token_ids",
+        "_prefix_offset",
+        "_read_offset",
+        "text",
+        "_stop",
+        "_max_stop_len",
+        "_skip_special",
     )
 
     def __init__(
@@ -29,7 +35,10 @@ class IncrementalDetokenizer:
         stop: list[str],
         skip_special_tokens: bool,
     ) -> None:
-        self._decode = tokenizer.decode
+        # The Rust tokenizer directly: transformers' decode() wrapper costs more
+        # than the decoding itself at one call per token.
+        backend = getattr(tokenizer, "backend_tokenizer", None)
+        self._decode = backend.decode if backend is not None else tokenizer.decode
         self._skip_special = skip_special_tokens
         self._token_ids = list(prompt_token_ids[-_PROMPT_CONTEXT_TOKENS:])
         self._prefix_offset = 0
@@ -39,9 +48,7 @@ class IncrementalDetokenizer:
         self._max_stop_len = max((len(s) for s in stop), default=0)
 
     def _text_of(self, ids: list[int]) -> str:
-        return self._decode(
-            ids, skip_special_tokens=self._skip_special, clean_up_tokenization_spaces=False
-        )
+        return self._decode(ids, skip_special_tokens=self._skip_special)
 
     def update(self, token_id: int, check_stop: bool = True) -> str | None:
         """Append one token; return the stop string it completed, if any.

@@ -62,9 +62,13 @@ class LLMEngine:
         logger.info(
             "KV cache: %d blocks x %d tokens = %d tokens (%.1f MiB, %s); max concurrency at "
             "max_model_len=%d: %.1fx",
-            num_blocks, config.block_size, capacity,
-            num_blocks * self.runner.bytes_per_block / 2**20, self.runner.dtype,
-            self.max_model_len, capacity / self.max_model_len,
+            num_blocks,
+            config.block_size,
+            capacity,
+            num_blocks * self.runner.bytes_per_block / 2**20,
+            self.runner.dtype,
+            self.max_model_len,
+            capacity / self.max_model_len,
         )
 
     # -- requests ---------------------------------------------------------------------------
@@ -101,8 +105,13 @@ class LLMEngine:
                 child_params = replace(params, n=1, seed=seed)
             child_id = request_id if params.n == 1 else f"{request_id}#{index}"
             request = Request(
-                child_id, prompt_ids, child_params, eos,
-                adapter_id=adapter_id, cache_salt=cache_salt, fairness_key=fairness_key,
+                child_id,
+                prompt_ids,
+                child_params,
+                eos,
+                adapter_id=adapter_id,
+                cache_salt=cache_salt,
+                fairness_key=fairness_key,
             )
             detok = IncrementalDetokenizer(
                 self.tokenizer, prompt_ids, child_params.stop, child_params.skip_special_tokens
@@ -179,7 +188,10 @@ class LLMEngine:
                 request.stop_reason = stop_string
                 return RequestStatus.FINISHED_STOPPED
         assert params.max_tokens is not None
-        if request.num_output_tokens >= params.max_tokens or request.num_tokens >= self.max_model_len:
+        if (
+            request.num_output_tokens >= params.max_tokens
+            or request.num_tokens >= self.max_model_len
+        ):
             return RequestStatus.FINISHED_LENGTH
         return None
 

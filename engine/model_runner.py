@@ -122,15 +122,19 @@ class ModelRunner:
         torch.cuda.reset_peak_memory_stats(self.device)
         n = self.config.max_num_batched_tokens
         ids = torch.zeros(n, dtype=torch.long, device=self.device)
-        pos = torch.arange(n, device=self.device) % self.model.layers[0].self_attn.rotary.cos.shape[0]
+        pos = (
+            torch.arange(n, device=self.device) % self.model.layers[0].self_attn.rotary.cos.shape[0]
+        )
         scratch = [
-            (torch.zeros(1, n, self.num_kv_heads, self.head_dim, dtype=self.dtype, device=self.device),)
+            (
+                torch.zeros(
+                    1, n, self.num_kv_heads, self.head_dim, dtype=self.dtype, device=self.device
+                ),
+            )
             * 2
             for _ in range(self.num_layers)
         ]
-        plan = build_plan(
-            np.array([n]), np.array([n]), [[0]], np.arange(n), 0, n, self.device
-        )
+        plan = build_plan(np.array([n]), np.array([n]), [[0]], np.arange(n), 0, n, self.device)
         with torch.no_grad():
             self.model.compute_logits(self.model(ids, pos, plan, scratch)[-1:])
         torch.cuda.synchronize()

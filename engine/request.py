@@ -64,7 +64,9 @@ class SamplingParams:
         if not 0.0 < self.top_p <= 1.0:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
         if self.top_k < -1:
-            raise ValueError(f"top_k must be -1 (disable), 0 (disable) or positive, got {self.top_k}")
+            raise ValueError(
+                f"top_k must be -1 (disable), 0 (disable) or positive, got {self.top_k}"
+            )
         if not 0.0 <= self.min_p <= 1.0:
             raise ValueError(f"min_p must be in [0, 1], got {self.min_p}")
         if not -2.0 <= self.presence_penalty <= 2.0:
@@ -106,11 +108,27 @@ class Request:
     """
 
     __slots__ = (
-        "request_id", "prompt_token_ids", "sampling_params", "eos_token_id",
-        "adapter_id", "cache_salt", "fairness_key", "arrival_time",
-        "all_token_ids", "num_prompt_tokens", "num_computed_tokens", "num_cached_tokens",
-        "status", "stop_reason", "error", "block_hashes", "generator",
-        "logprobs", "num_preemptions", "first_token_time", "scheduled_time",
+        "request_id",
+        "prompt_token_ids",
+        "sampling_params",
+        "eos_token_id",
+        "adapter_id",
+        "cache_salt",
+        "fairness_key",
+        "arrival_time",
+        "all_token_ids",
+        "num_prompt_tokens",
+        "num_computed_tokens",
+        "num_cached_tokens",
+        "status",
+        "stop_reason",
+        "error",
+        "block_hashes",
+        "generator",
+        "logprobs",
+        "num_preemptions",
+        "first_token_time",
+        "scheduled_time",
     )
 
     def __init__(
@@ -159,7 +177,7 @@ class Request:
 
     @property
     def output_token_ids(self) -> list[int]:
-        return self.all_token_ids[self.num_prompt_tokens:]
+        return self.all_token_ids[self.num_prompt_tokens :]
 
     @property
     def is_finished(self) -> bool:

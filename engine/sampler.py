@@ -41,10 +41,7 @@ class Sampler:
             logits = self._apply_penalties(logits, requests)
 
         greedy = [p.greedy for p in params]
-        if all(greedy):
-            sampled = logits.argmax(dim=-1)
-        else:
-            sampled = self._sample(logits, requests, greedy)
+        sampled = logits.argmax(dim=-1) if all(greedy) else self._sample(logits, requests, greedy)
         token_ids = sampled.tolist()
 
         logprobs: list[dict[int, float] | None] = [None] * len(requests)
@@ -63,7 +60,9 @@ class Sampler:
 
     @staticmethod
     def _apply_min_tokens(logits: torch.Tensor, requests: list[Request]) -> torch.Tensor:
-        rows = [i for i, r in enumerate(requests) if r.num_output_tokens < r.sampling_params.min_tokens]
+        rows = [
+            i for i, r in enumerate(requests) if r.num_output_tokens < r.sampling_params.min_tokens
+        ]
         if not rows:
             return logits
         logits = logits.clone()
@@ -86,27 +85,40 @@ class Sampler:
                 continue
             row = logits[i]
             if p.repetition_penalty != 1.0:
-                seen = torch.tensor(sorted(set(r.all_token_ids)), dtype=torch.long, device=row.device)
+                seen = torch.tensor(
+                    sorted(set(r.all_token_ids)), dtype=torch.long, device=row.device
+                )
                 vals = row[seen]
-                row[seen] = torch.where(vals > 0, vals / p.repetition_penalty, vals * p.repetition_penalty)
+                row[seen] = torch.where(
+                    vals > 0, vals / p.repetition_penalty, vals * p.repetition_penalty
+                )
             if p.frequency_penalty or p.presence_penalty:
                 out = torch.tensor(r.output_token_ids, dtype=torch.long, device=row.device)
                 counts = torch.bincount(out, minlength=vocab)[:vocab].to(row.dtype)
-                row -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0).to(row.dtype)
+                row -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0).to(
+                    row.dtype
+                )
         return logits
 
-    def _sample(self, logits: torch.Tensor, requests: list[Request], greedy: list[bool]) -> torch.Tensor:
+    def _sample(
+        self, logits: torch.Tensor, requests: list[Request], greedy: list[bool]
+    ) -> torch.Tensor:
         params = [r.sampling_params for r in requests]
         device = logits.device
-        temps = torch.tensor([1.0 if g else p.temperature for g, p in zip(greedy, params, strict=True)],
-                             device=device, dtype=logits.dtype)
+        temps = torch.tensor(
+            [1.0 if g else p.temperature for g, p in zip(greedy, params, strict=True)],
+            device=device,
+            dtype=logits.dtype,
+        )
         greedy_ids = logits.argmax(dim=-1)
         scaled = logits / temps.unsqueeze(1)
 
         min_ps = [p.min_p for p in params]
         if any(min_ps):
             probs = scaled.softmax(dim=-1)
-            threshold = torch.tensor(min_ps, device=device).unsqueeze(1) * probs.amax(-1, keepdim=True)
+            threshold = torch.tensor(min_ps, device=device).unsqueeze(1) * probs.amax(
+                -1, keepdim=True
+            )
             scaled = scaled.masked_fill(probs < threshold, float("-inf"))
 
         top_ks = [p.top_k if p.top_k > 0 else 0 for p in params]

