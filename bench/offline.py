@@ -200,7 +200,11 @@ def warmup_ours(llm: Any, prompts: list[list[int]], output_len: int) -> None:
 
 
 def run_ours(
-    llm: Any, workload: Workload, output_len: int, progress: Progress, label: str,
+    llm: Any,
+    workload: Workload,
+    output_len: int,
+    progress: Progress,
+    label: str,
     repeat: int = 1,
 ) -> dict[str, Any]:
     """Time `llm.generate` over the workload; with repeat > 1 keep the fastest run."""
@@ -259,18 +263,16 @@ def _run_ours_once(
         "tok_s": num_out / wall,
         "kv_alloc_tokens": alloc,
         "kv_used_tokens": used,
-        "kv_alloc_used": alloc / used if used else float("nan"),
+        "kv_alloc_used": alloc / used if used else None,
         "steps": steps,
-        "ms_per_step": 1e3 * wall / steps if steps else float("nan"),
+        "ms_per_step": 1e3 * wall / steps if steps else None,
         "prefix_hit_rate": (kv.num_hit_tokens - hit0) / queried if queried else 0.0,
         "preemptions": sched.num_preemptions - preempt0,
         "token_ids": token_ids,
     }
 
 
-def profile_ours(
-    llm: Any, prompts: list[list[int]], output_len: int, top: int = 15
-) -> str:
+def profile_ours(llm: Any, prompts: list[list[int]], output_len: int, top: int = 15) -> str:
     """cProfile over `engine.step()` calls only (not request setup); top entries by cumulative."""
     from engine.request import SamplingParams
 
@@ -305,7 +307,8 @@ def build_hf(model_dir: str, device: torch.device, progress: Progress) -> tuple[
     tokenizer.padding_side = "left"
     if tokenizer.pad_token_id is None:
         tokenizer.pad_token = tokenizer.eos_token or tokenizer.convert_ids_to_tokens(0)
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=TORCH_DTYPE).to(device)
+    model: Any = AutoModelForCausalLM.from_pretrained(model_dir, dtype=TORCH_DTYPE)
+    model.to(device)
     model.eval()
     progress.update(task, completed=1)
     return model, tokenizer
@@ -322,7 +325,7 @@ def _hf_generate(model: Any, tokenizer: Any, batch: list[list[int]], output_len:
             do_sample=False,
             pad_token_id=tokenizer.pad_token_id,
         )
-    return out[:, enc["input_ids"].shape[1]:]
+    return out[:, enc["input_ids"].shape[1] :]
 
 
 def _hf_kv_slots(prompt_lens: Sequence[int], output_len: int) -> tuple[int, int]:
@@ -354,7 +357,12 @@ def run_hf(
     """Time static batches through `generate`; with repeat > 1 keep the fastest run."""
     runs = [
         _run_hf_once(
-            model, tokenizer, workload, batch_size, output_len, progress,
+            model,
+            tokenizer,
+            workload,
+            batch_size,
+            output_len,
+            progress,
             _nth(f"{workload.name} HF", i, repeat),
         )
         for i in range(repeat)
@@ -397,7 +405,7 @@ def _run_hf_once(
         "tok_s": num_out / wall,
         "kv_alloc_tokens": alloc,
         "kv_used_tokens": used,
-        "kv_alloc_used": alloc / used if used else float("nan"),
+        "kv_alloc_used": alloc / used if used else None,
         "ms_per_pass": 1e3 * wall / (len(batches) * output_len),
         "token_ids": token_ids,
     }
@@ -418,6 +426,7 @@ def _match_rate(ours: list[list[int]], theirs: list[list[int]]) -> float:
 
 
 def environment(model_dir: str, num_params: int | None, llm: Any | None) -> dict[str, Any]:
+    affinity: int | None
     try:
         affinity = len(os.sched_getaffinity(0))
     except AttributeError:  # not on Linux
@@ -482,18 +491,19 @@ def run_offline(
     )
     runnable = [w for w in all_wl if w.max_prompt_len + output_len <= max_len]
     longest = max((w.max_prompt_len + output_len for w in runnable), default=0)
-    num_kv_blocks = max(
-        batch_size * (_cdiv(longest, block_size) + 1), _cdiv(max_len, block_size)
-    )
+    num_kv_blocks = max(batch_size * (_cdiv(longest, block_size) + 1), _cdiv(max_len, block_size))
     rng = np.random.default_rng([seed, 99])
     ids = allowed_token_ids(vocab, sorted(_special_ids(tokenizer)))
     warm_prompts = rng.choice(ids, size=(min(batch_size, 4), 32)).tolist()
 
     rows: list[dict[str, Any]] = []
     with _new_progress(console) as progress:
-        build = dict(
-            batch_size=batch_size, block_size=block_size, num_kv_blocks=num_kv_blocks,
-            kv_cache_memory=kv_cache_memory, progress=progress,
+        build: dict[str, Any] = dict(
+            batch_size=batch_size,
+            block_size=block_size,
+            num_kv_blocks=num_kv_blocks,
+            kv_cache_memory=kv_cache_memory,
+            progress=progress,
         )
         llm = build_ours(model_dir, prefix_caching=True, label="ours", **build)
         llm_nocache = None
@@ -520,12 +530,21 @@ def run_offline(
         progress.update(warm, total=1, completed=1)
 
         for wl in all_wl:
-            base = {"workload": wl.name, "description": wl.description,
-                    "num_prompts": len(wl.prompts), "output_len": output_len,
-                    "batch_size": batch_size, "block_size": block_size, "seed": seed, **env}
+            base = {
+                "workload": wl.name,
+                "description": wl.description,
+                "num_prompts": len(wl.prompts),
+                "output_len": output_len,
+                "batch_size": batch_size,
+                "block_size": block_size,
+                "seed": seed,
+                **env,
+            }
             if wl not in runnable:
-                reason = (f"prompts of {wl.max_prompt_len} + {output_len} tokens exceed "
-                          f"max_position_embeddings={max_len}")
+                reason = (
+                    f"prompts of {wl.max_prompt_len} + {output_len} tokens exceed "
+                    f"max_position_embeddings={max_len}"
+                )
                 console.print(f"[yellow]skipping {wl.name}: {reason}")
                 rows.append({**base, "skipped": reason})
                 continue
@@ -565,8 +584,12 @@ def _row(base: dict[str, Any], ours: dict[str, Any], hf: dict[str, Any] | None) 
 
 
 def _print_header(
-    console: Console, env: dict[str, Any], batch_size: int, output_len: int,
-    block_size: int, seed: int,
+    console: Console,
+    env: dict[str, Any],
+    batch_size: int,
+    output_len: int,
+    block_size: int,
+    seed: int,
 ) -> None:
     params = env["num_params"]
     console.print(
@@ -584,8 +607,17 @@ def _print_header(
 
 def results_table(rows: Sequence[dict[str, Any]]) -> Table:
     table = Table(title="offline throughput: ours vs HF generate")
-    for name in ("workload", "ours tok/s", "HF tok/s", "ratio", "ours KV alloc/used",
-                 "HF KV alloc/used", "ours wall s", "HF wall s", "greedy match"):
+    for name in (
+        "workload",
+        "ours tok/s",
+        "HF tok/s",
+        "ratio",
+        "ours KV alloc/used",
+        "HF KV alloc/used",
+        "ours wall s",
+        "HF wall s",
+        "greedy match",
+    ):
         table.add_column(name, justify="left" if name == "workload" else "right")
 
     def fmt(row: dict[str, Any], key: str, spec: str) -> str:
@@ -616,25 +648,41 @@ def _parser() -> argparse.ArgumentParser:
         description="Offline throughput of our engine vs Hugging Face generate.",
     )
     p.add_argument("--model", required=True, help="Hugging Face checkpoint directory")
-    p.add_argument("--workload", default=",".join(WORKLOAD_NAMES),
-                   help="comma-separated: w1, w2, wv (default: all)")
+    p.add_argument(
+        "--workload",
+        default=",".join(WORKLOAD_NAMES),
+        help="comma-separated: w1, w2, wv (default: all)",
+    )
     p.add_argument("--num-prompts", type=int, default=64)
-    p.add_argument("--batch-size", type=int, default=16,
-                   help="HF static batch size; our max_num_seqs")
+    p.add_argument(
+        "--batch-size", type=int, default=16, help="HF static batch size; our max_num_seqs"
+    )
     p.add_argument("--output-len", type=int, default=64)
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--threads", type=int, default=None,
-                   help="torch.set_num_threads for both sides (default: torch's own choice)")
-    p.add_argument("--repeat", type=int, default=1,
-                   help="time each measurement N times, report the fastest")
-    p.add_argument("--kv-cache-mib", type=int, default=None,
-                   help="our KV pool in MiB (default: sized to the workloads)")
+    p.add_argument(
+        "--threads",
+        type=int,
+        default=None,
+        help="torch.set_num_threads for both sides (default: torch's own choice)",
+    )
+    p.add_argument(
+        "--repeat", type=int, default=1, help="time each measurement N times, report the fastest"
+    )
+    p.add_argument(
+        "--kv-cache-mib",
+        type=int,
+        default=None,
+        help="our KV pool in MiB (default: sized to the workloads)",
+    )
     p.add_argument("--json", type=Path, default=None, help="write the rows to this file")
     p.add_argument("--skip-hf", action="store_true", help="run only our engine")
-    p.add_argument("--profile", action="store_true",
-                   help="afterwards, cProfile our engine's steps on one batch of the first "
-                        "workload and print the top 15 cumulative entries")
+    p.add_argument(
+        "--profile",
+        action="store_true",
+        help="afterwards, cProfile our engine's steps on one batch of the first "
+        "workload and print the top 15 cumulative entries",
+    )
     return p
 
 
