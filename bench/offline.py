@@ -1,7 +1,7 @@
 """Offline throughput: our engine vs Hugging Face `generate`, same model, same prompts, one process.
 
     python -m bench.offline --model DIR [--workload w1,w2,wv] [--num-prompts 64]
-        [--batch-size 16] [--output-len 64] [--block-size 16] [--seed 0]
+        [--batch-size 16] [--max-num-seqs 256] [--output-len 64] [--block-size 16] [--seed 0]
         [--json FILE] [--skip-hf] [--profile]
 
 Workloads (prompts are random token ids from a seeded numpy RNG, special tokens excluded,
@@ -12,10 +12,12 @@ greedy decoding, exactly `output_len` new tokens per prompt on both sides):
         ours runs twice: prefix caching on (row "w2") and off (row "w2 no-cache")
     wv  prompt lengths uniform in [32, 256]
 
-Both sides process `batch_size` sequences at a time: ours by continuous batching with
-max_num_seqs=batch_size, HF in static, left-padded batches of batch_size prompts taken
-in order. Model loading and one small warmup generate per side are outside the timed
-regions. Both run in float32 on the same device (our engine's: CUDA if present, else CPU).
+HF runs static, left-padded batches of `batch_size` prompts taken in order. Ours runs
+continuous batching with its default max_num_seqs (every prompt at once, as vLLM's
+offline mode does: paged KV makes that affordable); row "w1 seqs=16" repeats w1 at
+HF's concurrency to separate the two effects. Model loading and one small warmup
+generate per side are outside the timed regions. Both run in float32 on the same
+device (our engine's: CUDA if present, else CPU).
 
 "KV alloc/used" is the KV cache's token slots held divided by the slots holding a
 computed token, summed over forward passes (see `_hf_kv_slots` for the exact rule).
@@ -163,7 +165,7 @@ def build_ours(
     model_dir: str,
     *,
     prefix_caching: bool,
-    batch_size: int,
+    max_num_seqs: int,
     block_size: int,
     num_kv_blocks: int | None,
     kv_cache_memory: int | None,
@@ -179,7 +181,7 @@ def build_ours(
 
     kwargs: dict[str, Any] = dict(
         block_size=block_size,
-        max_num_seqs=batch_size,
+        max_num_seqs=max_num_seqs,
         enable_prefix_caching=prefix_caching,
         dtype=DTYPE,
     )
@@ -457,6 +459,7 @@ def run_offline(
     *,
     num_prompts: int = 64,
     batch_size: int = 16,
+    max_num_seqs: int = 256,
     output_len: int = 64,
     block_size: int = 16,
     seed: int = 0,
@@ -471,8 +474,10 @@ def run_offline(
     Rows are flat dicts: workload, ours_*/hf_* metrics, ratio, greedy_match and the
     environment (model, threads, cores, KV bytes per token). A workload whose prompts do
     not fit the model's context gets a row with `skipped` set. `kv_cache_memory` (bytes)
-    sizes our KV pool; by default it holds batch_size of the longest sequences, plus one
-    block each, and at least max_model_len tokens. `repeat` times each measurement that
+    sizes our KV pool; by default it holds every running sequence at its longest, plus one
+    block each, and at least max_model_len tokens. Our engine runs up to `max_num_seqs`
+    sequences at once (its default, as vLLM's offline mode does); w1 is also run at
+    max_num_seqs=batch_size, HF's concurrency, as an extra row. `repeat` times each measurement that
     many times and keeps the fastest (this box may be shared; walls of all runs are kept).
     """
     from transformers import AutoConfig, AutoTokenizer
@@ -491,7 +496,8 @@ def run_offline(
     )
     runnable = [w for w in all_wl if w.max_prompt_len + output_len <= max_len]
     longest = max((w.max_prompt_len + output_len for w in runnable), default=0)
-    num_kv_blocks = max(batch_size * (_cdiv(longest, block_size) + 1), _cdiv(max_len, block_size))
+    concurrency = min(max_num_seqs, num_prompts)
+    num_kv_blocks = max(concurrency * (_cdiv(longest, block_size) + 1), _cdiv(max_len, block_size))
     rng = np.random.default_rng([seed, 99])
     ids = allowed_token_ids(vocab, sorted(_special_ids(tokenizer)))
     warm_prompts = rng.choice(ids, size=(min(batch_size, 4), 32)).tolist()
@@ -499,17 +505,30 @@ def run_offline(
     rows: list[dict[str, Any]] = []
     with _new_progress(console) as progress:
         build: dict[str, Any] = dict(
-            batch_size=batch_size,
             block_size=block_size,
             num_kv_blocks=num_kv_blocks,
             kv_cache_memory=kv_cache_memory,
             progress=progress,
         )
-        llm = build_ours(model_dir, prefix_caching=True, label="ours", **build)
-        llm_nocache = None
+        llm = build_ours(
+            model_dir, prefix_caching=True, max_num_seqs=max_num_seqs, label="ours", **build
+        )
+        llm_nocache = llm_matched = None
         if any(w.name == "w2" for w in runnable):
             llm_nocache = build_ours(
-                model_dir, prefix_caching=False, label="ours (no prefix cache)", **build
+                model_dir,
+                prefix_caching=False,
+                max_num_seqs=max_num_seqs,
+                label="ours (no prefix cache)",
+                **build,
+            )
+        if max_num_seqs != batch_size and any(w.name == "w1" for w in runnable):
+            llm_matched = build_ours(
+                model_dir,
+                prefix_caching=True,
+                max_num_seqs=batch_size,
+                label=f"ours (max_num_seqs={batch_size})",
+                **build,
             )
         device = llm.engine.runner.device
         hf_model = hf_tok = None
@@ -523,8 +542,9 @@ def run_offline(
 
         warm = progress.add_task("warmup", total=None)
         warmup_ours(llm, warm_prompts, 8)
-        if llm_nocache is not None:
-            warmup_ours(llm_nocache, warm_prompts, 8)
+        for other in (llm_nocache, llm_matched):
+            if other is not None:
+                warmup_ours(other, warm_prompts, 8)
         if hf_model is not None:
             _hf_generate(hf_model, hf_tok, warm_prompts, 8)
         progress.update(warm, total=1, completed=1)
@@ -549,17 +569,23 @@ def run_offline(
                 rows.append({**base, "skipped": reason})
                 continue
             ours = run_ours(llm, wl, output_len, progress, f"{wl.name} ours", repeat)
-            extra = None
+            extra = extra_name = None
             if wl.name == "w2" and llm_nocache is not None:
+                extra_name = "w2 no-cache"
                 extra = run_ours(
                     llm_nocache, wl, output_len, progress, f"{wl.name} ours no-cache", repeat
+                )
+            if wl.name == "w1" and llm_matched is not None:
+                extra_name = f"w1 seqs={batch_size}"
+                extra = run_ours(
+                    llm_matched, wl, output_len, progress, f"{extra_name} ours", repeat
                 )
             hf = None
             if hf_model is not None:
                 hf = run_hf(hf_model, hf_tok, wl, batch_size, output_len, progress, repeat)
             rows.append(_row(base, ours, hf))
             if extra is not None:
-                rows.append(_row({**base, "workload": "w2 no-cache"}, extra, hf))
+                rows.append(_row({**base, "workload": extra_name}, extra, hf))
 
         if profile and runnable:
             wl = runnable[0]
@@ -654,8 +680,9 @@ def _parser() -> argparse.ArgumentParser:
         help="comma-separated: w1, w2, wv (default: all)",
     )
     p.add_argument("--num-prompts", type=int, default=64)
+    p.add_argument("--batch-size", type=int, default=16, help="HF static batch size")
     p.add_argument(
-        "--batch-size", type=int, default=16, help="HF static batch size; our max_num_seqs"
+        "--max-num-seqs", type=int, default=256, help="our engine's concurrency (its default)"
     )
     p.add_argument("--output-len", type=int, default=64)
     p.add_argument("--block-size", type=int, default=16)
@@ -692,7 +719,8 @@ def main(argv: list[str] | None = None) -> None:
         names = parse_workloads(args.workload)
     except ValueError as e:
         _parser().error(str(e))
-    for flag in ("num_prompts", "batch_size", "output_len", "block_size", "repeat", "threads"):
+    flags = ("num_prompts", "batch_size", "max_num_seqs", "output_len", "block_size", "repeat")
+    for flag in (*flags, "threads"):
         if getattr(args, flag) is not None and getattr(args, flag) < 1:
             _parser().error(f"--{flag.replace('_', '-')} must be positive")
 
@@ -710,6 +738,7 @@ def main(argv: list[str] | None = None) -> None:
         names,
         num_prompts=args.num_prompts,
         batch_size=args.batch_size,
+        max_num_seqs=args.max_num_seqs,
         output_len=args.output_len,
         block_size=args.block_size,
         seed=args.seed,

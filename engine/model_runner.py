@@ -81,7 +81,7 @@ class ModelRunner:
         with torch.device(self.device):
             self.model = LlamaForCausalLM(hf_config, max_model_len, qkv_bias).to(self.dtype)
         self.model.eval()
-        self.model.layers[0].self_attn.rotary.to(torch.float32)
+        self.model.rotary.to(torch.float32)
         total = len(names)
         done = 0
 
@@ -122,13 +122,11 @@ class ModelRunner:
         torch.cuda.reset_peak_memory_stats(self.device)
         n = self.config.max_num_batched_tokens
         ids = torch.zeros(n, dtype=torch.long, device=self.device)
-        pos = (
-            torch.arange(n, device=self.device) % self.model.layers[0].self_attn.rotary.cos.shape[0]
-        )
+        pos = torch.arange(n, device=self.device) % self.model.rotary.cos.shape[0]
         scratch = [
             (
                 torch.zeros(
-                    1, n, self.num_kv_heads, self.head_dim, dtype=self.dtype, device=self.device
+                    self.num_kv_heads, 1, n, self.head_dim, dtype=self.dtype, device=self.device
                 ),
             )
             * 2
@@ -145,7 +143,7 @@ class ModelRunner:
         return max(0, int(total * self.config.memory_utilization) - peak)
 
     def allocate_kv_cache(self, num_blocks: int) -> None:
-        shape = (num_blocks, self.block_size, self.num_kv_heads, self.head_dim)
+        shape = (self.num_kv_heads, num_blocks, self.block_size, self.head_dim)
         # Zeroed, not empty: padded attention reads stale slots with weight 0,
         # and 0 * NaN garbage would still be NaN.
         self.kv_caches = [

@@ -1,15 +1,24 @@
 """Paged attention: write a step's K/V into the block cache, then attend through block tables.
 
-Cache layout, one pair per layer:
+Cache layout, one pair per layer, KV heads outermost so that gathering a
+sequence's blocks yields a contiguous [kv_heads, tokens, head_dim] run per
+head, ready for a batched matmul with no further copy:
 
-    key_cache[num_blocks, block_size, num_kv_heads, head_dim]
+    key_cache[num_kv_heads, num_blocks, block_size, head_dim]
     slot = block_id * block_size + offset_in_block
 
 A step's tokens arrive flattened ("super sequence"), decode rows (one query
-token each) first, then prefill rows (one or more query tokens: a prompt chunk,
-or a recompute after preemption). `build_plan` turns the step's host-side
-metadata into the index tensors every layer reuses, so per-layer work is a few
-batched ops: one gather of the step's KV blocks and one SDPA call per group.
+token each) first, then prefill rows (a prompt chunk, or a recompute after
+preemption). `build_plan` turns the step's host-side metadata into the index
+tensors every layer reuses.
+
+Decode rows are attended together in one batched matmul per phase. When they
+share leading blocks (a common system prompt, n > 1 samples, a few-shot
+prefix) the shared blocks are gathered once and attended by every query in a
+single GEMM ("cascade" attention); each row's own tail is attended
+separately and the two parts are merged in one softmax. Prefill rows are
+attended one row at a time with SDPA: there are few of them and padding them
+together would waste more than the loop costs.
 
 This torch version is the specification; a triton kernel with the same
 signatures must match it.
@@ -25,23 +34,22 @@ import torch.nn.functional as F
 
 
 @dataclass(slots=True)
+class PrefillRow:
+    query_start: int
+    query_len: int
+    seq_len: int
+    block_ids: torch.Tensor  # [ceil(seq_len / block_size)]
+    mask: torch.Tensor | None  # [query_len, seq_len] bool; None: plain causal (no cached context)
+
+
+@dataclass(slots=True)
 class AttentionPlan:
     slot_mapping: torch.Tensor  # [num_tokens] int64
     num_decode: int
-    decode_block_tables: torch.Tensor | None  # [num_decode, max_blocks]
-    decode_mask: torch.Tensor | None  # [num_decode, 1, 1, max_blocks * block_size] bool
-    prefill_block_tables: torch.Tensor | None  # [num_prefill, max_blocks]
-    prefill_gather: torch.Tensor | None  # [num_prefill, max_q] index into prefill tokens
-    prefill_mask: torch.Tensor | None  # [num_prefill, 1, max_q, max_kv] bool
-    prefill_scatter: torch.Tensor | None  # [num_prefill_tokens] index into [num_prefill * max_q]
-
-
-def _pad_block_tables(tables: list[list[int]]) -> np.ndarray:
-    width = max(len(t) for t in tables)
-    out = np.zeros((len(tables), width), dtype=np.int64)
-    for i, t in enumerate(tables):
-        out[i, : len(t)] = t
-    return out
+    shared_block_ids: torch.Tensor | None  # [num_shared] blocks every decode row starts with
+    decode_block_tables: torch.Tensor | None  # [num_decode, max_tail_blocks] after the shared ones
+    decode_mask: torch.Tensor | None  # [1, num_decode, 1, max_tail_blocks * block_size] bool
+    prefill_rows: list[PrefillRow]
 
 
 def build_plan(
@@ -54,44 +62,46 @@ def build_plan(
     device: torch.device,
 ) -> AttentionPlan:
     """Rows [0, num_decode) must have query_len == 1; the rest are prefills."""
-    decode_bt = decode_mask = None
-    prefill_bt = gather = mask = scatter = None
+    shared = decode_bt = decode_mask = None
     if num_decode:
-        bt = _pad_block_tables(block_tables[:num_decode])
-        key_pos = np.arange(bt.shape[1] * block_size)
-        decode_mask = torch.from_numpy(key_pos[None, :] < seq_lens[:num_decode, None])
-        decode_mask = decode_mask.view(num_decode, 1, 1, -1).to(device)
-        decode_bt = torch.from_numpy(bt).to(device)
-    num_prefill = len(query_lens) - num_decode
-    if num_prefill:
-        q_lens = query_lens[num_decode:]
-        s_lens = seq_lens[num_decode:]
-        bt = _pad_block_tables(block_tables[num_decode:])
-        max_q = int(q_lens.max())
-        max_kv = int(s_lens.max())
-        q_starts = np.concatenate(([0], np.cumsum(q_lens)[:-1]))
-        rows = np.arange(max_q)
-        in_range = rows[None, :] < q_lens[:, None]  # [P, max_q]
-        # Padding rows read token 0 and attend to key 0: finite, then dropped.
-        gather_np = np.where(in_range, q_starts[:, None] + rows[None, :], 0)
-        ctx_lens = s_lens - q_lens
-        key_pos = np.arange(max_kv)
-        causal = key_pos[None, None, :] <= (ctx_lens[:, None, None] + rows[None, :, None])
-        mask_np = np.where(in_range[:, :, None], causal, key_pos[None, None, :] == 0)
-        scatter_np = (np.arange(num_prefill)[:, None] * max_q + rows[None, :])[in_range]
-        prefill_bt = torch.from_numpy(bt).to(device)
-        gather = torch.from_numpy(gather_np).to(device)
-        mask = torch.from_numpy(mask_np).unsqueeze(1).to(device)
-        scatter = torch.from_numpy(scatter_np).to(device)
+        lens = seq_lens[:num_decode]
+        width = max(len(t) for t in block_tables[:num_decode])
+        bt = np.zeros((num_decode, width), dtype=np.int64)
+        for i, table in enumerate(block_tables[:num_decode]):
+            bt[i, : len(table)] = table
+        num_shared = 0
+        if num_decode > 1:
+            same = (bt == bt[0]).all(axis=0)
+            num_shared = int(same.argmin()) if not same.all() else width
+            # Every row keeps at least its own last token in the tail.
+            num_shared = min(num_shared, int((lens.min() - 1) // block_size))
+        if num_shared:
+            shared = torch.from_numpy(bt[0, :num_shared].copy()).to(device)
+        tail_blocks = int(-(-lens.max() // block_size)) - num_shared
+        decode_bt = torch.from_numpy(bt[:, num_shared : num_shared + tail_blocks].copy()).to(device)
+        key_pos = np.arange(tail_blocks * block_size) + num_shared * block_size
+        mask = key_pos[None, :] < lens[:, None]
+        decode_mask = torch.from_numpy(mask).view(1, num_decode, 1, -1).to(device)
+    prefill_rows = []
+    query_start = int(query_lens[:num_decode].sum())
+    for i in range(num_decode, len(query_lens)):
+        q_len, s_len = int(query_lens[i]), int(seq_lens[i])
+        num_blocks = -(-s_len // block_size)
+        ids = torch.tensor(block_tables[i][:num_blocks], dtype=torch.long, device=device)
+        mask = None
+        if s_len > q_len:
+            ctx = s_len - q_len
+            rows = torch.arange(q_len, device=device)[:, None]
+            mask = torch.arange(s_len, device=device)[None, :] <= rows + ctx
+        prefill_rows.append(PrefillRow(query_start, q_len, s_len, ids, mask))
+        query_start += q_len
     return AttentionPlan(
         slot_mapping=torch.from_numpy(slot_mapping).to(device),
         num_decode=num_decode,
+        shared_block_ids=shared,
         decode_block_tables=decode_bt,
         decode_mask=decode_mask,
-        prefill_block_tables=prefill_bt,
-        prefill_gather=gather,
-        prefill_mask=mask,
-        prefill_scatter=scatter,
+        prefill_rows=prefill_rows,
     )
 
 
@@ -103,17 +113,15 @@ def write_kv(
     slot_mapping: torch.Tensor,
 ) -> None:
     """Store each token's K/V ([num_tokens, num_kv_heads, head_dim]) at its slot."""
-    num_kv_heads, head_dim = key.shape[1:]
-    key_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, key)
-    value_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, value)
+    kvh, _, _, head_dim = key_cache.shape
+    key_cache.view(kvh, -1, head_dim).index_copy_(1, slot_mapping, key.transpose(0, 1))
+    value_cache.view(kvh, -1, head_dim).index_copy_(1, slot_mapping, value.transpose(0, 1))
 
 
-def _gather_kv(cache: torch.Tensor, block_tables: torch.Tensor, max_len: int) -> torch.Tensor:
-    """[rows, num_kv_heads, max_len, head_dim] of each row's context."""
-    rows = block_tables.shape[0]
-    gathered = cache[block_tables]  # [rows, max_blocks, block_size, kvh, d]
-    gathered = gathered.view(rows, -1, *cache.shape[2:])[:, :max_len]
-    return gathered.transpose(1, 2)
+def _gather(cache: torch.Tensor, block_ids: torch.Tensor) -> torch.Tensor:
+    """[kv_heads, *block_ids.shape[:-1], num_blocks * block_size, head_dim], contiguous."""
+    g = cache[:, block_ids]
+    return g.view(*g.shape[:-3], g.shape[-3] * g.shape[-2], g.shape[-1])
 
 
 def paged_attention(
@@ -129,27 +137,56 @@ def paged_attention(
     step's own K/V must already be in the cache (`write_kv`).
     """
     out = torch.empty_like(query)
-    nd = plan.num_decode
-    if nd:
-        assert plan.decode_block_tables is not None and plan.decode_mask is not None
-        max_len = plan.decode_mask.shape[-1]
-        k = _gather_kv(key_cache, plan.decode_block_tables, max_len)
-        v = _gather_kv(value_cache, plan.decode_block_tables, max_len)
-        q = query[:nd].unsqueeze(2)  # [nd, h, 1, d]
-        o = F.scaled_dot_product_attention(
-            q, k, v, attn_mask=plan.decode_mask, scale=scale, enable_gqa=True
+    if plan.num_decode:
+        out[: plan.num_decode] = _decode_attention(
+            query[: plan.num_decode], key_cache, value_cache, plan, scale
         )
-        out[:nd] = o.squeeze(2)
-    if nd < query.shape[0]:
-        assert plan.prefill_block_tables is not None and plan.prefill_mask is not None
-        assert plan.prefill_gather is not None and plan.prefill_scatter is not None
-        max_kv = plan.prefill_mask.shape[-1]
-        k = _gather_kv(key_cache, plan.prefill_block_tables, max_kv)
-        v = _gather_kv(value_cache, plan.prefill_block_tables, max_kv)
-        q = query[nd:][plan.prefill_gather].transpose(1, 2)  # [p, h, max_q, d]
+    for row in plan.prefill_rows:
+        q = query[row.query_start : row.query_start + row.query_len].transpose(0, 1).unsqueeze(0)
+        k = _gather(key_cache, row.block_ids)[:, : row.seq_len].unsqueeze(0)
+        v = _gather(value_cache, row.block_ids)[:, : row.seq_len].unsqueeze(0)
         o = F.scaled_dot_product_attention(
-            q, k, v, attn_mask=plan.prefill_mask, scale=scale, enable_gqa=True
+            q, k, v, attn_mask=row.mask, is_causal=row.mask is None, scale=scale, enable_gqa=True
         )
-        o = o.transpose(1, 2).reshape(-1, *query.shape[1:])
-        out[nd:] = o[plan.prefill_scatter]
+        out[row.query_start : row.query_start + row.query_len] = o[0].transpose(0, 1)
     return out
+
+
+def _decode_attention(
+    query: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    plan: AttentionPlan,
+    scale: float,
+) -> torch.Tensor:
+    """One query per row; the softmax spans the shared blocks and each row's tail."""
+    assert plan.decode_block_tables is not None and plan.decode_mask is not None
+    num_rows, num_heads, head_dim = query.shape
+    kvh = key_cache.shape[0]
+    group = num_heads // kvh
+    # Heads h*group .. (h+1)*group-1 read KV head h, as in HF's repeat_kv.
+    q = (query * scale).view(num_rows, kvh, group, head_dim).transpose(0, 1)  # [kvh, D, G, d]
+
+    k_tail = _gather(key_cache, plan.decode_block_tables)  # [kvh, D, L, d]
+    v_tail = _gather(value_cache, plan.decode_block_tables)
+    s_tail = torch.matmul(q, k_tail.transpose(-1, -2))  # [kvh, D, G, L]
+    s_tail = s_tail.masked_fill_(~plan.decode_mask, float("-inf"))
+    m = s_tail.amax(dim=-1, keepdim=True)
+
+    if plan.shared_block_ids is None:
+        p_tail = torch.exp_(s_tail - m)
+        o = torch.matmul(p_tail, v_tail) / p_tail.sum(dim=-1, keepdim=True)
+    else:
+        k_shared = _gather(key_cache, plan.shared_block_ids)  # [kvh, S, d]
+        v_shared = _gather(value_cache, plan.shared_block_ids)
+        s_shared = torch.matmul(
+            q.reshape(kvh, num_rows * group, head_dim), k_shared.transpose(-1, -2)
+        )
+        s_shared = s_shared.view(kvh, num_rows, group, -1)
+        m = torch.maximum(m, s_shared.amax(dim=-1, keepdim=True))
+        p_tail = torch.exp_(s_tail - m)
+        p_shared = torch.exp_(s_shared - m)
+        denom = p_tail.sum(dim=-1, keepdim=True) + p_shared.sum(dim=-1, keepdim=True)
+        o_shared = torch.matmul(p_shared.view(kvh, num_rows * group, -1), v_shared)
+        o = (torch.matmul(p_tail, v_tail) + o_shared.view(kvh, num_rows, group, head_dim)) / denom
+    return o.transpose(0, 1).reshape(num_rows, num_heads, head_dim)

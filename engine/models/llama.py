@@ -35,6 +35,9 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.dtype == torch.float32:
+            # One fused op, bitwise equal to the formula below in float32.
+            return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
         dtype = x.dtype
         x32 = x.to(torch.float32)
         x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
@@ -60,24 +63,32 @@ class RotaryEmbedding(nn.Module):
             inv_freq, scaling = ROPE_INIT_FUNCTIONS[rope_type](config, None)
         freqs = torch.arange(max_len, dtype=torch.float)[:, None] * inv_freq[None, :]
         emb = torch.cat((freqs, freqs), dim=-1)
+        sin = emb.sin() * scaling
+        half = head_dim // 2
+        # rotate_half(x) * sin == roll(x, half) * signed_sin: the sign flip is exact.
+        signed_sin = torch.cat((-sin[:, :half], sin[:, half:]), dim=-1)
         self.register_buffer("cos", emb.cos() * scaling, persistent=False)
-        self.register_buffer("sin", emb.sin() * scaling, persistent=False)
+        self.register_buffer("signed_sin", signed_sin, persistent=False)
 
     def forward(
-        self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
+        self, positions: torch.Tensor, dtype: torch.dtype
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        cos = self.cos[positions].unsqueeze(1).to(q.dtype)
-        sin = self.sin[positions].unsqueeze(1).to(q.dtype)
-        return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
+        """The step's cos and signed sin, [num_tokens, 1, head_dim], shared by every layer."""
+        cos = self.cos[positions].unsqueeze(1).to(dtype)
+        sin = self.signed_sin[positions].unsqueeze(1).to(dtype)
+        return cos, sin
 
 
-def _rotate_half(x: torch.Tensor) -> torch.Tensor:
-    half = x.shape[-1] // 2
-    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+def apply_rope(x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+    cos, signed_sin = rope
+    return x * cos + torch.roll(x, x.shape[-1] // 2, dims=-1) * signed_sin
+
+
+Rope = tuple[torch.Tensor, torch.Tensor]
 
 
 class Attention(nn.Module):
-    def __init__(self, config: PretrainedConfig, rotary: RotaryEmbedding, bias: bool) -> None:
+    def __init__(self, config: PretrainedConfig, bias: bool) -> None:
         super().__init__()
         self.num_heads = config.num_attention_heads
         self.num_kv_heads = config.num_key_value_heads
@@ -87,21 +98,21 @@ class Attention(nn.Module):
         self.scale = self.head_dim**-0.5
         self.qkv_proj = nn.Linear(config.hidden_size, self.q_size + 2 * self.kv_size, bias=bias)
         self.o_proj = nn.Linear(self.q_size, config.hidden_size, bias=False)
-        self.rotary = rotary
 
     def forward(
         self,
-        positions: torch.Tensor,
+        rope: Rope,
         x: torch.Tensor,
         plan: AttentionPlan,
         kv_cache: tuple[torch.Tensor, torch.Tensor],
     ) -> torch.Tensor:
         n = x.shape[0]
-        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q = q.view(n, self.num_heads, self.head_dim)
-        k = k.view(n, self.num_kv_heads, self.head_dim)
-        v = v.reshape(n, self.num_kv_heads, self.head_dim)
-        q, k = self.rotary(positions, q, k)
+        qkv = self.qkv_proj(x)
+        # q and k heads side by side: one rotary pass for both.
+        qk = qkv[:, : self.q_size + self.kv_size].view(n, -1, self.head_dim)
+        qk = apply_rope(qk, rope)
+        q, k = qk[:, : self.num_heads], qk[:, self.num_heads :]
+        v = qkv[:, self.q_size + self.kv_size :].view(n, self.num_kv_heads, self.head_dim)
         key_cache, value_cache = kv_cache
         write_kv(k, v, key_cache, value_cache, plan.slot_mapping)
         out = paged_attention(q, key_cache, value_cache, plan, self.scale)
@@ -123,21 +134,21 @@ class MLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, config: PretrainedConfig, rotary: RotaryEmbedding, bias: bool) -> None:
+    def __init__(self, config: PretrainedConfig, bias: bool) -> None:
         super().__init__()
-        self.self_attn = Attention(config, rotary, bias)
+        self.self_attn = Attention(config, bias)
         self.mlp = MLP(config)
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
     def forward(
         self,
-        positions: torch.Tensor,
+        rope: Rope,
         x: torch.Tensor,
         plan: AttentionPlan,
         kv_cache: tuple[torch.Tensor, torch.Tensor],
     ) -> torch.Tensor:
-        x = x + self.self_attn(positions, self.input_layernorm(x), plan, kv_cache)
+        x = x + self.self_attn(rope, self.input_layernorm(x), plan, kv_cache)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -151,9 +162,9 @@ class LlamaForCausalLM(nn.Module):
         head_dim = (
             getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
         )
-        rotary = RotaryEmbedding(config, head_dim, max_model_len)
+        self.rotary = RotaryEmbedding(config, head_dim, max_model_len)
         self.layers = nn.ModuleList(
-            DecoderLayer(config, rotary, qkv_bias) for _ in range(config.num_hidden_layers)
+            DecoderLayer(config, qkv_bias) for _ in range(config.num_hidden_layers)
         )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
@@ -169,8 +180,9 @@ class LlamaForCausalLM(nn.Module):
         kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
     ) -> torch.Tensor:
         x = self.embed_tokens(input_ids)
+        rope = self.rotary(positions, x.dtype)
         for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
-            x = layer(positions, x, plan, kv_cache)
+            x = layer(rope, x, plan, kv_cache)
         return self.norm(x)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
