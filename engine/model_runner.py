@@ -158,7 +158,8 @@ class ModelRunner:
     def execute(
         self, sched: SchedulerOutput, kv: KVCacheManager
     ) -> tuple[list[Request], SamplerOutput | None]:
-        rows = sorted(sched.scheduled, key=lambda item: item[1] != 1)  # decodes first, stable
+        # Decode rows first, shortest first (attention groups rows of similar length).
+        rows = sorted(sched.scheduled, key=lambda item: (item[1] != 1, item[0].num_computed_tokens))
         num_decode = sum(1 for _, n in rows if n == 1)
         bs = self.block_size
         num_tokens = sched.num_batched_tokens

@@ -113,3 +113,19 @@ def _with_load_progress(build):  # type: ignore[no-untyped-def]
             bar.update(task, completed=done, total=total)
 
         return build(progress)
+
+
+bench_app = typer.Typer(no_args_is_help=True, help="Reproducible benchmarks that print a table.")
+app.add_typer(bench_app, name="bench")
+
+
+@bench_app.command(
+    "offline",
+    context_settings={"allow_extra_args": True, "ignore_unknown_options": True},
+    add_help_option=False,
+)
+def bench_offline(ctx: typer.Context) -> None:
+    """Our engine vs Hugging Face generate on W1/W2/Wv (`--help` lists the options)."""
+    from bench.offline import main
+
+    main(list(ctx.args))
