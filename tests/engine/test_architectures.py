@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from hf_reference import hf_greedy
 from transformers import (
     AutoModelForCausalLM,
     LlamaConfig,
@@ -84,19 +85,7 @@ def variant_dir(
 
 def test_variant_matches_transformers(variant_dir: Path) -> None:
     prompts = [list(range(100, 100 + n)) for n in (5, 17, 40, 150)]
-    hf = AutoModelForCausalLM.from_pretrained(variant_dir, dtype=torch.float32).eval()
-    refs = []
-    for prompt in prompts:
-        ids = torch.tensor([prompt])
-        out = hf.generate(
-            ids,
-            attention_mask=torch.ones_like(ids),
-            max_new_tokens=16,
-            min_new_tokens=16,
-            do_sample=False,
-            pad_token_id=0,
-        )
-        refs.append(out[0, len(prompt) :].tolist())
+    refs = hf_greedy(variant_dir, prompts, 16)
     llm = LLM(str(variant_dir), kv_cache_memory=16 << 20, max_num_batched_tokens=32)
     outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=16, ignore_eos=True))
     assert [o.outputs[0].token_ids for o in outs] == refs

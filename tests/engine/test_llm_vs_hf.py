@@ -7,8 +7,7 @@ import random
 from pathlib import Path
 
 import pytest
-import torch
-from transformers import AutoModelForCausalLM
+from hf_reference import hf_greedy
 
 from engine import LLM, SamplingParams
 
@@ -25,20 +24,7 @@ def prompts(demo_model_dir: Path) -> list[list[int]]:
 
 @pytest.fixture(scope="module")
 def hf_outputs(demo_model_dir: Path, prompts: list[list[int]]) -> list[list[int]]:
-    model = AutoModelForCausalLM.from_pretrained(demo_model_dir, dtype=torch.float32).eval()
-    outs = []
-    for prompt in prompts:
-        ids = torch.tensor([prompt])
-        gen = model.generate(
-            ids,
-            attention_mask=torch.ones_like(ids),
-            max_new_tokens=NUM_OUTPUT,
-            min_new_tokens=NUM_OUTPUT,
-            do_sample=False,
-            pad_token_id=0,
-        )
-        outs.append(gen[0, len(prompt) :].tolist())
-    return outs
+    return hf_greedy(demo_model_dir, prompts, NUM_OUTPUT)
 
 
 CONFIGS = {

@@ -1,0 +1,28 @@
+"""The reference every engine test compares with: Hugging Face transformers' greedy `generate`."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+from transformers import AutoModelForCausalLM
+
+
+def hf_greedy(
+    model_dir: Path, prompts: list[list[int]], max_new_tokens: int, ignore_eos: bool = True
+) -> list[list[int]]:
+    """Greedy output token ids of each prompt, generated one prompt at a time (no padding)."""
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    outs = []
+    for prompt in prompts:
+        ids = torch.tensor([prompt])
+        gen = model.generate(
+            ids,
+            attention_mask=torch.ones_like(ids),
+            max_new_tokens=max_new_tokens,
+            min_new_tokens=max_new_tokens if ignore_eos else None,
+            do_sample=False,
+            pad_token_id=0,
+        )
+        outs.append(gen[0, len(prompt) :].tolist())
+    return outs
