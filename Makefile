@@ -29,9 +29,9 @@ models/smollm2: | $(STAMP)
 
 models: models/demo models/smollm2
 
-# Until the server lands this runs the offline engine on the real model.
+# An OpenAI-compatible server on 127.0.0.1:8000 answering SmolLM2-135M-Instruct.
 serve: venv models/smollm2
-	$(BIN)/loragate generate --model $(MODEL) --chat "What is the capital of France?"
+	$(BIN)/loragate serve --model $(MODEL) --served-model-name smollm2
 
 test: venv
 	LORAGATE_SMOLLM2=$(CURDIR)/models/smollm2 $(BIN)/python -m pytest -q

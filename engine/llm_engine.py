@@ -141,6 +141,19 @@ class LLMEngine:
             seq = self.sequences.pop(child_id)
             self.scheduler.finish(seq.request, RequestStatus.FINISHED_ABORTED)
 
+    def fail_running(self) -> list[str]:
+        """After a step raised: the running requests' new KV may be half-written.
+
+        Drops their blocks from the prefix cache, aborts every request that had a
+        sequence running, and returns those request ids.
+        """
+        parents = {self.sequences[r.request_id].parent_id for r in self.scheduler.running}
+        for request in self.scheduler.running:
+            self.kv.uncache(request)
+        for parent in parents:
+            self.abort(parent)
+        return sorted(parents)
+
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished
 
@@ -217,6 +230,7 @@ class LLMEngine:
             new_logprobs=None if logprobs is None else [logprobs],
             num_prompt_tokens=request.num_prompt_tokens,
             num_cached_tokens=max(0, request.num_cached_tokens),
+            queue_time=(request.scheduled_time or request.arrival_time) - request.arrival_time,
             finish_reason=request.finish_reason if finished else None,
             stop_reason=request.stop_reason,
             error=request.error,

@@ -17,6 +17,7 @@ class SequenceUpdate:
     new_logprobs: list[dict[int, float]] | None
     num_prompt_tokens: int
     num_cached_tokens: int
+    queue_time: float = 0.0  # seconds from arrival to first being scheduled
     finish_reason: str | None = None  # stop | length | abort | error
     stop_reason: int | str | None = None
     error: str | None = None

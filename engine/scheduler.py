@@ -13,6 +13,7 @@ preempted (its blocks freed, its progress reset to recompute) until it can.
 from __future__ import annotations
 
 import contextlib
+import time
 from collections import deque
 from dataclasses import dataclass, field
 
@@ -98,6 +99,7 @@ class Scheduler:
             request.num_computed_tokens = num_cached
             if request.num_cached_tokens < 0:
                 request.num_cached_tokens = num_cached
+                request.scheduled_time = time.monotonic()
             request.status = RequestStatus.RUNNING
             self.running.append(request)
             out.scheduled.append((request, num_new))

@@ -129,3 +129,120 @@ def bench_offline(ctx: typer.Context) -> None:
     from bench.offline import main
 
     main(list(ctx.args))
+
+
+@bench_app.command(
+    "serve",
+    context_settings={"allow_extra_args": True, "ignore_unknown_options": True},
+    add_help_option=False,
+)
+def bench_serve(ctx: typer.Context) -> None:
+    """Load-test any OpenAI-compatible server (`--help` lists the options)."""
+    from bench.serve import main
+
+    main(list(ctx.args))
+
+
+def _bytes(value: str) -> int:
+    """'2GiB', '512MiB', '1G' or a plain byte count."""
+    units = {"k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}
+    text = value.strip().lower().removesuffix("b").removesuffix("i")
+    if text and text[-1] in units:
+        return int(float(text[:-1]) * units[text[-1]])
+    return int(text)
+
+
+def _env(name: str) -> str:
+    return f"LORAGATE_{name}"
+
+
+@app.command("serve")
+def serve(
+    model: Annotated[str, typer.Option(envvar=_env("MODEL"), help="Model directory.")] = (
+        "models/smollm2"
+    ),
+    host: Annotated[str, typer.Option(envvar=_env("HOST"))] = "127.0.0.1",
+    port: Annotated[int, typer.Option(envvar=_env("PORT"))] = 8000,
+    served_model_name: Annotated[
+        str | None,
+        typer.Option(
+            envvar=_env("SERVED_MODEL_NAME"),
+            help="Name clients use; default: the model directory's name.",
+        ),
+    ] = None,
+    max_model_len: Annotated[int | None, typer.Option(envvar=_env("MAX_MODEL_LEN"))] = None,
+    block_size: Annotated[int, typer.Option(envvar=_env("BLOCK_SIZE"))] = 16,
+    kv_cache_memory: Annotated[
+        str | None,
+        typer.Option(
+            envvar=_env("KV_CACHE_MEMORY"), help="KV pool size, e.g. 2GiB (CPU default 2GiB)."
+        ),
+    ] = None,
+    memory_utilization: Annotated[
+        float, typer.Option(envvar=_env("MEMORY_UTILIZATION"), help="CUDA memory fraction.")
+    ] = 0.9,
+    max_num_seqs: Annotated[int, typer.Option(envvar=_env("MAX_NUM_SEQS"))] = 256,
+    max_num_batched_tokens: Annotated[
+        int, typer.Option(envvar=_env("MAX_NUM_BATCHED_TOKENS"))
+    ] = 2048,
+    enable_prefix_caching: Annotated[
+        bool, typer.Option(envvar=_env("ENABLE_PREFIX_CACHING"))
+    ] = True,
+    enable_chunked_prefill: Annotated[
+        bool, typer.Option(envvar=_env("ENABLE_CHUNKED_PREFILL"))
+    ] = True,
+    max_waiting: Annotated[
+        int, typer.Option(envvar=_env("MAX_WAITING"), help="Queued requests before 503.")
+    ] = 1024,
+    dtype: Annotated[str, typer.Option(envvar=_env("DTYPE"))] = "auto",
+    device: Annotated[str, typer.Option(envvar=_env("DEVICE"))] = "auto",
+    seed: Annotated[int, typer.Option(envvar=_env("SEED"))] = 0,
+    num_threads: Annotated[int | None, typer.Option(envvar=_env("NUM_THREADS"))] = None,
+    max_body_bytes: Annotated[int, typer.Option(envvar=_env("MAX_BODY_BYTES"))] = 4 << 20,
+    shutdown_grace: Annotated[
+        float,
+        typer.Option(
+            envvar=_env("SHUTDOWN_GRACE"), help="Seconds running requests get to finish on SIGTERM."
+        ),
+    ] = 10.0,
+) -> None:
+    """Serve the OpenAI-compatible API over the engine."""
+    import contextlib
+
+    import uvicorn
+
+    from engine import EngineConfig, LLMEngine
+    from engine.async_engine import AsyncEngine
+    from gateway.app import build_app
+
+    config = EngineConfig(
+        model=model,
+        dtype=dtype,
+        device=device,
+        max_model_len=max_model_len,
+        block_size=block_size,
+        kv_cache_memory=_bytes(kv_cache_memory) if kv_cache_memory else None,
+        memory_utilization=memory_utilization,
+        max_num_seqs=max_num_seqs,
+        max_num_batched_tokens=max_num_batched_tokens,
+        enable_prefix_caching=enable_prefix_caching,
+        enable_chunked_prefill=enable_chunked_prefill,
+        seed=seed,
+        num_threads=num_threads,
+    )
+    engine = _with_load_progress(lambda progress: LLMEngine(config, progress))
+    async_engine = AsyncEngine(engine, max_waiting=max_waiting)
+    async_engine.start()
+    name = served_model_name or Path(model).resolve().name
+    app = build_app(async_engine, name, max_body_bytes=max_body_bytes)
+
+    @contextlib.asynccontextmanager
+    async def lifespan(_: object):  # type: ignore[no-untyped-def]
+        yield
+        await async_engine.shutdown(shutdown_grace)
+
+    app.router.lifespan_context = lifespan
+    typer.echo(f"serving {name!r} on http://{host}:{port}/v1")
+    uvicorn.run(
+        app, host=host, port=port, log_level="info", timeout_graceful_shutdown=int(shutdown_grace)
+    )

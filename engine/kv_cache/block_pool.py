@@ -146,6 +146,9 @@ class BlockPool:
         block.cache_key = cache_key
         self.cached[block_hash] = block
 
+    def uncache_block(self, block: KVCacheBlock) -> None:
+        self._evict(block)
+
     def _evict(self, block: KVCacheBlock) -> None:
         if block.block_hash is not None:
             if self.cached.get(block.block_hash) is block:

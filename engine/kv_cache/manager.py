@@ -125,6 +125,11 @@ class KVCacheManager:
         if blocks:
             self.pool.free_blocks(reversed(blocks))
 
+    def uncache(self, request: Request) -> None:
+        """Withdraw the request's blocks from the prefix cache (their contents are suspect)."""
+        for block in self.req_blocks.get(request.request_id, []):
+            self.pool.uncache_block(block)
+
     def block_ids(self, request_id: str) -> list[int]:
         return [block.block_id for block in self.req_blocks[request_id]]
 

@@ -1,0 +1,45 @@
+"""Build the FastAPI app around a running AsyncEngine."""
+
+from __future__ import annotations
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse
+from starlette.middleware.base import BaseHTTPMiddleware, RequestResponseEndpoint
+from starlette.responses import Response
+
+from engine.async_engine import AsyncEngine
+from gateway.errors import error_body, install_error_handlers
+from gateway.metrics import Metrics
+from gateway.routers.openai import health_router, router, started_at
+from gateway.serving import OpenAIServing
+
+
+class BodySizeLimit(BaseHTTPMiddleware):
+    """413 for a declared body over the limit, before anything parses it."""
+
+    def __init__(self, app: object, max_bytes: int) -> None:
+        super().__init__(app)  # type: ignore[arg-type]
+        self.max_bytes = max_bytes
+
+    async def dispatch(self, request: Request, call_next: RequestResponseEndpoint) -> Response:
+        length = request.headers.get("content-length")
+        if length is not None and length.isdigit() and int(length) > self.max_bytes:
+            return JSONResponse(
+                error_body(f"request body exceeds {self.max_bytes} bytes", "invalid_request_error"),
+                status_code=413,
+            )
+        return await call_next(request)
+
+
+def build_app(
+    engine: AsyncEngine, served_model_name: str, max_body_bytes: int = 4 << 20
+) -> FastAPI:
+    app = FastAPI(title="loragate", docs_url=None, redoc_url=None)
+    app.state.metrics = Metrics(engine)
+    app.state.serving = OpenAIServing(engine, served_model_name, app.state.metrics)
+    app.state.started_at = started_at()
+    install_error_handlers(app)
+    app.add_middleware(BodySizeLimit, max_bytes=max_body_bytes)
+    app.include_router(router)
+    app.include_router(health_router)
+    return app

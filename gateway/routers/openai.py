@@ -1,0 +1,72 @@
+"""OpenAI routes: /v1/completions, /v1/chat/completions, /v1/models."""
+
+from __future__ import annotations
+
+import time
+from typing import Annotated, Any
+
+from fastapi import APIRouter, Depends, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+
+from gateway.protocol import ChatCompletionRequest, CompletionRequest
+from gateway.serving import OpenAIServing
+
+router = APIRouter(prefix="/v1", tags=["openai"])
+
+
+def get_serving(request: Request) -> OpenAIServing:
+    return request.app.state.serving
+
+
+ServingDep = Annotated[OpenAIServing, Depends(get_serving)]
+
+
+@router.post("/completions", response_model=None)
+async def completions(
+    body: CompletionRequest, serving: ServingDep
+) -> JSONResponse | StreamingResponse:
+    return await serving.completions(body)
+
+
+@router.post("/chat/completions", response_model=None)
+async def chat_completions(
+    body: ChatCompletionRequest, serving: ServingDep
+) -> JSONResponse | StreamingResponse:
+    return await serving.chat(body)
+
+
+@router.get("/models")
+async def list_models(serving: ServingDep, request: Request) -> dict[str, Any]:
+    return {
+        "object": "list",
+        "data": [
+            {
+                "id": serving.model_name,
+                "object": "model",
+                "created": request.app.state.started_at,
+                "owned_by": "loragate",
+                "max_model_len": serving.engine.engine.max_model_len,
+            }
+        ],
+    }
+
+
+health_router = APIRouter(tags=["health"])
+
+
+@health_router.get("/health")
+async def health(request: Request) -> JSONResponse:
+    alive = request.app.state.serving.engine.is_alive
+    return JSONResponse({"status": "ok" if alive else "dead"}, status_code=200 if alive else 503)
+
+
+@health_router.get("/metrics")
+async def metrics(request: Request) -> Response:
+    return Response(
+        generate_latest(request.app.state.metrics.registry), media_type=CONTENT_TYPE_LATEST
+    )
+
+
+def started_at() -> int:
+    return int(time.time())

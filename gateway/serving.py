@@ -1,0 +1,379 @@
+"""From a parsed OpenAI body to engine requests and back: one JSON body or SSE chunks.
+
+Each prompt x n sample is one choice. Choices stream as the engine produces
+them; the final usage counts prompt, cached and completion tokens.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+import uuid
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from typing import Any
+
+from fastapi.responses import JSONResponse, StreamingResponse
+
+from engine.async_engine import AsyncEngine
+from engine.outputs import SequenceUpdate
+from engine.request import SamplingParams
+from gateway.errors import APIError
+from gateway.metrics import Metrics
+from gateway.protocol import ChatCompletionRequest, CompletionRequest
+
+
+@dataclass(slots=True)
+class _Choice:
+    index: int
+    text: str = ""
+    num_sent_chars: int = 0
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[dict[int, float]] = field(default_factory=list)
+    finish_reason: str | None = None
+
+
+@dataclass(slots=True)
+class _Usage:
+    prompt_tokens: int = 0
+    cached_tokens: int = 0
+
+    def body(self, choices: list[_Choice]) -> dict[str, Any]:
+        completion = sum(len(c.token_ids) for c in choices)
+        return {
+            "prompt_tokens": self.prompt_tokens,
+            "completion_tokens": completion,
+            "total_tokens": self.prompt_tokens + completion,
+            "prompt_tokens_details": {"cached_tokens": self.cached_tokens},
+        }
+
+
+@dataclass(slots=True)
+class _Timer:
+    """Per-request latency figures, observed into the metrics as updates arrive."""
+
+    metrics: Metrics
+    start: float = field(default_factory=time.monotonic)
+    last: float | None = None
+
+    def update(self, update: SequenceUpdate) -> None:
+        now = time.monotonic()
+        if self.last is None:
+            self.metrics.ttft.observe(now - self.start)
+            self.metrics.queue_time.observe(update.queue_time)
+        else:
+            self.metrics.itl.observe(now - self.last)
+        self.last = now
+
+    def finish(self, choices: list[_Choice], usage: _Usage) -> None:
+        m = self.metrics
+        m.e2e.observe(time.monotonic() - self.start)
+        m.prompt_tokens.inc(usage.prompt_tokens)
+        m.generation_tokens.inc(sum(len(c.token_ids) for c in choices))
+        for choice in choices:
+            m.request_success.labels(finish_reason=choice.finish_reason or "abort").inc()
+
+
+class OpenAIServing:
+    def __init__(self, engine: AsyncEngine, served_model_name: str, metrics: Metrics) -> None:
+        self.engine = engine
+        self.model_name = served_model_name
+        self.tokenizer = engine.engine.tokenizer
+        self.metrics = metrics
+
+    def check_model(self, name: str) -> None:
+        if name != self.model_name:
+            raise APIError(
+                404, f"The model `{name}` does not exist.", param="model", code="model_not_found"
+            )
+
+    # -- routes -------------------------------------------------------------------------------
+
+    async def completions(self, body: CompletionRequest) -> JSONResponse | StreamingResponse:
+        self.check_model(body.model)
+        prompts = self._completion_prompts(body.prompt)
+        params = self._params(body, body.max_tokens, body.logprobs)
+        return await self._respond(body, prompts, params, chat=False)
+
+    async def chat(self, body: ChatCompletionRequest) -> JSONResponse | StreamingResponse:
+        self.check_model(body.model)
+        messages = [{"role": m.role, "content": m.text()} for m in body.messages]
+        try:
+            encoded = self.tokenizer.apply_chat_template(
+                messages, add_generation_prompt=True, tokenize=True, return_dict=True
+            )
+        except Exception as exc:  # noqa: BLE001 - a template may reject a conversation
+            raise APIError(400, f"chat template failed: {exc}", param="messages") from exc
+        params = self._params(body, body.requested_max_tokens, body.num_logprobs)
+        return await self._respond(body, [list(encoded["input_ids"])], params, chat=True)
+
+    # -- helpers ------------------------------------------------------------------------------
+
+    @staticmethod
+    def _completion_prompts(prompt: Any) -> list[str | list[int]]:
+        if isinstance(prompt, str):
+            return [prompt]
+        if prompt and all(isinstance(t, int) for t in prompt):
+            return [list(prompt)]
+        if not prompt:
+            raise APIError(400, "prompt must not be empty", param="prompt")
+        return list(prompt)
+
+    @staticmethod
+    def _params(body: Any, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
+        if body.response_format is not None and body.response_format.get("type") != "text":
+            raise APIError(
+                400,
+                "response_format is not supported yet (guided decoding is a later release)",
+                param="response_format",
+            )
+        try:
+            return body.sampling_params(max_tokens, logprobs)
+        except ValueError as exc:
+            raise APIError(400, str(exc)) from exc
+
+    async def _respond(
+        self, body: Any, prompts: list[str | list[int]], params: SamplingParams, chat: bool
+    ) -> JSONResponse | StreamingResponse:
+        timer = _Timer(self.metrics)
+        request_id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
+        streams = [
+            self.engine.generate(f"{request_id}-{i}", prompt, params, fairness_key=body.user)
+            for i, prompt in enumerate(prompts)
+        ]
+        updates = _merge(streams)
+        # Pull the first update before answering, so refusals become HTTP errors.
+        try:
+            first = await anext(updates)
+        except ValueError as exc:
+            await updates.aclose()
+            code = "context_length_exceeded" if "context length" in str(exc) else None
+            raise APIError(400, str(exc), code=code) from exc
+        except StopAsyncIteration:
+            first = None
+        choices = [_Choice(i) for i in range(len(prompts) * params.n)]
+        usage = _Usage()
+        created = int(time.time())
+        if body.stream:
+            chunks = self._stream(
+                request_id,
+                created,
+                chat,
+                body.include_usage,
+                first,
+                updates,
+                choices,
+                usage,
+                params.n,
+                timer,
+            )
+            return StreamingResponse(chunks, media_type="text/event-stream")
+        async for prompt_index, update in _chain(first, updates):
+            timer.update(update)
+            self._apply(choices, usage, prompt_index, update, params.n)
+        timer.finish(choices, usage)
+        return JSONResponse(
+            {
+                "id": request_id,
+                "object": "chat.completion" if chat else "text_completion",
+                "created": created,
+                "model": self.model_name,
+                "choices": [self._final_choice(c, chat) for c in choices],
+                "usage": usage.body(choices),
+            }
+        )
+
+    @staticmethod
+    def _apply(
+        choices: list[_Choice], usage: _Usage, prompt_index: int, update: SequenceUpdate, n: int
+    ) -> _Choice:
+        choice = choices[prompt_index * n + update.index]
+        if not choice.token_ids:
+            usage.prompt_tokens += update.num_prompt_tokens if update.index == 0 else 0
+        if update.finished and update.index == 0:
+            usage.cached_tokens += update.num_cached_tokens
+        choice.token_ids.extend(update.new_token_ids)
+        choice.text = update.text
+        if update.new_logprobs:
+            choice.logprobs.extend(update.new_logprobs)
+        if update.finished:
+            choice.finish_reason = update.finish_reason
+            if update.error:
+                raise APIError(500, update.error, type="internal_error")
+        return choice
+
+    def _final_choice(self, choice: _Choice, chat: bool) -> dict[str, Any]:
+        logprobs = (
+            self._logprobs(choice.token_ids, choice.logprobs, chat) if choice.logprobs else None
+        )
+        if chat:
+            return {
+                "index": choice.index,
+                "message": {"role": "assistant", "content": choice.text},
+                "logprobs": logprobs,
+                "finish_reason": choice.finish_reason,
+            }
+        return {
+            "index": choice.index,
+            "text": choice.text,
+            "logprobs": logprobs,
+            "finish_reason": choice.finish_reason,
+        }
+
+    def _logprobs(self, token_ids: list[int], entries: list[dict[int, float]], chat: bool) -> Any:
+        decode = self.tokenizer.decode
+        if chat:
+            content = []
+            for token_id, entry in zip(token_ids, entries, strict=False):
+                token = decode([token_id])
+                top = sorted(entry.items(), key=lambda kv: -kv[1])
+                content.append(
+                    {
+                        "token": token,
+                        "logprob": entry[token_id],
+                        "bytes": list(token.encode()),
+                        "top_logprobs": [
+                            {
+                                "token": decode([t]),
+                                "logprob": lp,
+                                "bytes": list(decode([t]).encode()),
+                            }
+                            for t, lp in top
+                        ],
+                    }
+                )
+            return {"content": content}
+        tokens = [decode([t]) for t in token_ids]
+        offsets, pos = [], 0
+        for token in tokens:
+            offsets.append(pos)
+            pos += len(token)
+        return {
+            "tokens": tokens,
+            "token_logprobs": [e[t] for t, e in zip(token_ids, entries, strict=False)],
+            "top_logprobs": [{decode([t]): lp for t, lp in e.items()} for e in entries],
+            "text_offset": offsets,
+        }
+
+    async def _stream(
+        self,
+        request_id: str,
+        created: int,
+        chat: bool,
+        include_usage: bool,
+        first: tuple[int, SequenceUpdate] | None,
+        updates: AsyncIterator[tuple[int, SequenceUpdate]],
+        choices: list[_Choice],
+        usage: _Usage,
+        n: int,
+        timer: _Timer,
+    ) -> AsyncIterator[str]:
+        obj = "chat.completion.chunk" if chat else "text_completion"
+
+        def chunk(choice_list: list[dict[str, Any]], with_usage: Any = None) -> str:
+            data: dict[str, Any] = {
+                "id": request_id,
+                "object": obj,
+                "created": created,
+                "model": self.model_name,
+                "choices": choice_list,
+            }
+            if include_usage:
+                data["usage"] = with_usage
+            return f"data: {json.dumps(data, ensure_ascii=False)}\n\n"
+
+        if chat:
+            yield chunk(
+                [
+                    {
+                        "index": c.index,
+                        "delta": {"role": "assistant", "content": ""},
+                        "logprobs": None,
+                        "finish_reason": None,
+                    }
+                    for c in choices
+                ]
+            )
+        try:
+            async for prompt_index, update in _chain(first, updates):
+                timer.update(update)
+                choice = self._apply(choices, usage, prompt_index, update, n)
+                delta = choice.text[choice.num_sent_chars :]
+                choice.num_sent_chars = len(choice.text)
+                if not delta and not update.finished:
+                    continue
+                logprobs = (
+                    self._logprobs(update.new_token_ids, update.new_logprobs, chat)
+                    if update.new_logprobs
+                    else None
+                )
+                body: dict[str, Any] = {"index": choice.index}
+                if chat:
+                    body["delta"] = {"content": delta} if delta else {}
+                else:
+                    body["text"] = delta
+                body["logprobs"] = logprobs
+                body["finish_reason"] = update.finish_reason
+                yield chunk([body])
+        except (APIError, RuntimeError) as exc:
+            if not isinstance(exc, APIError):
+                exc = APIError(500, str(exc), type="internal_error")
+            error = {
+                "error": {"message": exc.message, "type": exc.type, "param": None, "code": exc.code}
+            }
+            yield f"data: {json.dumps(error)}\n\n"
+        timer.finish(choices, usage)
+        if include_usage:
+            yield chunk([], usage.body(choices))
+        yield "data: [DONE]\n\n"
+
+
+async def _chain(
+    first: tuple[int, SequenceUpdate] | None, rest: AsyncIterator[tuple[int, SequenceUpdate]]
+) -> AsyncIterator[tuple[int, SequenceUpdate]]:
+    try:
+        if first is not None:
+            yield first
+        async for item in rest:
+            yield item
+    finally:
+        await rest.aclose()  # type: ignore[attr-defined]
+
+
+async def _merge(
+    streams: list[AsyncIterator[SequenceUpdate]],
+) -> AsyncIterator[tuple[int, SequenceUpdate]]:
+    """Interleave several requests' updates, tagged with their prompt index."""
+    if len(streams) == 1:
+        # Closing explicitly aborts the request now, not when the generator is collected.
+        try:
+            async for update in streams[0]:
+                yield 0, update
+        finally:
+            await streams[0].aclose()  # type: ignore[attr-defined]
+        return
+    queue: asyncio.Queue[tuple[int, SequenceUpdate | BaseException | None]] = asyncio.Queue()
+
+    async def pump(index: int, stream: AsyncIterator[SequenceUpdate]) -> None:
+        try:
+            async for update in stream:
+                await queue.put((index, update))
+            await queue.put((index, None))
+        except BaseException as exc:  # noqa: BLE001 - forwarded to the consumer
+            await queue.put((index, exc))
+
+    tasks = [asyncio.create_task(pump(i, s)) for i, s in enumerate(streams)]
+    try:
+        remaining = len(tasks)
+        while remaining:
+            index, item = await queue.get()
+            if item is None:
+                remaining -= 1
+            elif isinstance(item, BaseException):
+                raise item
+            else:
+                yield index, item
+    finally:
+        for task in tasks:
+            task.cancel()
