@@ -251,7 +251,7 @@ def main(argv: list[str] | None = None) -> None:
     args = p.parse_args(argv)
     if args.cpu is not None:
         os.sched_setaffinity(0, {args.cpu})
-    console = Console()
+    console = Console(width=max(Console().width, 120))
     row = run_serve_bench(
         args.base_url,
         args.model,

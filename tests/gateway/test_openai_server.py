@@ -307,7 +307,7 @@ def test_fifty_concurrent_streams_complete_with_exact_usage(server: Server) -> N
 
     async def run() -> list[tuple[int, int]]:
         client = openai.AsyncOpenAI(
-            base_url=f"{server.base_url}/v1", api_key="unused", max_retries=0
+            base_url=f"{server.base_url}/v1", api_key="unused", max_retries=0, timeout=60
         )
         return await asyncio.gather(*(one(client, i) for i in range(50)))
 
