@@ -178,10 +178,15 @@ class ModelRunner:
             block_tables.append(table)
             query_lens[i] = n
             seq_lens[i] = start + n
-            pos = np.arange(start, start + n)
-            positions[t : t + n] = pos
-            input_ids[t : t + n] = request.all_token_ids[start : start + n]
-            slots[t : t + n] = np.asarray(table)[pos // bs] * bs + pos % bs
+            if n == 1:  # decode: plain ints beat numpy's per-call overhead
+                positions[t] = start
+                input_ids[t] = request.all_token_ids[start]
+                slots[t] = table[start // bs] * bs + start % bs
+            else:
+                pos = np.arange(start, start + n)
+                positions[t : t + n] = pos
+                input_ids[t : t + n] = request.all_token_ids[start : start + n]
+                slots[t : t + n] = np.asarray(table)[pos // bs] * bs + pos % bs
             t += n
             if start + n == request.num_tokens:
                 sample_rows.append(request)

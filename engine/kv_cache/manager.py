@@ -24,6 +24,9 @@ class KVCacheManager:
         self.enable_caching = enable_caching
         self.pool = BlockPool(num_blocks, enable_caching)
         self.req_blocks: dict[str, list[KVCacheBlock]] = {}
+        # The same blocks as ids, kept in step with req_blocks: the model runner's
+        # block tables, read every step and never rebuilt.
+        self._req_block_ids: dict[str, list[int]] = {}
         self._num_cached_blocks: dict[str, int] = {}
         # Prefix cache counters, in tokens, as vLLM reports them.
         self.num_queried_tokens = 0
@@ -95,12 +98,16 @@ class KVCacheManager:
                 del self.req_blocks[request.request_id]
             return False
 
+        ids = self._req_block_ids.setdefault(request.request_id, [])
         if new_computed_blocks:
             self.pool.touch(new_computed_blocks)
             blocks.extend(new_computed_blocks)
+            ids.extend(block.block_id for block in new_computed_blocks)
             self._num_cached_blocks[request.request_id] = len(blocks)
         if num_new_blocks > 0:
-            blocks.extend(self.pool.get_new_blocks(num_new_blocks))
+            new_blocks = self.pool.get_new_blocks(num_new_blocks)
+            blocks.extend(new_blocks)
+            ids.extend(block.block_id for block in new_blocks)
         if self.enable_caching:
             self._cache_full_blocks(request, blocks, min(num_total, request.num_tokens))
         return True
@@ -121,6 +128,7 @@ class KVCacheManager:
         """Release the request's blocks. Tail blocks are evicted first: they are
         the least likely to be shared by a later prompt."""
         blocks = self.req_blocks.pop(request.request_id, None)
+        self._req_block_ids.pop(request.request_id, None)
         self._num_cached_blocks.pop(request.request_id, None)
         if blocks:
             self.pool.free_blocks(reversed(blocks))
@@ -131,7 +139,8 @@ class KVCacheManager:
             self.pool.uncache_block(block)
 
     def block_ids(self, request_id: str) -> list[int]:
-        return [block.block_id for block in self.req_blocks[request_id]]
+        """The request's block table (do not mutate)."""
+        return self._req_block_ids[request_id]
 
     def reset_prefix_cache(self) -> bool:
         return self.pool.reset_prefix_cache()
