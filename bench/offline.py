@@ -31,6 +31,7 @@ renders its rows.
 from __future__ import annotations
 
 import argparse
+import copy
 import cProfile
 import gc
 import io
@@ -316,14 +317,25 @@ def build_hf(model_dir: str, device: torch.device, progress: Progress) -> tuple[
     return model, tokenizer
 
 
+def never_stop(config: Any) -> Any:
+    """HF's equivalent of ignore_eos: no EOS at all, so EOS is sampled like any token.
+
+    (`min_new_tokens` would ban EOS instead, and pick a different token where EOS
+    is the argmax.)
+    """
+    config = copy.deepcopy(config)
+    config.eos_token_id = None
+    return config
+
+
 def _hf_generate(model: Any, tokenizer: Any, batch: list[list[int]], output_len: int) -> Any:
     enc = tokenizer.pad({"input_ids": batch}, padding=True, return_tensors="pt")
     enc = {k: v.to(model.device) for k, v in enc.items()}
     with torch.inference_mode():
         out = model.generate(
             **enc,
+            generation_config=never_stop(model.generation_config),
             max_new_tokens=output_len,
-            min_new_tokens=output_len,
             do_sample=False,
             pad_token_id=tokenizer.pad_token_id,
         )

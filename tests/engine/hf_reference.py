@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 from pathlib import Path
 
 import torch
@@ -13,14 +14,19 @@ def hf_greedy(
 ) -> list[list[int]]:
     """Greedy output token ids of each prompt, generated one prompt at a time (no padding)."""
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    config = model.generation_config
+    if ignore_eos:
+        # Our ignore_eos samples EOS like any token; min_new_tokens would ban it instead.
+        config = copy.deepcopy(config)
+        config.eos_token_id = None
     outs = []
     for prompt in prompts:
         ids = torch.tensor([prompt])
         gen = model.generate(
             ids,
             attention_mask=torch.ones_like(ids),
+            generation_config=config,
             max_new_tokens=max_new_tokens,
-            min_new_tokens=max_new_tokens if ignore_eos else None,
             do_sample=False,
             pad_token_id=0,
         )
