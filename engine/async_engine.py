@@ -93,9 +93,7 @@ class AsyncEngine:
         self._stopping.set()
         while self._num_pending and time.monotonic() < deadline:
             await asyncio.sleep(0.05)
-        for request_id in list(self._streams):
-            self._inbox.put(_Abort(request_id))
-        self._inbox.put(None)
+        self._inbox.put(None)  # the loop aborts what is left as it exits
         if self._thread is not None:
             await asyncio.to_thread(self._thread.join, 5.0)
 
@@ -153,6 +151,7 @@ class AsyncEngine:
         while True:
             block = not engine.has_unfinished_requests()
             if not self._drain(block):
+                self._abort_all(EngineDead("the server is shutting down"))
                 break
             if not engine.has_unfinished_requests():
                 continue
@@ -212,6 +211,12 @@ class AsyncEngine:
         if self._streams.pop(request_id, None) is not None:
             with self._lock:
                 self._num_pending -= 1
+
+    def _abort_all(self, error: Exception) -> None:
+        for request_id, stream in list(self._streams.items()):
+            self.engine.abort(request_id)
+            self._forget(request_id)
+            stream.put(error)
 
     def _fail_all(self, exc: Exception) -> None:
         error = RuntimeError(f"engine step failed: {type(exc).__name__}: {exc}")
