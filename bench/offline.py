@@ -20,7 +20,7 @@ generate per side are outside the timed regions. Both run in float32 on the same
 device (our engine's: CUDA if present, else CPU).
 
 "KV alloc/used" is the KV cache's token slots held divided by the slots holding a
-computed token, summed over forward passes (see `_hf_kv_slots` for the exact rule).
+computed token, summed over forward passes (see `bench.hf_baseline.hf_kv_slots` for the exact rule).
 1.00 is no waste; ours pays block rounding, HF pays left padding. Below 1.00 means
 sharing: with prefix caching, 16 requests read one physical copy of the shared prefix.
 
@@ -31,7 +31,6 @@ renders its rows.
 from __future__ import annotations
 
 import argparse
-import copy
 import cProfile
 import gc
 import io
@@ -41,7 +40,6 @@ import platform
 import pstats
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -57,85 +55,17 @@ from rich.progress import (
 )
 from rich.table import Table
 
-WORKLOAD_NAMES = ("w1", "w2", "wv")
-PROMPT_LEN = 128
-PREFIX_LEN = 1024
-VAR_MIN_LEN, VAR_MAX_LEN = 32, 256
-# Token ids are drawn from [TOKEN_MARGIN, vocab - TOKEN_MARGIN), minus special tokens.
-TOKEN_MARGIN = 100
+from bench.hf_baseline import build_hf, hf_generate, run_hf
+from bench.workloads import (
+    WORKLOAD_NAMES,
+    Workload,
+    allowed_token_ids,
+    make_workloads,
+    parse_workloads,
+    repeat_label,
+)
+
 DTYPE = "float32"
-TORCH_DTYPE = torch.float32
-
-
-# -- workloads ------------------------------------------------------------------------------
-
-
-@dataclass(frozen=True, slots=True)
-class Workload:
-    name: str
-    description: str
-    prompts: list[list[int]]
-
-    @property
-    def max_prompt_len(self) -> int:
-        return max(len(p) for p in self.prompts)
-
-
-def allowed_token_ids(vocab_size: int, special_ids: Sequence[int]) -> np.ndarray:
-    """Ordinary token ids: away from both ends of the vocabulary, no special tokens."""
-    lo, hi = TOKEN_MARGIN, vocab_size - TOKEN_MARGIN
-    if hi - lo < 16:  # a toy vocabulary: use all of it
-        lo, hi = 0, vocab_size
-    ids = np.arange(lo, hi, dtype=np.int64)
-    return ids[~np.isin(ids, np.asarray(list(special_ids), dtype=np.int64))]
-
-
-def make_workloads(
-    names: Sequence[str],
-    vocab_size: int,
-    special_ids: Sequence[int] = (),
-    *,
-    num_prompts: int = 64,
-    seed: int = 0,
-) -> list[Workload]:
-    """The named workloads. Each draws from its own RNG stream ([seed, k]), so a workload's
-    prompts do not depend on which others are selected; w2's suffixes are w1's prompts."""
-    ids = allowed_token_ids(vocab_size, special_ids)
-
-    def draw(stream: int, shape: int | tuple[int, ...]) -> np.ndarray:
-        return np.random.default_rng([seed, stream]).choice(ids, size=shape)
-
-    def w1_prompts() -> list[list[int]]:
-        return draw(1, (num_prompts, PROMPT_LEN)).tolist()
-
-    out = []
-    for name in names:
-        if name == "w1":
-            out.append(Workload(name, f"{num_prompts} x {PROMPT_LEN} tokens", w1_prompts()))
-        elif name == "w2":
-            prefix = draw(2, PREFIX_LEN).tolist()
-            prompts = [prefix + p for p in w1_prompts()]
-            desc = f"{num_prompts} x ({PREFIX_LEN} shared + {PROMPT_LEN}) tokens"
-            out.append(Workload(name, desc, prompts))
-        elif name == "wv":
-            rng = np.random.default_rng([seed, 3])
-            lens = rng.integers(VAR_MIN_LEN, VAR_MAX_LEN + 1, size=num_prompts)
-            prompts = [rng.choice(ids, size=int(n)).tolist() for n in lens]
-            desc = f"{num_prompts} x U[{VAR_MIN_LEN}, {VAR_MAX_LEN}] tokens"
-            out.append(Workload(name, desc, prompts))
-        else:
-            raise ValueError(f"unknown workload {name!r}; known: {', '.join(WORKLOAD_NAMES)}")
-    return out
-
-
-def parse_workloads(spec: str) -> list[str]:
-    names = [w.strip().lower() for w in spec.split(",") if w.strip()]
-    if names == ["all"]:
-        return list(WORKLOAD_NAMES)
-    for name in names:
-        if name not in WORKLOAD_NAMES:
-            raise ValueError(f"unknown workload {name!r}; known: {', '.join(WORKLOAD_NAMES)}")
-    return names
 
 
 # -- our engine -----------------------------------------------------------------------------
@@ -143,10 +73,6 @@ def parse_workloads(spec: str) -> list[str]:
 
 def _cdiv(a: int, b: int) -> int:
     return -(-a // b)
-
-
-def _nth(label: str, i: int, repeat: int) -> str:
-    return label if repeat == 1 else f"{label} #{i + 1}"
 
 
 def _new_progress(console: Console) -> Progress:
@@ -212,7 +138,7 @@ def run_ours(
 ) -> dict[str, Any]:
     """Time `llm.generate` over the workload; with repeat > 1 keep the fastest run."""
     runs = [
-        _run_ours_once(llm, workload, output_len, progress, _nth(label, i, repeat))
+        _run_ours_once(llm, workload, output_len, progress, repeat_label(label, i, repeat))
         for i in range(repeat)
     ]
     best = min(runs, key=lambda r: r["wall_s"])
@@ -297,132 +223,6 @@ def profile_ours(llm: Any, prompts: list[list[int]], output_len: int, top: int =
     buf.write(f"{steps} steps, {wall:.2f} s under cProfile ({1e3 * wall / steps:.2f} ms/step)\n")
     pstats.Stats(prof, stream=buf).sort_stats("cumulative").print_stats(top)
     return buf.getvalue()
-
-
-# -- Hugging Face ---------------------------------------------------------------------------
-
-
-def build_hf(model_dir: str, device: torch.device, progress: Progress) -> tuple[Any, Any]:
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    task = progress.add_task("load HF", total=1)
-    tokenizer = AutoTokenizer.from_pretrained(model_dir)
-    tokenizer.padding_side = "left"
-    if tokenizer.pad_token_id is None:
-        tokenizer.pad_token = tokenizer.eos_token or tokenizer.convert_ids_to_tokens(0)
-    model: Any = AutoModelForCausalLM.from_pretrained(model_dir, dtype=TORCH_DTYPE)
-    model.to(device)
-    model.eval()
-    progress.update(task, completed=1)
-    return model, tokenizer
-
-
-def never_stop(config: Any) -> Any:
-    """HF's equivalent of ignore_eos: no EOS at all, so EOS is sampled like any token.
-
-    (`min_new_tokens` would ban EOS instead, and pick a different token where EOS
-    is the argmax.)
-    """
-    config = copy.deepcopy(config)
-    config.eos_token_id = None
-    return config
-
-
-def _hf_generate(model: Any, tokenizer: Any, batch: list[list[int]], output_len: int) -> Any:
-    enc = tokenizer.pad({"input_ids": batch}, padding=True, return_tensors="pt")
-    enc = {k: v.to(model.device) for k, v in enc.items()}
-    with torch.inference_mode():
-        out = model.generate(
-            **enc,
-            generation_config=never_stop(model.generation_config),
-            max_new_tokens=output_len,
-            do_sample=False,
-            pad_token_id=tokenizer.pad_token_id,
-        )
-    return out[:, enc["input_ids"].shape[1] :]
-
-
-def _hf_kv_slots(prompt_lens: Sequence[int], output_len: int) -> tuple[int, int]:
-    """(allocated, used) KV token slots of one static left-padded batch, summed over passes.
-
-    HF's cache grows by one column per forward pass, the same for every row: after pass j
-    (j = 0 is the prefill) it holds max(prompt_lens) + j columns for each of the B rows, of
-    which prompt_len + j are real tokens and the rest left padding. Ours is sampled after
-    each step, once finished requests are freed; to match, the batch's last pass (after
-    which it is discarded) is not counted: j runs over 0 .. output_len - 2.
-    """
-    batch, longest, total = len(prompt_lens), max(prompt_lens), sum(prompt_lens)
-    alloc = used = 0
-    for j in range(output_len - 1):
-        alloc += batch * (longest + j)
-        used += total + batch * j
-    return alloc, used
-
-
-def run_hf(
-    model: Any,
-    tokenizer: Any,
-    workload: Workload,
-    batch_size: int,
-    output_len: int,
-    progress: Progress,
-    repeat: int = 1,
-) -> dict[str, Any]:
-    """Time static batches through `generate`; with repeat > 1 keep the fastest run."""
-    runs = [
-        _run_hf_once(
-            model,
-            tokenizer,
-            workload,
-            batch_size,
-            output_len,
-            progress,
-            _nth(f"{workload.name} HF", i, repeat),
-        )
-        for i in range(repeat)
-    ]
-    best = min(runs, key=lambda r: r["wall_s"])
-    best["wall_s_runs"] = [r["wall_s"] for r in runs]
-    return best
-
-
-def _run_hf_once(
-    model: Any,
-    tokenizer: Any,
-    workload: Workload,
-    batch_size: int,
-    output_len: int,
-    progress: Progress,
-    label: str,
-) -> dict[str, Any]:
-    prompts = workload.prompts
-    batches = [prompts[i : i + batch_size] for i in range(0, len(prompts), batch_size)]
-    task = progress.add_task(label, total=len(prompts))
-    alloc = used = 0
-    for batch in batches:
-        a, u = _hf_kv_slots([len(p) for p in batch], output_len)
-        alloc, used = alloc + a, used + u
-
-    token_ids: list[list[int]] = []
-    gc.collect()
-    t0 = time.perf_counter()
-    for batch in batches:
-        new = _hf_generate(model, tokenizer, batch, output_len)
-        token_ids.extend(new.tolist())  # a device-to-host copy: also synchronizes CUDA
-        progress.advance(task, len(batch))
-    wall = time.perf_counter() - t0
-
-    num_out = sum(len(t) for t in token_ids)
-    return {
-        "wall_s": wall,
-        "output_tokens": num_out,
-        "tok_s": num_out / wall,
-        "kv_alloc_tokens": alloc,
-        "kv_used_tokens": used,
-        "kv_alloc_used": alloc / used if used else None,
-        "ms_per_pass": 1e3 * wall / (len(batches) * output_len),
-        "token_ids": token_ids,
-    }
 
 
 # -- the benchmark --------------------------------------------------------------------------
@@ -558,7 +358,7 @@ def run_offline(
             if other is not None:
                 warmup_ours(other, warm_prompts, 8)
         if hf_model is not None:
-            _hf_generate(hf_model, hf_tok, warm_prompts, 8)
+            hf_generate(hf_model, hf_tok, warm_prompts, 8)
         progress.update(warm, total=1, completed=1)
 
         for wl in all_wl:
