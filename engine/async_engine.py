@@ -162,14 +162,21 @@ class AsyncEngine:
                 self._fail_all(exc)
                 continue
             self.last_step_time = time.monotonic()
-            for update in updates:
-                stream = self._streams.get(update.request_id)
-                if stream is not None:
-                    stream.put(update)
+            self._deliver(updates)
             # After delivering: n > 1 samples of one request may finish in the same step.
             for update in updates:
                 if update.finished and update.request_id not in engine.parents:
                     self._forget(update.request_id)
+
+    def _deliver(self, updates: list[SequenceUpdate]) -> None:
+        """One wake-up per event loop per step, not one per token."""
+        batches: dict[asyncio.AbstractEventLoop, list[tuple[_Stream, SequenceUpdate]]] = {}
+        for update in updates:
+            stream = self._streams.get(update.request_id)
+            if stream is not None:
+                batches.setdefault(stream.loop, []).append((stream, update))
+        for loop, batch in batches.items():
+            loop.call_soon_threadsafe(_put_all, batch)
 
     def _drain(self, block: bool) -> bool:
         """Apply queued adds and aborts; False when told to exit."""
@@ -225,3 +232,8 @@ class AsyncEngine:
             self._forget(request_id)
             if stream is not None:
                 stream.put(error)
+
+
+def _put_all(batch: list[tuple[_Stream, SequenceUpdate]]) -> None:
+    for stream, update in batch:
+        stream.queue.put_nowait(update)
