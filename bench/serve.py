@@ -200,6 +200,7 @@ def run_serve_bench(
     seed: int = 0,
     deadline: float = 600.0,
     label: str = "server",
+    warmup: int = 4,
     console: Console | None = None,
 ) -> dict[str, Any]:
     """Drive one workload against one server; returns the summary row."""
@@ -217,6 +218,19 @@ def run_serve_bench(
         TimeElapsedColumn(),
     )
     with Progress(*columns, console=console, transient=True) as progress:
+        # First requests pay one-time costs on either server; other prompts, so they
+        # prime no prefix cache.
+        if warmup:
+            asyncio.run(
+                run_load(
+                    base_url,
+                    models,
+                    make_prompts(workload, warmup, vocab, seed + 1),
+                    output_len,
+                    concurrency,
+                    deadline,
+                )
+            )
         results, elapsed = asyncio.run(
             run_load(base_url, models, prompts, output_len, concurrency, deadline, progress)
         )
@@ -246,6 +260,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--deadline", type=float, default=600.0, help="seconds before giving up")
     p.add_argument("--label", default="server")
+    p.add_argument("--warmup", type=int, default=4, help="untimed requests sent first")
     p.add_argument("--cpu", type=int, default=None, help="pin this client to one core")
     p.add_argument("--json", type=Path, default=None)
     args = p.parse_args(argv)
