@@ -11,7 +11,7 @@ from typing import Any
 import torch
 from rich.progress import Progress
 
-from bench.workloads import Workload, repeat_label
+from bench.workloads import Workload, best_of
 
 TORCH_DTYPE = torch.float32
 
@@ -83,21 +83,13 @@ def run_hf(
     repeat: int = 1,
 ) -> dict[str, Any]:
     """Time static batches through `generate`; with repeat > 1 keep the fastest run."""
-    runs = [
-        _run_hf_once(
-            model,
-            tokenizer,
-            workload,
-            batch_size,
-            output_len,
-            progress,
-            repeat_label(f"{workload.name} HF", i, repeat),
-        )
-        for i in range(repeat)
-    ]
-    best = min(runs, key=lambda r: r["wall_s"])
-    best["wall_s_runs"] = [r["wall_s"] for r in runs]
-    return best
+    return best_of(
+        lambda label: _run_hf_once(
+            model, tokenizer, workload, batch_size, output_len, progress, label
+        ),
+        f"{workload.name} HF",
+        repeat,
+    )
 
 
 def _run_hf_once(

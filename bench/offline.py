@@ -60,9 +60,9 @@ from bench.workloads import (
     WORKLOAD_NAMES,
     Workload,
     allowed_token_ids,
+    best_of,
     make_workloads,
     parse_workloads,
-    repeat_label,
 )
 
 DTYPE = "float32"
@@ -137,13 +137,9 @@ def run_ours(
     repeat: int = 1,
 ) -> dict[str, Any]:
     """Time `llm.generate` over the workload; with repeat > 1 keep the fastest run."""
-    runs = [
-        _run_ours_once(llm, workload, output_len, progress, repeat_label(label, i, repeat))
-        for i in range(repeat)
-    ]
-    best = min(runs, key=lambda r: r["wall_s"])
-    best["wall_s_runs"] = [r["wall_s"] for r in runs]
-    return best
+    return best_of(
+        lambda lbl: _run_ours_once(llm, workload, output_len, progress, lbl), label, repeat
+    )
 
 
 def _run_ours_once(

@@ -7,8 +7,9 @@ wv  prompt lengths uniform in [32, 256]
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 
@@ -88,6 +89,9 @@ def parse_workloads(spec: str) -> list[str]:
     return names
 
 
-def repeat_label(label: str, i: int, repeat: int) -> str:
-    """The progress label of run i of a measurement repeated `repeat` times."""
-    return label if repeat == 1 else f"{label} #{i + 1}"
+def best_of(measure: Callable[[str], dict[str, Any]], label: str, repeat: int) -> dict[str, Any]:
+    """Run `measure(progress_label)` `repeat` times; keep the fastest, note every wall time."""
+    runs = [measure(label if repeat == 1 else f"{label} #{i + 1}") for i in range(repeat)]
+    best = min(runs, key=lambda r: r["wall_s"])
+    best["wall_s_runs"] = [r["wall_s"] for r in runs]
+    return best

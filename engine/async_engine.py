@@ -75,7 +75,6 @@ class AsyncEngine:
         self._lock = threading.Lock()
         self._thread: threading.Thread | None = None
         self._stopping = threading.Event()
-        self.last_step_time = 0.0
 
     # -- lifecycle ----------------------------------------------------------------------------
 
@@ -161,7 +160,6 @@ class AsyncEngine:
                 logger.exception("engine step failed")
                 self._fail_all(exc)
                 continue
-            self.last_step_time = time.monotonic()
             self._deliver(updates)
             # After delivering: n > 1 samples of one request may finish in the same step.
             for update in updates:

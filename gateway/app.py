@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import time
+
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
 from starlette.middleware.base import BaseHTTPMiddleware, RequestResponseEndpoint
@@ -10,7 +12,7 @@ from starlette.responses import Response
 from engine.async_engine import AsyncEngine
 from gateway.errors import error_body, install_error_handlers
 from gateway.metrics import Metrics
-from gateway.routers.openai import health_router, router, started_at
+from gateway.routers.openai import health_router, router
 from gateway.serving import OpenAIServing
 
 
@@ -37,7 +39,7 @@ def build_app(
     app = FastAPI(title="loragate", docs_url=None, redoc_url=None)
     app.state.metrics = Metrics(engine)
     app.state.serving = OpenAIServing(engine, served_model_name, app.state.metrics)
-    app.state.started_at = started_at()
+    app.state.started_at = int(time.time())
     install_error_handlers(app)
     app.add_middleware(BodySizeLimit, max_bytes=max_body_bytes)
     app.include_router(router)

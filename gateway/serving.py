@@ -36,8 +36,18 @@ class _Choice:
 
 @dataclass(slots=True)
 class _Usage:
-    prompt_tokens: int = 0
-    cached_tokens: int = 0
+    """Prompt figures per prompt: its n samples share one prompt (and its cache hits)."""
+
+    prompts: dict[int, int] = field(default_factory=dict)
+    cached: dict[int, int] = field(default_factory=dict)
+
+    def record(self, prompt_index: int, update: SequenceUpdate) -> None:
+        self.prompts[prompt_index] = update.num_prompt_tokens
+        self.cached[prompt_index] = max(self.cached.get(prompt_index, 0), update.num_cached_tokens)
+
+    @property
+    def prompt_tokens(self) -> int:
+        return sum(self.prompts.values())
 
     def body(self, choices: list[_Choice]) -> dict[str, Any]:
         completion = sum(len(c.token_ids) for c in choices)
@@ -45,7 +55,7 @@ class _Usage:
             "prompt_tokens": self.prompt_tokens,
             "completion_tokens": completion,
             "total_tokens": self.prompt_tokens + completion,
-            "prompt_tokens_details": {"cached_tokens": self.cached_tokens},
+            "prompt_tokens_details": {"cached_tokens": sum(self.cached.values())},
         }
 
 
@@ -189,10 +199,7 @@ class OpenAIServing:
         choices: list[_Choice], usage: _Usage, prompt_index: int, update: SequenceUpdate, n: int
     ) -> _Choice:
         choice = choices[prompt_index * n + update.index]
-        if not choice.token_ids:
-            usage.prompt_tokens += update.num_prompt_tokens if update.index == 0 else 0
-        if update.finished and update.index == 0:
-            usage.cached_tokens += update.num_cached_tokens
+        usage.record(prompt_index, update)
         choice.token_ids.extend(update.new_token_ids)
         choice.text = update.text
         if update.new_logprobs:

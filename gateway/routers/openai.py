@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import time
 from typing import Annotated, Any
 
 from fastapi import APIRouter, Depends, Request
@@ -66,7 +65,3 @@ async def metrics(request: Request) -> Response:
     return Response(
         generate_latest(request.app.state.metrics.registry), media_type=CONTENT_TYPE_LATEST
     )
-
-
-def started_at() -> int:
-    return int(time.time())
