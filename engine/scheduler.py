@@ -15,6 +15,7 @@ from __future__ import annotations
 import contextlib
 import time
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from engine.kv_cache.manager import KVCacheManager
@@ -49,6 +50,10 @@ class Scheduler:
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.num_preemptions = 0
+        # Predicates a waiting request must pass to be admitted (its grammar is
+        # compiled, its adapter is loaded). A request that fails one is skipped,
+        # keeps its place in line, and blocks nobody behind it.
+        self.admission_gates: list[Callable[[Request], bool]] = []
 
     @property
     def has_unfinished(self) -> bool:
@@ -86,16 +91,21 @@ class Scheduler:
         return True
 
     def _admit_waiting(self, out: SchedulerOutput, budget: int) -> None:
+        skipped: list[Request] = []
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
-            request = self.waiting[0]
+            request = self.waiting.popleft()
+            if not all(gate(request) for gate in self.admission_gates):
+                skipped.append(request)
+                continue
             computed_blocks, num_cached = self.kv.get_computed_blocks(request)
             num_new = request.num_tokens - num_cached
             if not self.enable_chunked_prefill and num_new > budget:
+                self.waiting.appendleft(request)
                 break
             num_new = min(num_new, budget)
             if not self.kv.allocate_slots(request, num_new, computed_blocks):
+                self.waiting.appendleft(request)
                 break
-            self.waiting.popleft()
             request.num_computed_tokens = num_cached
             if request.num_cached_tokens < 0:
                 request.num_cached_tokens = num_cached
@@ -104,6 +114,7 @@ class Scheduler:
             self.running.append(request)
             out.scheduled.append((request, num_new))
             budget -= num_new
+        self.waiting.extendleft(reversed(skipped))
 
     def _preempt(self, request: Request) -> None:
         self.kv.free(request)

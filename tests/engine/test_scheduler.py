@@ -131,3 +131,18 @@ def test_finish_frees_blocks_and_leaves_the_queues() -> None:
     sched.finish(b, RequestStatus.FINISHED_STOPPED)
     assert not sched.has_unfinished
     assert sched.kv.num_free_blocks == 10
+
+
+def test_a_request_held_by_an_admission_gate_blocks_nobody_and_keeps_its_place() -> None:
+    sched = make_scheduler()
+    ready = {"b", "c"}
+    sched.admission_gates.append(lambda r: r.request_id in ready)
+    add(sched, "a", 8)
+    add(sched, "b", 8, first=100)
+    add(sched, "c", 8, first=200)
+    out = sched.schedule()
+    assert plan(out) == [("b", 8), ("c", 8)]
+    assert [r.request_id for r in sched.waiting] == ["a"]
+    run_step(sched, out)
+    ready.add("a")
+    assert plan(sched.schedule()) == [("b", 1), ("c", 1), ("a", 8)]
