@@ -24,6 +24,11 @@ class EngineConfig:
     enable_chunked_prefill: bool = True
     seed: int = 0
     num_threads: int | None = None  # torch intra-op threads; None: torch's default
+    # Guided decoding (engine/guided.py): limits on what a request may ask to compile.
+    guided_compile_timeout: float = 10.0  # seconds a request waits for its grammar
+    guided_cache_size: int = 256  # compiled grammars kept, least recently used dropped
+    guided_max_schema_bytes: int = 64 << 10  # a schema (compact JSON), regex, grammar or choices
+    guided_max_schema_depth: int = 32  # JSON nesting levels of a schema
 
     def __post_init__(self) -> None:
         if self.block_size < 1:
@@ -46,6 +51,11 @@ class EngineConfig:
             )
         if self.device not in ("auto", "cpu", "cuda"):
             raise ValueError(f"device must be auto, cpu or cuda, got {self.device!r}")
+        if self.guided_compile_timeout <= 0:
+            raise ValueError("guided_compile_timeout must be positive")
+        for name in ("guided_cache_size", "guided_max_schema_bytes", "guided_max_schema_depth"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be positive")
         if (
             not self.enable_chunked_prefill
             and self.max_model_len is not None

@@ -12,6 +12,7 @@ from transformers import AutoConfig, AutoTokenizer
 
 from engine.config import EngineConfig
 from engine.detokenizer import IncrementalDetokenizer
+from engine.guided import GrammarCache, GuidedSpecError, grammar_ready, wait_for_any_compile
 from engine.kv_cache.manager import KVCacheManager
 from engine.model_runner import ModelRunner, ProgressFn
 from engine.outputs import CompletionOutput, RequestOutput, SequenceUpdate
@@ -59,6 +60,18 @@ class LLMEngine:
         )
         self.sequences: dict[str, _Sequence] = {}
         self.parents: dict[str, list[str]] = {}
+        self.grammars = GrammarCache(
+            self.tokenizer,
+            self.vocab_size,
+            sorted(self.eos_token_ids),
+            max_entries=config.guided_cache_size,
+            max_bytes=config.guided_max_schema_bytes,
+            max_depth=config.guided_max_schema_depth,
+            compile_timeout=config.guided_compile_timeout,
+        )
+        self.scheduler.admission_gates.append(grammar_ready)
+        # Guided sequences whose matcher does not exist yet (compiling, or not looked at).
+        self._awaiting_grammar: dict[str, _Sequence] = {}
         logger.info(
             "KV cache: %d blocks x %d tokens = %d tokens (%.1f MiB, %s); max concurrency at "
             "max_model_len=%d: %.1fx",
@@ -97,6 +110,7 @@ class LLMEngine:
         if params.max_tokens is None:
             params = replace(params, max_tokens=self.max_model_len - len(prompt_ids))
         eos = None if not self.eos_token_ids else min(self.eos_token_ids)
+        compiled = None if params.guided is None else self.grammars.submit(params.guided)
         child_ids = []
         for index in range(params.n):
             child_params = params
@@ -117,6 +131,9 @@ class LLMEngine:
                 self.tokenizer, prompt_ids, child_params.stop, child_params.skip_special_tokens
             )
             self.sequences[child_id] = _Sequence(request, request_id, index, detok)
+            if compiled is not None:
+                request.grammar = self.grammars.sequence_grammar(compiled)
+                self._awaiting_grammar[child_id] = self.sequences[child_id]
             self.scheduler.add_request(request)
             child_ids.append(child_id)
         self.parents[request_id] = child_ids
@@ -139,6 +156,7 @@ class LLMEngine:
         """Stop a request now; its blocks return to the pool at once."""
         for child_id in self.parents.pop(request_id, []):
             seq = self.sequences.pop(child_id)
+            self._awaiting_grammar.pop(child_id, None)
             self.scheduler.finish(seq.request, RequestStatus.FINISHED_ABORTED)
 
     def fail_running(self) -> list[str]:
@@ -160,16 +178,19 @@ class LLMEngine:
     # -- the step ---------------------------------------------------------------------------
 
     def step(self) -> list[SequenceUpdate]:
+        updates = self._start_grammars() if self._awaiting_grammar else []
         sched = self.scheduler.schedule()
         if sched.is_empty:
-            return []
+            if self._awaiting_grammar:  # only compiles to wait for: wait, don't spin
+                grammars = [seq.request.grammar for seq in self._awaiting_grammar.values()]
+                wait_for_any_compile(grammars, timeout=0.05)  # type: ignore[arg-type]
+            return updates
         sampled, sampler_out = self.runner.execute(sched, self.kv)
         for request, num_new in sched.scheduled:
             request.num_computed_tokens += num_new
         if sampler_out is None:
-            return []
+            return updates
         now = time.monotonic()
-        updates = []
         for request, token_id, logprobs in zip(
             sampled, sampler_out.token_ids, sampler_out.logprobs, strict=True
         ):
@@ -182,12 +203,34 @@ class LLMEngine:
             status = self._check_stop(seq, token_id)
             if status is not None:
                 self._finish(seq, status)
-            updates.append(self._update(seq, token_id, logprobs))
+            updates.append(self._update(seq, [token_id], logprobs))
+        return updates
+
+    def _start_grammars(self) -> list[SequenceUpdate]:
+        """Give each guided sequence whose grammar compiled its matcher (the admission gate
+        then lets it in); fail those whose compile failed or timed out."""
+        updates = []
+        now = time.monotonic()
+        for child_id, seq in list(self._awaiting_grammar.items()):
+            request = seq.request
+            assert request.grammar is not None
+            try:
+                if not request.grammar.try_start(now):
+                    continue
+            except GuidedSpecError as exc:
+                request.error = str(exc)
+                self._finish(seq, RequestStatus.FINISHED_ERROR)
+                updates.append(self._update(seq, [], None))
+            del self._awaiting_grammar[child_id]
         return updates
 
     def _check_stop(self, seq: _Sequence, token_id: int) -> RequestStatus | None:
         request = seq.request
         params = request.sampling_params
+        grammar = request.grammar
+        if grammar is not None and not grammar.accept(token_id):
+            request.error = f"token {token_id} is outside the grammar"  # a masking bug
+            return RequestStatus.FINISHED_ERROR
         # Below min_tokens no stop condition but length applies (as in vLLM).
         may_stop = request.num_output_tokens >= params.min_tokens
         stop_string = seq.detokenizer.update(token_id, check_stop=may_stop)
@@ -200,6 +243,9 @@ class LLMEngine:
             if stop_string is not None:
                 request.stop_reason = stop_string
                 return RequestStatus.FINISHED_STOPPED
+        # The grammar's end is the output's end, whatever min_tokens or ignore_eos say.
+        if grammar is not None and grammar.must_end():
+            return RequestStatus.FINISHED_STOPPED
         assert params.max_tokens is not None
         if (
             request.num_output_tokens >= params.max_tokens
@@ -217,7 +263,9 @@ class LLMEngine:
             del self.parents[seq.parent_id]
 
     @staticmethod
-    def _update(seq: _Sequence, token_id: int, logprobs: dict[int, float] | None) -> SequenceUpdate:
+    def _update(
+        seq: _Sequence, new_token_ids: list[int], logprobs: dict[int, float] | None
+    ) -> SequenceUpdate:
         request = seq.request
         detok = seq.detokenizer
         finished = request.is_finished
@@ -225,7 +273,7 @@ class LLMEngine:
         return SequenceUpdate(
             request_id=seq.parent_id,
             index=seq.index,
-            new_token_ids=[token_id],
+            new_token_ids=new_token_ids,
             text=text,
             new_logprobs=None if logprobs is None else [logprobs],
             num_prompt_tokens=request.num_prompt_tokens,

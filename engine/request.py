@@ -5,6 +5,10 @@ from __future__ import annotations
 import enum
 import time
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from engine.guided import SequenceGrammar
 
 
 class RequestStatus(enum.IntEnum):
@@ -29,6 +33,65 @@ FINISH_REASONS = {
 }
 
 
+@dataclass(frozen=True, slots=True)
+class GuidedSpec:
+    """Constrain the output to exactly one of: a JSON schema, any JSON object, a regular
+    expression, one string of a list, or an EBNF grammar (engine.guided compiles it).
+
+    Frozen: n > 1 samples share one spec (each gets its own matcher). `strict` (JSON schema
+    only) keeps objects to the properties the schema names, as OpenAI's strict mode does;
+    False allows what JSON Schema allows.
+    """
+
+    json_schema: dict[str, Any] | None = None
+    json_object: bool = False
+    regex: str | None = None
+    choice: tuple[str, ...] | None = None
+    grammar: str | None = None
+    strict: bool = True
+
+    def __post_init__(self) -> None:
+        if isinstance(self.choice, list):
+            object.__setattr__(self, "choice", tuple(self.choice))
+        self.verify()
+
+    def verify(self) -> None:
+        """Raise ValueError for a malformed spec (cheap; schema limits are engine.guided's)."""
+        kinds = [
+            self.json_schema is not None,
+            self.json_object,
+            self.regex is not None,
+            self.choice is not None,
+            self.grammar is not None,
+        ]
+        if sum(kinds) != 1:
+            raise ValueError(
+                "guided decoding takes exactly one of json_schema, json_object, regex, choice "
+                "and grammar"
+            )
+        if self.json_schema is not None and not isinstance(self.json_schema, dict):
+            raise ValueError("a JSON schema must be a JSON object")
+        if self.regex is not None and not self.regex:
+            raise ValueError("the regex must not be empty")
+        if self.grammar is not None and not self.grammar.strip():
+            raise ValueError("the grammar must not be empty")
+        if self.choice is not None:
+            if not self.choice:
+                raise ValueError("choice must list at least one string")
+            if not all(isinstance(c, str) and c for c in self.choice):
+                raise ValueError("every choice must be a non-empty string")
+
+    @property
+    def kind(self) -> str:
+        if self.json_schema is not None:
+            return "json_schema"
+        if self.json_object:
+            return "json_object"
+        if self.regex is not None:
+            return "regex"
+        return "choice" if self.choice is not None else "grammar"
+
+
 @dataclass(slots=True)
 class SamplingParams:
     """What to generate and when to stop. Names and defaults follow vLLM's."""
@@ -49,6 +112,7 @@ class SamplingParams:
     ignore_eos: bool = False
     logprobs: int | None = None  # number of top logprobs per token; 0 = sampled token only
     skip_special_tokens: bool = True
+    guided: GuidedSpec | None = None  # constrain the output to a grammar (engine.guided)
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -85,6 +149,8 @@ class SamplingParams:
             raise ValueError(f"logprobs must be in [0, 20], got {self.logprobs}")
         if any(not s for s in self.stop):
             raise ValueError("stop strings must be non-empty")
+        if self.guided is not None:
+            self.guided.verify()
 
     @property
     def greedy(self) -> bool:
@@ -129,6 +195,7 @@ class Request:
         "num_preemptions",
         "first_token_time",
         "scheduled_time",
+        "grammar",
     )
 
     def __init__(
@@ -166,6 +233,8 @@ class Request:
         self.num_preemptions = 0
         self.first_token_time: float | None = None
         self.scheduled_time: float | None = None
+        # Guided requests: this sequence's matcher, once its grammar is compiled.
+        self.grammar: SequenceGrammar | None = None
 
     @property
     def num_tokens(self) -> int:

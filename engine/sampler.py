@@ -1,6 +1,7 @@
 """Turn each sampling request's last-position logits into its next token.
 
-Batched over the step's rows: greedy rows take the argmax; random rows go
+Batched over the step's rows: guided rows are masked to the tokens their
+grammar allows (engine.guided); greedy rows take the argmax; random rows go
 through penalties, temperature, min-p, top-k and top-p, then sample with the
 exponential race (argmax of p / Exp(1) noise), which draws a categorical
 sample with one noise vector per row. Seeded requests draw their noise from
@@ -14,6 +15,7 @@ from dataclasses import dataclass
 
 import torch
 
+from engine.guided import GrammarBitmask
 from engine.request import Request
 
 
@@ -29,6 +31,7 @@ class Sampler:
         self.device = device
         self.generator = torch.Generator(device=device)
         self.generator.manual_seed(seed)
+        self.grammar_bitmask = GrammarBitmask()
 
     def __call__(self, logits: torch.Tensor, requests: list[Request]) -> SamplerOutput:
         params = [r.sampling_params for r in requests]
@@ -39,6 +42,9 @@ class Sampler:
         logits = self._apply_min_tokens(logits, requests)
         if any(p.needs_penalties for p in params):
             logits = self._apply_penalties(logits, requests)
+        # Guided rows only, in place. min_tokens never leaves such a row without a token: the
+        # engine ends a sequence as soon as its grammar allows nothing but a stop token.
+        self.grammar_bitmask.apply(logits, requests)
 
         greedy = [p.greedy for p in params]
         sampled = logits.argmax(dim=-1) if all(greedy) else self._sample(logits, requests, greedy)

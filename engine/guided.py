@@ -1,0 +1,491 @@
+"""Guided decoding: compile a GuidedSpec into a grammar, give each sequence a matcher, and
+mask each step's logits to the tokens the grammars allow next (xgrammar).
+
+The objects, in the order a request meets them:
+
+- `GrammarCache` compiles specs on background threads, so a slow compile never stalls the
+  step loop, and keeps the results (grammars and refusals) in a bounded LRU keyed by the
+  spec's canonical text. Meanwhile the request waits in the queue: `grammar_ready` is a
+  scheduler admission gate.
+- `SequenceGrammar` is one sequence's matcher. It accepts each token the engine appends and
+  says when the output must end: the grammar took a stop token, or it is complete and
+  allows nothing but a stop token next (then the engine ends it without that extra step).
+- `GrammarBitmask` is one int32 bitmask for all guided rows of a step, filled together and
+  applied to those rows' logits before sampling; other rows are not touched.
+
+JSON comes out compact (`{"a":1,"b":[2,3]}`): the grammar leaves no whitespace to choose.
+With free whitespace a small model tends to emit spaces or newlines until max_tokens.
+
+Importing xgrammar takes over a second, so it happens on first use: an engine that never
+sees a guided request never pays for it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import re
+import threading
+import time
+from collections import OrderedDict
+from collections.abc import Iterator, Sequence
+from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+import torch
+
+from engine.request import GuidedSpec, Request
+
+if TYPE_CHECKING:
+    import xgrammar as xgr
+
+logger = logging.getLogger(__name__)
+
+# Compact JSON: no whitespace between tokens, so none for the model to choose.
+JSON_SEPARATORS = (",", ":")
+
+# Keywords xgrammar 0.2.9 accepts without enforcing them: the output could break the schema,
+# so a schema that uses them is refused instead (tests/engine/test_guided.py pins each one).
+UNENFORCED_KEYWORDS = {
+    "not": "not",
+    "if": "if/then/else",
+    "then": "if/then/else",
+    "else": "if/then/else",
+    "oneOf": "oneOf (use anyOf: 'exactly one' is not enforced)",
+    "dependentRequired": "dependentRequired",
+    "dependentSchemas": "dependentSchemas",
+    "dependencies": "dependencies",
+}
+
+# Where a schema holds subschemas: {name: schema}, [schema, ...] and schema-valued keywords.
+_SCHEMA_MAPS = ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas")
+_SCHEMA_LISTS = ("anyOf", "allOf", "oneOf", "prefixItems")
+_SCHEMA_VALUES = (
+    "items",
+    "additionalProperties",
+    "additionalItems",
+    "contains",
+    "propertyNames",
+    "not",
+    "if",
+    "then",
+    "else",
+    "unevaluatedItems",
+    "unevaluatedProperties",
+)
+
+# xgrammar's C++ errors start with "[12:00:00] /project/cpp/file.cc:123: " and sometimes
+# "Check failed: (...) is false: "; the client needs neither.
+_XGRAMMAR_ERROR_PREFIX = re.compile(r"^\[[\d:.]+\] \S+:\d+: (Check failed: .*? is false: )?")
+
+
+class GuidedSpecError(ValueError):
+    """A spec the engine refuses: invalid, unsupported, over a limit, or too slow to compile."""
+
+
+# -- checks --------------------------------------------------------------------------------
+
+
+def canonical_text(spec: GuidedSpec) -> str:
+    """The spec's payload as compact text: what the size limit counts and the cache key holds.
+
+    Not key-sorted: a schema's property order is the order the output writes them in, so
+    two orders are two grammars.
+    """
+    if spec.json_schema is not None:
+        try:
+            return json.dumps(spec.json_schema, ensure_ascii=False, separators=JSON_SEPARATORS)
+        except RecursionError:
+            raise GuidedSpecError("the JSON schema nests too deeply") from None
+    if spec.choice is not None:
+        return json.dumps(spec.choice, ensure_ascii=False)
+    return spec.regex or spec.grammar or ""
+
+
+def check_schema(schema: dict[str, Any], max_depth: int) -> None:
+    """Refuse a schema that is too deep, invalid, or uses what xgrammar cannot enforce."""
+    depth = _nesting_depth(schema)
+    if depth > max_depth:
+        raise GuidedSpecError(
+            f"the JSON schema nests {depth} levels deep; the limit is {max_depth}"
+        )
+    import jsonschema
+
+    try:
+        jsonschema.validators.validator_for(schema).check_schema(schema)
+    except jsonschema.SchemaError as exc:
+        where = "/".join(str(p) for p in exc.path) or "the top level"
+        raise GuidedSpecError(f"invalid JSON schema at {where}: {exc.message}") from None
+    for node in _schema_nodes(schema):
+        problem = _unsupported(node)
+        if problem is not None:
+            raise GuidedSpecError(f"unsupported JSON schema: {problem}")
+
+
+def _nesting_depth(value: Any) -> int:
+    deepest = 0
+    stack = [(value, 1)]
+    while stack:
+        item, depth = stack.pop()
+        if isinstance(item, dict):
+            children = item.values()
+        elif isinstance(item, list):
+            children = item
+        else:
+            continue
+        deepest = max(deepest, depth)
+        stack.extend((child, depth + 1) for child in children)
+    return deepest
+
+
+def _schema_nodes(schema: dict[str, Any]) -> Iterator[dict[str, Any]]:
+    """Every (sub)schema object, not the data inside enum, const or default."""
+    stack = [schema]
+    while stack:
+        node = stack.pop()
+        if not isinstance(node, dict):
+            continue
+        yield node
+        for key in _SCHEMA_MAPS:
+            if isinstance(node.get(key), dict):
+                stack.extend(node[key].values())
+        for key in _SCHEMA_LISTS:
+            if isinstance(node.get(key), list):
+                stack.extend(node[key])
+        for key in _SCHEMA_VALUES:
+            value = node.get(key)
+            stack.extend(value if isinstance(value, list) else [value])
+
+
+def _unsupported(node: dict[str, Any]) -> str | None:
+    for keyword, name in UNENFORCED_KEYWORDS.items():
+        if keyword in node:
+            return f"{name} is not supported"
+    if node.get("uniqueItems") is True:
+        return "uniqueItems is not supported"
+    if isinstance(node.get("allOf"), list) and len(node["allOf"]) > 1:
+        return "allOf with more than one schema is not supported"
+    ref = node.get("$ref")
+    if isinstance(ref, str) and not (ref == "#" or ref.startswith("#/")):
+        return f"$ref {ref!r}: only references inside the schema (#/...) are supported"
+    return None
+
+
+# -- compiling -----------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class CompiledSpec:
+    """A compiled grammar, and a token filter its rows also get (an int32 bitmask row to AND
+    with the grammar's, or None)."""
+
+    grammar: xgr.CompiledGrammar
+    token_filter: torch.Tensor | None
+
+
+class GrammarCache:
+    """Compiled grammars by canonical spec: a bounded LRU filled by background compiles.
+
+    Thread-safe: the engine thread submits as requests arrive, the gateway awaits the same
+    futures to answer 400 before a stream starts. An entry is a future whose result is a
+    CompiledSpec or the GuidedSpecError that refused the spec (deterministic, so kept too).
+    A compile past the timeout fails its requests but keeps running (xgrammar cannot be
+    interrupted) and its result is cached; another request for the same spec waits on the
+    same future rather than starting a second compile.
+    """
+
+    def __init__(
+        self,
+        tokenizer: Any,
+        vocab_size: int,
+        stop_token_ids: Sequence[int],
+        *,
+        max_entries: int,
+        max_bytes: int,
+        max_depth: int,
+        compile_timeout: float,
+        max_workers: int = 2,
+    ) -> None:
+        self.vocab_size = vocab_size
+        self.stop_token_ids = sorted(stop_token_ids)
+        self.max_entries = max_entries
+        self.max_bytes = max_bytes
+        self.max_depth = max_depth
+        self.compile_timeout = compile_timeout
+        self._tokenizer = tokenizer
+        self._max_workers = max_workers
+        self._entries: OrderedDict[str, Future[Any]] = OrderedDict()
+        self._lock = threading.Lock()
+        self._executor: ThreadPoolExecutor | None = None
+        self._compiler: xgr.GrammarCompiler | None = None
+        self._json_filter: torch.Tensor | None = None
+        self._compiler_lock = threading.Lock()
+        self._end_check = _EndCheck(self.stop_token_ids, vocab_size)
+
+    def submit(self, spec: GuidedSpec) -> Future[Any]:
+        """The spec's compile future (a cache hit is already done). Raises GuidedSpecError
+        at once for a spec over the size limit or one that already failed to compile."""
+        text = canonical_text(spec)
+        size = len(text.encode())
+        if size > self.max_bytes:
+            raise GuidedSpecError(
+                f"the {_name(spec)} takes {size} bytes; the limit is {self.max_bytes}"
+            )
+        key = f"{spec.kind}:{'strict' if spec.strict else 'loose'}:{text}"
+        with self._lock:
+            future = self._entries.get(key)
+            if future is not None:
+                self._entries.move_to_end(key)
+            else:
+                if self._executor is None:
+                    self._executor = ThreadPoolExecutor(
+                        self._max_workers, thread_name_prefix="grammar-compile"
+                    )
+                future = self._executor.submit(self._compile, spec)
+                self._entries[key] = future
+                while len(self._entries) > self.max_entries:
+                    self._entries.popitem(last=False)
+        if future.done() and isinstance(future.result(), GuidedSpecError):
+            raise future.result()
+        return future
+
+    async def compile(self, spec: GuidedSpec) -> None:
+        """Wait, without blocking the event loop, until the spec has compiled; raises
+        GuidedSpecError when it cannot, or not within the compile timeout."""
+        future = asyncio.wrap_future(self.submit(spec))
+        done, _ = await asyncio.wait({future}, timeout=self.compile_timeout)
+        if not done:
+            raise GuidedSpecError(_timeout_message(self.compile_timeout))
+        result = future.result()
+        if isinstance(result, GuidedSpecError):
+            raise result
+
+    def sequence_grammar(self, future: Future[Any]) -> SequenceGrammar:
+        return SequenceGrammar(future, self.compile_timeout, self._end_check)
+
+    def _compile(self, spec: GuidedSpec) -> CompiledSpec | GuidedSpecError:
+        """Runs on a compile thread; returns the refusal instead of raising it, so that
+        every waiter reads the same result and no exception is left unretrieved."""
+        start = time.perf_counter()
+        try:
+            if spec.json_schema is not None:
+                check_schema(spec.json_schema, self.max_depth)
+            compiled = self._compile_unchecked(spec)
+            if self._end_check.matches_only_empty(compiled):
+                raise GuidedSpecError(f"the {_name(spec)} matches only the empty string")
+        except GuidedSpecError as exc:
+            return exc
+        except Exception as exc:  # noqa: BLE001 - xgrammar raises RuntimeError/ValueError alike
+            message = _XGRAMMAR_ERROR_PREFIX.sub("", str(exc).strip())
+            return GuidedSpecError(f"cannot compile the {_name(spec)}: {message}")
+        elapsed_ms = 1e3 * (time.perf_counter() - start)
+        logger.debug("compiled a %s grammar in %.1f ms", spec.kind, elapsed_ms)
+        return compiled
+
+    def _compile_unchecked(self, spec: GuidedSpec) -> CompiledSpec:
+        compiler = self._xgrammar_compiler()
+        if spec.json_schema is not None or spec.json_object:
+            # json_object: any object with values of any type, i.e. the schema {"type": "object"}.
+            schema = json.dumps(spec.json_schema) if spec.json_schema else '{"type": "object"}'
+            grammar = compiler.compile_json_schema(
+                schema,
+                any_whitespace=False,
+                separators=JSON_SEPARATORS,
+                strict_mode=spec.strict and not spec.json_object,
+            )
+            return CompiledSpec(grammar, self._json_filter)
+        if spec.regex is not None:
+            return CompiledSpec(compiler.compile_regex(spec.regex), None)
+        if spec.choice is not None:
+            # JSON string literals are EBNF string literals (quotes, backslashes, \n, \uXXXX).
+            alternatives = " | ".join(json.dumps(c, ensure_ascii=False) for c in spec.choice)
+            return CompiledSpec(compiler.compile_grammar(f"root ::= {alternatives}"), None)
+        assert spec.grammar is not None
+        return CompiledSpec(compiler.compile_grammar(spec.grammar), None)
+
+    def _xgrammar_compiler(self) -> xgr.GrammarCompiler:
+        with self._compiler_lock:
+            if self._compiler is None:
+                import xgrammar as xgr
+
+                info = xgr.TokenizerInfo.from_huggingface(
+                    self._tokenizer, vocab_size=self.vocab_size, stop_token_ids=self.stop_token_ids
+                )
+                self._json_filter = _no_control_bytes(
+                    info.decoded_vocab, self.vocab_size, self.stop_token_ids
+                )
+                # Our LRU caches; xgrammar's own cache would be a second, unbounded copy.
+                self._compiler = xgr.GrammarCompiler(info, cache_enabled=False)
+            return self._compiler
+
+
+def _no_control_bytes(
+    decoded_vocab: Sequence[bytes], vocab_size: int, stop_token_ids: Sequence[int]
+) -> torch.Tensor:
+    """A bitmask row of the tokens compact JSON can use: none holding a byte below 0x20.
+
+    Compact JSON has no whitespace outside strings, and inside strings control characters
+    must be escaped; but xgrammar 0.2.9 lets a length-bounded string (maxLength) take them
+    raw, which json.loads rejects. Every JSON grammar's mask is ANDed with this row.
+    """
+    allowed = np.zeros((vocab_size + 31) // 32 * 32, dtype=bool)
+    for token_id, text in enumerate(decoded_vocab[:vocab_size]):
+        allowed[token_id] = not text or min(text) >= 0x20
+    allowed[list(stop_token_ids)] = True
+    return torch.from_numpy(np.packbits(allowed, bitorder="little").view(np.int32))
+
+
+def _name(spec: GuidedSpec) -> str:
+    return {"json_schema": "JSON schema", "json_object": "JSON object"}.get(spec.kind, spec.kind)
+
+
+def _timeout_message(timeout: float) -> str:
+    return f"the grammar did not compile within {timeout:g} s; simplify it"
+
+
+# -- per sequence --------------------------------------------------------------------------
+
+
+class _EndCheck:
+    """Does a matcher allow nothing but stop tokens next? Then its grammar can only end."""
+
+    def __init__(self, stop_token_ids: Sequence[int], vocab_size: int) -> None:
+        words = np.full((vocab_size + 31) // 32, 0xFFFFFFFF, dtype=np.uint32)
+        for token in stop_token_ids:
+            words[token // 32] &= ~np.uint32(1 << (token % 32))
+        self.not_stop = torch.from_numpy(words.view(np.int32))
+        self._scratch = self.new_scratch()  # the engine thread's
+
+    def must_end(self, matcher: xgr.GrammarMatcher, token_filter: torch.Tensor | None) -> bool:
+        if matcher.is_terminated():
+            return True
+        return matcher.is_completed() and self._only_stop(matcher, token_filter, self._scratch)
+
+    def matches_only_empty(self, compiled: CompiledSpec) -> bool:
+        """On a compile thread: does the grammar allow nothing but a stop token at the start?"""
+        import xgrammar as xgr
+
+        matcher = xgr.GrammarMatcher(compiled.grammar)
+        return matcher.is_completed() and self._only_stop(
+            matcher, compiled.token_filter, self.new_scratch()
+        )
+
+    def _only_stop(
+        self, matcher: xgr.GrammarMatcher, token_filter: torch.Tensor | None, scratch: torch.Tensor
+    ) -> bool:
+        matcher.fill_next_token_bitmask(scratch)
+        others = scratch[0] & self.not_stop
+        if token_filter is not None:
+            others &= token_filter
+        return not bool(others.any())
+
+    def new_scratch(self) -> torch.Tensor:
+        return torch.zeros(1, self.not_stop.numel(), dtype=torch.int32)
+
+
+class SequenceGrammar:
+    """One sequence's grammar: waits for its compile, then matches the tokens it appends.
+
+    The matcher accepts exactly the tokens appended to the sequence, once each: a
+    recompute after preemption samples nothing new until it has caught up, so it never
+    advances the matcher twice.
+    """
+
+    __slots__ = ("future", "matcher", "token_filter", "_deadline", "_timeout", "_end_check")
+
+    def __init__(self, future: Future[Any], timeout: float, end_check: _EndCheck) -> None:
+        self.future = future
+        self.matcher: xgr.GrammarMatcher | None = None
+        self.token_filter: torch.Tensor | None = None
+        self._timeout = timeout
+        self._deadline = time.monotonic() + timeout
+        self._end_check = end_check
+
+    def try_start(self, now: float) -> bool:
+        """True once the matcher exists. Raises GuidedSpecError when the compile failed or
+        ran past its deadline."""
+        if self.matcher is not None:
+            return True
+        if not self.future.done():
+            if now > self._deadline:
+                raise GuidedSpecError(_timeout_message(self._timeout))
+            return False
+        result = self.future.result()
+        if isinstance(result, GuidedSpecError):
+            raise result
+        import xgrammar as xgr
+
+        self.matcher = xgr.GrammarMatcher(result.grammar)
+        self.token_filter = result.token_filter
+        return True
+
+    def accept(self, token_id: int) -> bool:
+        """Advance by the sampled token; False if the grammar rejects it (a masking bug)."""
+        assert self.matcher is not None
+        return self.matcher.accept_token(token_id)
+
+    def must_end(self) -> bool:
+        """The grammar took a stop token, or it is complete and allows nothing else."""
+        assert self.matcher is not None
+        return self._end_check.must_end(self.matcher, self.token_filter)
+
+
+def grammar_ready(request: Request) -> bool:
+    """Scheduler admission gate: a guided request waits until its matcher exists."""
+    return request.grammar is None or request.grammar.matcher is not None
+
+
+def wait_for_any_compile(grammars: Sequence[SequenceGrammar], timeout: float) -> None:
+    """Block until one of these grammars' compiles finishes, or `timeout` seconds: the
+    engine waits here, instead of spinning, when nothing else can run."""
+    wait([g.future for g in grammars], timeout=timeout, return_when=FIRST_COMPLETED)
+
+
+# -- per step ------------------------------------------------------------------------------
+
+
+class GrammarBitmask:
+    """The step's one token bitmask: every guided row filled in one call, then applied to
+    those rows of the logits in place. Unguided rows are never read or written."""
+
+    def __init__(self) -> None:
+        self._host: torch.Tensor | None = None  # [rows, ceil(vocab / 32)] int32, reused
+        self._filler: xgr.BatchGrammarMatcher | None = None
+
+    def apply(self, logits: torch.Tensor, requests: Sequence[Request]) -> None:
+        rows: list[int] = []
+        grammars: list[SequenceGrammar] = []
+        for row, request in enumerate(requests):
+            if request.grammar is not None:
+                rows.append(row)
+                grammars.append(request.grammar)
+        if not rows:
+            return
+        import xgrammar as xgr
+
+        vocab = logits.shape[-1]
+        host = self._host_rows(len(requests), (vocab + 31) // 32, logits.device)
+        if self._filler is None:
+            self._filler = xgr.BatchGrammarMatcher()
+        self._filler.batch_fill_next_token_bitmask([g.matcher for g in grammars], host, rows)
+        filtered = [(row, g.token_filter) for row, g in zip(rows, grammars, strict=True)]
+        filtered = [(row, f) for row, f in filtered if f is not None]
+        if filtered:  # an engine has one filter (JSON's), shared by every JSON row
+            host[[row for row, _ in filtered]] &= filtered[0][1]
+        mask = host[: len(requests)]
+        if logits.device.type != "cpu":
+            mask = mask.to(logits.device, non_blocking=True)
+        xgr.apply_token_bitmask_inplace(logits, mask, vocab_size=vocab, indices=rows)
+
+    def _host_rows(self, num_rows: int, words: int, device: torch.device) -> torch.Tensor:
+        host = self._host
+        if host is None or host.shape[0] < num_rows or host.shape[1] != words:
+            # Pinned for CUDA's asynchronous copy. Refilling it next step is safe: sampling
+            # brings the sampled ids back to the host, which waits for the copy, in between.
+            capacity = 1 << (num_rows - 1).bit_length()
+            host = torch.empty(capacity, words, dtype=torch.int32, pin_memory=device.type == "cuda")
+            self._host = host
+        return host
