@@ -143,6 +143,18 @@ def bench_serve(ctx: typer.Context) -> None:
     main(list(ctx.args))
 
 
+@bench_app.command(
+    "guided",
+    context_settings={"allow_extra_args": True, "ignore_unknown_options": True},
+    add_help_option=False,
+)
+def bench_guided(ctx: typer.Context) -> None:
+    """Guided vs unguided decode on W1, and grammar compile times (`--help` lists the options)."""
+    from bench.guided import main
+
+    main(list(ctx.args))
+
+
 def _bytes(value: str) -> int:
     """'2GiB', '512MiB', '1G' or a plain byte count."""
     units = {"k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}
@@ -205,6 +217,30 @@ def serve(
             envvar=_env("SHUTDOWN_GRACE"), help="Seconds running requests get to finish on SIGTERM."
         ),
     ] = 10.0,
+    guided_compile_timeout: Annotated[
+        float,
+        typer.Option(
+            envvar=_env("GUIDED_COMPILE_TIMEOUT"),
+            help="Seconds a grammar may take to compile before its request gets 400.",
+        ),
+    ] = 10.0,
+    guided_cache_size: Annotated[
+        int,
+        typer.Option(envvar=_env("GUIDED_CACHE_SIZE"), help="Compiled grammars kept (LRU)."),
+    ] = 256,
+    guided_max_schema_bytes: Annotated[
+        int,
+        typer.Option(
+            envvar=_env("GUIDED_MAX_SCHEMA_BYTES"),
+            help="Largest JSON schema (compact), regex, grammar or choice list.",
+        ),
+    ] = 64 << 10,
+    guided_max_schema_depth: Annotated[
+        int,
+        typer.Option(
+            envvar=_env("GUIDED_MAX_SCHEMA_DEPTH"), help="Deepest JSON nesting of a schema."
+        ),
+    ] = 32,
 ) -> None:
     """Serve the OpenAI-compatible API over the engine."""
     import contextlib
@@ -229,6 +265,10 @@ def serve(
         enable_chunked_prefill=enable_chunked_prefill,
         seed=seed,
         num_threads=num_threads,
+        guided_compile_timeout=guided_compile_timeout,
+        guided_cache_size=guided_cache_size,
+        guided_max_schema_bytes=guided_max_schema_bytes,
+        guided_max_schema_depth=guided_max_schema_depth,
     )
     engine = _with_load_progress(lambda progress: LLMEngine(config, progress))
     async_engine = AsyncEngine(engine, max_waiting=max_waiting)

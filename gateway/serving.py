@@ -17,11 +17,12 @@ from typing import Any
 from fastapi.responses import JSONResponse, StreamingResponse
 
 from engine.async_engine import AsyncEngine
+from engine.guided import GuidedSpecError
 from engine.outputs import SequenceUpdate
-from engine.request import SamplingParams
+from engine.request import GuidedSpec, SamplingParams
 from gateway.errors import APIError
 from gateway.metrics import Metrics
-from gateway.protocol import ChatCompletionRequest, CompletionRequest
+from gateway.protocol import ChatCompletionRequest, CompletionRequest, FieldError
 
 
 @dataclass(slots=True)
@@ -132,21 +133,26 @@ class OpenAIServing:
 
     @staticmethod
     def _params(body: Any, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
-        if body.response_format is not None and body.response_format.get("type") != "text":
-            raise APIError(
-                400,
-                "response_format is not supported yet (guided decoding is a later release)",
-                param="response_format",
-            )
         try:
             return body.sampling_params(max_tokens, logprobs)
         except ValueError as exc:
-            raise APIError(400, str(exc)) from exc
+            param = exc.param if isinstance(exc, FieldError) else None
+            raise APIError(400, str(exc), param=param) from exc
+
+    async def _compile_grammar(self, spec: GuidedSpec, param: str | None) -> None:
+        """A spec that cannot compile (or not in time) answers 400 before anything is queued
+        or streamed; the engine then finds the grammar in its cache."""
+        try:
+            await self.engine.engine.grammars.compile(spec)
+        except GuidedSpecError as exc:
+            raise APIError(400, str(exc), param=param) from exc
 
     async def _respond(
         self, body: Any, prompts: list[str | list[int]], params: SamplingParams, chat: bool
     ) -> JSONResponse | StreamingResponse:
-        timer = _Timer(self.metrics)
+        timer = _Timer(self.metrics)  # time to first token includes a grammar's compile
+        if params.guided is not None:
+            await self._compile_grammar(params.guided, body.guided_param)
         request_id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
         streams = [
             self.engine.generate(f"{request_id}-{i}", prompt, params, fairness_key=body.user)
@@ -159,7 +165,8 @@ class OpenAIServing:
         except ValueError as exc:
             await updates.aclose()
             code = "context_length_exceeded" if "context length" in str(exc) else None
-            raise APIError(400, str(exc), code=code) from exc
+            param = body.guided_param if isinstance(exc, GuidedSpecError) else None
+            raise APIError(400, str(exc), param=param, code=code) from exc
         except StopAsyncIteration:
             first = None
         choices = [_Choice(i) for i in range(len(prompts) * params.n)]

@@ -237,9 +237,9 @@ def test_models_and_health(server: Server) -> None:
         ({"model": "nope", "prompt": "x"}, 404, "model"),
         ({"model": MODEL, "prompt": list(range(10, 600)), "max_tokens": 10}, 400, None),
         (
-            {"model": MODEL, "prompt": "x", "response_format": {"type": "json_object"}},
+            {"model": MODEL, "prompt": "x", "response_format": {"type": "xml"}},
             400,
-            "response_format",
+            "response_format.type",
         ),
     ],
 )
