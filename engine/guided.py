@@ -29,7 +29,7 @@ import re
 import threading
 import time
 from collections import OrderedDict
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -438,10 +438,11 @@ def grammar_ready(request: Request) -> bool:
     return request.grammar is None or request.grammar.matcher is not None
 
 
-def wait_for_any_compile(grammars: Sequence[SequenceGrammar], timeout: float) -> None:
-    """Block until one of these grammars' compiles finishes, or `timeout` seconds: the
-    engine waits here, instead of spinning, when nothing else can run."""
-    wait([g.future for g in grammars], timeout=timeout, return_when=FIRST_COMPLETED)
+def wait_for_any_compile(requests: Iterable[Request], timeout: float) -> None:
+    """Block until one of these requests' grammars has compiled, or `timeout` seconds pass:
+    the engine waits here, instead of spinning, when nothing else can run."""
+    futures = [r.grammar.future for r in requests if r.grammar is not None]
+    wait(futures, timeout=timeout, return_when=FIRST_COMPLETED)
 
 
 # -- per step ------------------------------------------------------------------------------
@@ -476,9 +477,11 @@ class GrammarBitmask:
         if filtered:  # an engine has one filter (JSON's), shared by every JSON row
             host[[row for row, _ in filtered]] &= filtered[0][1]
         mask = host[: len(requests)]
-        if logits.device.type != "cpu":
+        if logits.device.type == "cpu":
+            mask_logits_cpu(logits, mask, rows)
+        else:
             mask = mask.to(logits.device, non_blocking=True)
-        xgr.apply_token_bitmask_inplace(logits, mask, vocab_size=vocab, indices=rows)
+            xgr.apply_token_bitmask_inplace(logits, mask, vocab_size=vocab, indices=rows)
 
     def _host_rows(self, num_rows: int, words: int, device: torch.device) -> torch.Tensor:
         host = self._host
@@ -489,3 +492,23 @@ class GrammarBitmask:
             host = torch.empty(capacity, words, dtype=torch.int32, pin_memory=device.type == "cuda")
             self._host = host
         return host
+
+
+def mask_logits_cpu(logits: torch.Tensor, bitmask: torch.Tensor, rows: list[int]) -> None:
+    """Set the logits of `rows` whose bit is 0 to -inf: xgrammar's apply_token_bitmask_inplace
+    for the CPU (tests hold the two equal), three or four times faster on the sparse masks
+    JSON mostly has (xgrammar's kernel tests bit by bit; this unpacks the bits with numpy and
+    makes one pass of torch.where). Bit k of int32 word j is token 32 j + k: on a
+    little-endian host, bit k % 8 of byte 4 j + k // 8."""
+    vocab = logits.shape[-1]
+    words = bitmask.numpy()
+    if len(rows) < words.shape[0]:
+        words = words[rows]
+    bits = np.unpackbits(words.view(np.uint8), axis=1, count=vocab, bitorder="little")
+    allowed = torch.from_numpy(bits.view(np.bool_))
+    neg_inf = logits.new_full((), float("-inf"))
+    if len(rows) == logits.shape[0]:
+        torch.where(allowed, logits, neg_inf, out=logits)
+    else:
+        index = torch.tensor(rows)
+        logits.index_copy_(0, index, torch.where(allowed, logits.index_select(0, index), neg_inf))

@@ -182,8 +182,8 @@ class LLMEngine:
         sched = self.scheduler.schedule()
         if sched.is_empty:
             if self._awaiting_grammar:  # only compiles to wait for: wait, don't spin
-                grammars = [seq.request.grammar for seq in self._awaiting_grammar.values()]
-                wait_for_any_compile(grammars, timeout=0.05)  # type: ignore[arg-type]
+                requests = (seq.request for seq in self._awaiting_grammar.values())
+                wait_for_any_compile(requests, timeout=0.05)
             return updates
         sampled, sampler_out = self.runner.execute(sched, self.kv)
         for request, num_new in sched.scheduled:

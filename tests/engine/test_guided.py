@@ -16,7 +16,7 @@ import xgrammar as xgr
 from guided_schemas import SCHEMAS
 
 from engine import LLM, SamplingParams
-from engine.guided import GrammarBitmask, GrammarCache, GuidedSpecError
+from engine.guided import GrammarBitmask, GrammarCache, GuidedSpecError, mask_logits_cpu
 from engine.outputs import CompletionOutput
 from engine.request import GuidedSpec, Request
 
@@ -257,6 +257,22 @@ def test_eos_is_allowed_only_where_the_grammar_can_end(llm: LLM) -> None:
     assert request.grammar.accept(digit) and not request.grammar.must_end()
     after = allowed()
     assert after[digit] and after[eos] and not after[letter]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("vocab", [8192, 49155])
+def test_cpu_masking_equals_xgrammars_kernel(vocab: int, dtype: torch.dtype) -> None:
+    generator = torch.Generator().manual_seed(vocab)
+    words = (vocab + 31) // 32
+    sparse = torch.randint(-(2**31), 2**31 - 1, (6, words), dtype=torch.int32, generator=generator)
+    sparse[:3] &= sparse[3:]  # some rows sparser than others
+    sparse[4, : words // 2] = -1  # half the vocabulary allowed
+    logits = torch.randn(6, vocab, generator=generator).to(dtype)
+    for rows in ([0, 1, 2, 3, 4, 5], [1, 4], [5]):
+        ours, theirs = logits.clone(), logits.clone()
+        mask_logits_cpu(ours, sparse, rows)
+        xgr.apply_token_bitmask_inplace(theirs, sparse, vocab_size=vocab, indices=rows)
+        assert torch.equal(ours, theirs)
 
 
 # -- what guided rows leave alone -----------------------------------------------------------
