@@ -147,10 +147,12 @@ class _SamplingFields(BaseModel):
         assert self.response_format is not None
         if self.response_format.type == "json_object":
             return GuidedSpec(json_object=True)
-        schema = self.response_format.json_schema
-        if schema is None:
+        json_schema = self.response_format.json_schema
+        if json_schema is None:
             raise ValueError("response_format of type json_schema needs a json_schema")
-        return GuidedSpec(json_schema=schema.json_schema, strict=schema.strict is not False)
+        return GuidedSpec(
+            json_schema=json_schema.json_schema, strict=json_schema.strict is not False
+        )
 
     @property
     def include_usage(self) -> bool:
