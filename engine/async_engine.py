@@ -21,6 +21,7 @@ from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass
 
 from engine.llm_engine import LLMEngine
+from engine.lora import LoRARequest
 from engine.outputs import SequenceUpdate
 from engine.request import SamplingParams
 
@@ -40,7 +41,7 @@ class _Add:
     request_id: str
     prompt: str | Sequence[int]
     params: SamplingParams
-    adapter_id: str | None
+    lora: LoRARequest | None
     cache_salt: str | None
     fairness_key: str | None
     stream: _Stream
@@ -104,7 +105,7 @@ class AsyncEngine:
         prompt: str | Sequence[int],
         params: SamplingParams,
         *,
-        adapter_id: str | None = None,
+        lora: LoRARequest | None = None,
         cache_salt: str | None = None,
         fairness_key: str | None = None,
     ) -> AsyncIterator[SequenceUpdate]:
@@ -121,7 +122,7 @@ class AsyncEngine:
             self._num_pending += 1
         stream = _Stream(asyncio.get_running_loop(), params.n)
         self._inbox.put(
-            _Add(request_id, prompt, params, adapter_id, cache_salt, fairness_key, stream)
+            _Add(request_id, prompt, params, lora, cache_salt, fairness_key, stream)
         )
         finished = False
         try:
@@ -201,7 +202,7 @@ class AsyncEngine:
                 item.request_id,
                 item.prompt,
                 item.params,
-                adapter_id=item.adapter_id,
+                lora=item.lora,
                 cache_salt=item.cache_salt,
                 fairness_key=item.fairness_key,
             )

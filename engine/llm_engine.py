@@ -13,6 +13,7 @@ from transformers import AutoConfig, AutoTokenizer
 from engine.config import EngineConfig
 from engine.detokenizer import IncrementalDetokenizer
 from engine.kv_cache.manager import KVCacheManager
+from engine.lora import LoRALoader, LoRAManager, LoRARequest, llama_fused_targets
 from engine.model_runner import ModelRunner, ProgressFn
 from engine.outputs import CompletionOutput, RequestOutput, SequenceUpdate
 from engine.request import Request, RequestStatus, SamplingParams
@@ -32,7 +33,12 @@ class _Sequence:
 
 
 class LLMEngine:
-    def __init__(self, config: EngineConfig, progress: ProgressFn | None = None) -> None:
+    def __init__(
+        self,
+        config: EngineConfig,
+        progress: ProgressFn | None = None,
+        lora_loader: LoRALoader | None = None,
+    ) -> None:
         self.config = config
         self.tokenizer = AutoTokenizer.from_pretrained(config.tokenizer or config.model)
         hf_config = AutoConfig.from_pretrained(config.model)
@@ -51,11 +57,25 @@ class LLMEngine:
             )
         self.runner.allocate_kv_cache(num_blocks)
         self.kv = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching)
+        self.lora: LoRAManager | None = None
+        if config.enable_lora:
+            self.lora = LoRAManager(
+                llama_fused_targets(hf_config),
+                self.runner.num_layers,
+                max_loras=config.max_loras,
+                max_lora_rank=config.max_lora_rank,
+                max_cpu_loras=config.max_cpu_loras,
+                loader=lora_loader,
+                device=self.runner.device,
+                dtype=self.runner.dtype,
+            )
+            self.runner.lora = self.lora
         self.scheduler = Scheduler(
             self.kv,
             max_num_seqs=config.max_num_seqs,
             max_num_batched_tokens=config.max_num_batched_tokens,
             enable_chunked_prefill=config.enable_chunked_prefill,
+            lora=self.lora,
         )
         self.sequences: dict[str, _Sequence] = {}
         self.parents: dict[str, list[str]] = {}
@@ -84,7 +104,7 @@ class LLMEngine:
         prompt: str | Sequence[int],
         params: SamplingParams,
         *,
-        adapter_id: str | None = None,
+        lora: LoRARequest | None = None,
         cache_salt: str | None = None,
         fairness_key: str | None = None,
     ) -> list[int]:
@@ -94,6 +114,8 @@ class LLMEngine:
             raise ValueError(f"request id {request_id!r} is already running")
         prompt_ids = self.tokenize(prompt)
         self._validate(prompt_ids, params)
+        if lora is not None and self.lora is None:
+            raise ValueError("LoRA adapters are not enabled on this engine")
         if params.max_tokens is None:
             params = replace(params, max_tokens=self.max_model_len - len(prompt_ids))
         eos = None if not self.eos_token_ids else min(self.eos_token_ids)
@@ -109,7 +131,7 @@ class LLMEngine:
                 prompt_ids,
                 child_params,
                 eos,
-                adapter_id=adapter_id,
+                lora=lora,
                 cache_salt=cache_salt,
                 fairness_key=fairness_key,
             )
@@ -161,15 +183,20 @@ class LLMEngine:
 
     def step(self) -> list[SequenceUpdate]:
         sched = self.scheduler.schedule()
+        failed = [self._fail(request, error) for request, error in sched.failed]
         if sched.is_empty:
-            return []
+            if not failed:
+                # Every waiting request waits on a background load (an adapter, a
+                # grammar): give that thread the GIL instead of spinning.
+                time.sleep(0.001)
+            return failed
         sampled, sampler_out = self.runner.execute(sched, self.kv)
         for request, num_new in sched.scheduled:
             request.num_computed_tokens += num_new
         if sampler_out is None:
-            return []
+            return failed
         now = time.monotonic()
-        updates = []
+        updates = failed
         for request, token_id, logprobs in zip(
             sampled, sampler_out.token_ids, sampler_out.logprobs, strict=True
         ):
@@ -208,6 +235,13 @@ class LLMEngine:
             return RequestStatus.FINISHED_LENGTH
         return None
 
+    def _fail(self, request: Request, error: str) -> SequenceUpdate:
+        """A waiting request that can never run: finish it with an error update."""
+        seq = self.sequences[request.request_id]
+        request.error = error
+        self._finish(seq, RequestStatus.FINISHED_ERROR)
+        return self._update(seq, None, None)
+
     def _finish(self, seq: _Sequence, status: RequestStatus) -> None:
         self.scheduler.finish(seq.request, status)
         del self.sequences[seq.request.request_id]
@@ -217,7 +251,9 @@ class LLMEngine:
             del self.parents[seq.parent_id]
 
     @staticmethod
-    def _update(seq: _Sequence, token_id: int, logprobs: dict[int, float] | None) -> SequenceUpdate:
+    def _update(
+        seq: _Sequence, token_id: int | None, logprobs: dict[int, float] | None
+    ) -> SequenceUpdate:
         request = seq.request
         detok = seq.detokenizer
         finished = request.is_finished
@@ -225,7 +261,7 @@ class LLMEngine:
         return SequenceUpdate(
             request_id=seq.parent_id,
             index=seq.index,
-            new_token_ids=[token_id],
+            new_token_ids=[] if token_id is None else [token_id],
             text=text,
             new_logprobs=None if logprobs is None else [logprobs],
             num_prompt_tokens=request.num_prompt_tokens,
@@ -258,8 +294,14 @@ def _eos_token_ids(hf_config: Any, tokenizer: Any, model_dir: str) -> frozenset[
 class LLM:
     """Offline batch generation: `LLM(model=...).generate(prompts, SamplingParams(...))`."""
 
-    def __init__(self, model: str, progress: ProgressFn | None = None, **kwargs: Any) -> None:
-        self.engine = LLMEngine(EngineConfig(model=model, **kwargs), progress)
+    def __init__(
+        self,
+        model: str,
+        progress: ProgressFn | None = None,
+        lora_loader: LoRALoader | None = None,
+        **kwargs: Any,
+    ) -> None:
+        self.engine = LLMEngine(EngineConfig(model=model, **kwargs), progress, lora_loader)
         self._next_id = 0
 
     @property
@@ -271,7 +313,7 @@ class LLM:
         prompts: Sequence[str] | Sequence[Sequence[int]] | str,
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         *,
-        adapter_id: str | None = None,
+        lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
         cache_salt: str | None = None,
         on_step: Callable[[int], None] | None = None,
     ) -> list[RequestOutput]:
@@ -289,13 +331,20 @@ class LLM:
         )
         if len(params_list) != len(prompts):
             raise ValueError("one SamplingParams per prompt, or one for all")
+        loras = (
+            [lora_request] * len(prompts)
+            if lora_request is None or isinstance(lora_request, LoRARequest)
+            else list(lora_request)
+        )
+        if len(loras) != len(prompts):
+            raise ValueError("one LoRARequest per prompt, or one for all")
         results: dict[str, RequestOutput] = {}
         order = []
-        for prompt, params in zip(prompts, params_list, strict=True):
+        for prompt, params, lora in zip(prompts, params_list, loras, strict=True):
             request_id = str(self._next_id)
             self._next_id += 1
             prompt_ids = self.engine.add_request(
-                request_id, prompt, params, adapter_id=adapter_id, cache_salt=cache_salt
+                request_id, prompt, params, lora=lora, cache_salt=cache_salt
             )
             results[request_id] = RequestOutput(
                 request_id, prompt_ids, [CompletionOutput(i) for i in range(params.n)]
