@@ -121,9 +121,7 @@ class AsyncEngine:
                 raise EngineOverloaded("too many requests are waiting")
             self._num_pending += 1
         stream = _Stream(asyncio.get_running_loop(), params.n)
-        self._inbox.put(
-            _Add(request_id, prompt, params, lora, cache_salt, fairness_key, stream)
-        )
+        self._inbox.put(_Add(request_id, prompt, params, lora, cache_salt, fairness_key, stream))
         finished = False
         try:
             while True:

@@ -156,8 +156,9 @@ def _env(name: str) -> str:
     return f"LORAGATE_{name}"
 
 
-@app.command("serve")
+@app.command("serve", context_settings={"allow_extra_args": True})
 def serve(
+    ctx: typer.Context,
     model: Annotated[str, typer.Option(envvar=_env("MODEL"), help="Model directory.")] = (
         "models/smollm2"
     ),
@@ -205,15 +206,48 @@ def serve(
             envvar=_env("SHUTDOWN_GRACE"), help="Seconds running requests get to finish on SIGTERM."
         ),
     ] = 10.0,
+    enable_lora: Annotated[bool, typer.Option(envvar=_env("ENABLE_LORA"))] = True,
+    max_loras: Annotated[
+        int, typer.Option(envvar=_env("MAX_LORAS"), help="Adapters resident on the device.")
+    ] = 4,
+    max_lora_rank: Annotated[int, typer.Option(envvar=_env("MAX_LORA_RANK"))] = 16,
+    max_cpu_loras: Annotated[
+        int, typer.Option(envvar=_env("MAX_CPU_LORAS"), help="Adapters cached in CPU memory.")
+    ] = 16,
+    lora_modules: Annotated[
+        list[str] | None,
+        typer.Option(
+            envvar=_env("LORA_MODULES"),
+            help="Adapters served from start-up: name=path (PEFT directory), as many as needed.",
+        ),
+    ] = None,
 ) -> None:
     """Serve the OpenAI-compatible API over the engine."""
     import contextlib
 
     import uvicorn
 
+    from adapters.peft import AdapterError, describe_base
+    from adapters.registry import AdapterRegistry
     from engine import EngineConfig, LLMEngine
     from engine.async_engine import AsyncEngine
     from gateway.app import build_app
+
+    # vLLM's form `--lora-modules a=path b=path` leaves the later pairs as extra args.
+    modules = list(lora_modules or []) + list(ctx.args)
+    bad = [m for m in modules if "=" not in m]
+    if bad:
+        raise typer.BadParameter(f"expected name=path, got {bad[0]!r}", param_hint="--lora-modules")
+    if modules and not enable_lora:
+        raise typer.BadParameter("--lora-modules needs --enable-lora", param_hint="--lora-modules")
+    name = served_model_name or Path(model).resolve().name
+    registry = AdapterRegistry(describe_base(model, extra_names=[name]), max_lora_rank)
+    for module in modules:
+        lora_name, _, path = module.partition("=")
+        try:
+            registry.register(lora_name, path)
+        except AdapterError as exc:
+            raise typer.BadParameter(str(exc), param_hint="--lora-modules") from exc
 
     config = EngineConfig(
         model=model,
@@ -229,12 +263,20 @@ def serve(
         enable_chunked_prefill=enable_chunked_prefill,
         seed=seed,
         num_threads=num_threads,
+        enable_lora=enable_lora,
+        max_loras=max_loras,
+        max_lora_rank=max_lora_rank,
+        max_cpu_loras=max_cpu_loras,
     )
-    engine = _with_load_progress(lambda progress: LLMEngine(config, progress))
+    engine = _with_load_progress(lambda progress: LLMEngine(config, progress, registry.load))
     async_engine = AsyncEngine(engine, max_waiting=max_waiting)
     async_engine.start()
-    name = served_model_name or Path(model).resolve().name
-    app = build_app(async_engine, name, max_body_bytes=max_body_bytes)
+    app = build_app(
+        async_engine,
+        name,
+        max_body_bytes=max_body_bytes,
+        adapters=registry if enable_lora else None,
+    )
 
     @contextlib.asynccontextmanager
     async def lifespan(_: object):  # type: ignore[no-untyped-def]
@@ -242,6 +284,8 @@ def serve(
         await async_engine.shutdown(shutdown_grace)
 
     app.router.lifespan_context = lifespan
+    for lora_name in registry.names():
+        typer.echo(f"adapter {lora_name!r}: {registry.get(lora_name).path}")  # type: ignore[union-attr]
     typer.echo(f"serving {name!r} on http://{host}:{port}/v1")
     uvicorn.run(
         app, host=host, port=port, log_level="info", timeout_graceful_shutdown=int(shutdown_grace)

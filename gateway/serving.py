@@ -16,7 +16,9 @@ from typing import Any
 
 from fastapi.responses import JSONResponse, StreamingResponse
 
+from adapters.registry import AdapterRegistry
 from engine.async_engine import AsyncEngine
+from engine.lora import LoRARequest
 from engine.outputs import SequenceUpdate
 from engine.request import SamplingParams
 from gateway.errors import APIError
@@ -86,28 +88,40 @@ class _Timer:
 
 
 class OpenAIServing:
-    def __init__(self, engine: AsyncEngine, served_model_name: str, metrics: Metrics) -> None:
+    def __init__(
+        self,
+        engine: AsyncEngine,
+        served_model_name: str,
+        metrics: Metrics,
+        adapters: AdapterRegistry | None = None,
+    ) -> None:
         self.engine = engine
         self.model_name = served_model_name
         self.tokenizer = engine.engine.tokenizer
         self.metrics = metrics
+        self.adapters = adapters
 
-    def check_model(self, name: str) -> None:
-        if name != self.model_name:
+    def resolve_model(self, name: str) -> LoRARequest | None:
+        """The adapter a `model` field names; None for the base model; 404 otherwise."""
+        if name == self.model_name:
+            return None
+        lora = None if self.adapters is None else self.adapters.get(name)
+        if lora is None:
             raise APIError(
                 404, f"The model `{name}` does not exist.", param="model", code="model_not_found"
             )
+        return lora
 
     # -- routes -------------------------------------------------------------------------------
 
     async def completions(self, body: CompletionRequest) -> JSONResponse | StreamingResponse:
-        self.check_model(body.model)
+        lora = self.resolve_model(body.model)
         prompts = self._completion_prompts(body.prompt)
         params = self._params(body, body.max_tokens, body.logprobs)
-        return await self._respond(body, prompts, params, chat=False)
+        return await self._respond(body, prompts, params, lora, chat=False)
 
     async def chat(self, body: ChatCompletionRequest) -> JSONResponse | StreamingResponse:
-        self.check_model(body.model)
+        lora = self.resolve_model(body.model)
         messages = [{"role": m.role, "content": m.text()} for m in body.messages]
         try:
             encoded = self.tokenizer.apply_chat_template(
@@ -116,7 +130,7 @@ class OpenAIServing:
         except Exception as exc:  # noqa: BLE001 - a template may reject a conversation
             raise APIError(400, f"chat template failed: {exc}", param="messages") from exc
         params = self._params(body, body.requested_max_tokens, body.num_logprobs)
-        return await self._respond(body, [list(encoded["input_ids"])], params, chat=True)
+        return await self._respond(body, [list(encoded["input_ids"])], params, lora, chat=True)
 
     # -- helpers ------------------------------------------------------------------------------
 
@@ -144,12 +158,19 @@ class OpenAIServing:
             raise APIError(400, str(exc)) from exc
 
     async def _respond(
-        self, body: Any, prompts: list[str | list[int]], params: SamplingParams, chat: bool
+        self,
+        body: Any,
+        prompts: list[str | list[int]],
+        params: SamplingParams,
+        lora: LoRARequest | None,
+        chat: bool,
     ) -> JSONResponse | StreamingResponse:
         timer = _Timer(self.metrics)
         request_id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
         streams = [
-            self.engine.generate(f"{request_id}-{i}", prompt, params, fairness_key=body.user)
+            self.engine.generate(
+                f"{request_id}-{i}", prompt, params, lora=lora, fairness_key=body.user
+            )
             for i, prompt in enumerate(prompts)
         ]
         updates = _merge(streams)
@@ -167,6 +188,7 @@ class OpenAIServing:
         created = int(time.time())
         if body.stream:
             chunks = self._stream(
+                body.model,
                 request_id,
                 created,
                 chat,
@@ -188,7 +210,7 @@ class OpenAIServing:
                 "id": request_id,
                 "object": "chat.completion" if chat else "text_completion",
                 "created": created,
-                "model": self.model_name,
+                "model": body.model,
                 "choices": [self._final_choice(c, chat) for c in choices],
                 "usage": usage.body(choices),
             }
@@ -265,6 +287,7 @@ class OpenAIServing:
 
     async def _stream(
         self,
+        model: str,
         request_id: str,
         created: int,
         chat: bool,
@@ -283,7 +306,7 @@ class OpenAIServing:
                 "id": request_id,
                 "object": obj,
                 "created": created,
-                "model": self.model_name,
+                "model": model,
                 "choices": choice_list,
             }
             if include_usage:
