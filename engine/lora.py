@@ -229,6 +229,20 @@ class LoRAManager:
         state.last_used = self._clock
         return slot
 
+    def load_now(self, lora: LoRARequest) -> int:
+        """Load `lora` into a free or unpinned slot on the calling thread (start-up
+        preloading, benchmarks); returns the slot, unpinned."""
+        slot = self.slot_of.get(lora.adapter_id)
+        if slot is not None:
+            return slot
+        weights = self.cpu_cache.get(lora.adapter_id) or self._load(lora)
+        self._cache(weights)
+        slot = self._free_slot(lora.adapter_id)
+        if slot is None:
+            raise LoRALoadError("every LoRA slot is in use")
+        self._install(slot, weights)
+        return slot
+
     def release(self, slot: int) -> None:
         state = self.slots[slot]
         state.pins -= 1
@@ -265,10 +279,14 @@ class LoRAManager:
             return None
         del self.loading[adapter_id]
         weights = future.result()  # raises LoRALoadError
-        self.cpu_cache[adapter_id] = weights
+        self._cache(weights)
+        return weights
+
+    def _cache(self, weights: LoRAWeights) -> None:
+        self.cpu_cache[weights.adapter_id] = weights
+        self.cpu_cache.move_to_end(weights.adapter_id)
         while len(self.cpu_cache) > self.max_cpu_loras:
             self.cpu_cache.popitem(last=False)
-        return weights
 
     def _load(self, lora: LoRARequest) -> LoRAWeights:
         assert self.loader is not None

@@ -125,8 +125,47 @@ app.add_typer(bench_app, name="bench")
     add_help_option=False,
 )
 def bench_offline(ctx: typer.Context) -> None:
-    """Our engine vs Hugging Face generate on W1/W2/Wv (`--help` lists the options)."""
+    """Our engine vs Hugging Face generate on W1/W2/Wv, or W3 (`--help` lists the options)."""
+    args = list(ctx.args)
+    if _option_value(args, "--workload") == "w3":  # W3 needs adapters: its own benchmark
+        from bench.lora import main as lora_main
+
+        lora_main(_without_option(args, "--workload"))
+        return
     from bench.offline import main
+
+    main(args)
+
+
+def _without_option(args: list[str], name: str) -> list[str]:
+    out, skip = [], False
+    for arg in args:
+        if skip:
+            skip = False
+        elif arg == name:
+            skip = True
+        elif not arg.startswith(name + "="):
+            out.append(arg)
+    return out
+
+
+def _option_value(args: list[str], name: str) -> str | None:
+    for i, arg in enumerate(args):
+        if arg == name and i + 1 < len(args):
+            return args[i + 1]
+        if arg.startswith(name + "="):
+            return arg.split("=", 1)[1]
+    return None
+
+
+@bench_app.command(
+    "lora",
+    context_settings={"allow_extra_args": True, "ignore_unknown_options": True},
+    add_help_option=False,
+)
+def bench_lora(ctx: typer.Context) -> None:
+    """Multi-LoRA W3 vs base-only W1 and vs peft (`--help` lists the options)."""
+    from bench.lora import main
 
     main(list(ctx.args))
 
