@@ -15,7 +15,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from kernels.lora import LoRAGroup, add_lora
+from kernels.lora import LoRAGroup, add_lora, add_lora_masked, slot_mask
 
 # The projections an adapter may target, in HF names.
 LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
@@ -73,6 +73,10 @@ class FusedTarget:
     modules: tuple[tuple[str, int, int], ...]  # (HF module, first column, last column + 1)
 
 
+# Steps of at most this many tokens with more than one adapter (or base rows) take
+# the masked dense path: its cost grows with tokens x max_loras, its op count not at all.
+MASKED_MAX_TOKENS = 256
+
 # Indices of llama_fused_targets' entries, as the model passes them to LoRAStep.apply.
 QKV, O_PROJ, GATE_UP, DOWN = range(4)
 
@@ -102,20 +106,30 @@ class LoRAStep:
     """The adapters of one forward pass: which tokens run under which slot.
 
     Built once per step; every LoRA-targeted linear of every layer calls `apply`.
+    Small steps with several adapters take the masked dense path (a fixed three
+    ops per linear), large ones the grouped path (work proportional to tokens).
     """
 
-    __slots__ = ("manager", "groups")
+    __slots__ = ("manager", "groups", "masks")
 
-    def __init__(self, manager: LoRAManager, groups: list[LoRAGroup]) -> None:
+    def __init__(
+        self,
+        manager: LoRAManager,
+        groups: list[LoRAGroup],
+        masks: list[torch.Tensor] | None,
+    ) -> None:
         self.manager = manager
         self.groups = groups
+        self.masks = masks  # per target, for the dense path; None: grouped
 
     def apply(self, layer: int, target: int, x: torch.Tensor, y: torch.Tensor) -> None:
         """y += the step's adapters' contribution for fused target `target` of `layer`."""
         m = self.manager
-        add_lora(
-            y, x, m.lora_a[layer][target], m.lora_b[layer][target], self.groups, m.widths[target]
-        )
+        a, b = m.lora_a[layer][target], m.lora_b[layer][target]
+        if self.masks is not None:
+            add_lora_masked(y, x, a, b, self.masks[target])
+        else:
+            add_lora(y, x, a, b, self.groups, m.widths[target])
 
 
 class _Slot:
@@ -344,8 +358,9 @@ class LoRAManager:
             names = [name for name, _, _ in target.modules if name in present]
             width = r * len(names)
             for layer, modules in enumerate(weights.layers):
-                a_slot = self.lora_a[layer][t][slot, :width]
-                b_slot = self.lora_b[layer][t][slot, :width]
+                # Zero all of the slot: the masked path reads past `width`.
+                a_slot = self.lora_a[layer][t][slot]
+                b_slot = self.lora_b[layer][t][slot]
                 a_slot.zero_()
                 b_slot.zero_()
                 row = 0
@@ -370,6 +385,13 @@ class LoRAManager:
         slots = slots[slots >= 0]
         if len(slots) == 0:
             return None
+        mixed = len(slots) > 1 or bool((token_slots < 0).any())
+        if mixed and len(token_slots) <= MASKED_MAX_TOKENS:
+            index = torch.from_numpy(token_slots).to(self.device)
+            masks = [
+                slot_mask(index, self.max_loras, a.shape[1]).to(self.dtype) for a in self.lora_a[0]
+            ]
+            return LoRAStep(self, [], masks)
         groups = []
         for slot in slots.tolist():
             rows = np.flatnonzero(token_slots == slot)
@@ -378,7 +400,7 @@ class LoRAManager:
             else:
                 index = torch.from_numpy(rows).to(self.device)
                 groups.append(LoRAGroup(slot, index))
-        return LoRAStep(self, groups)
+        return LoRAStep(self, groups, None)
 
     @property
     def cpu_cache_bytes(self) -> int:

@@ -16,7 +16,7 @@ from engine.lora import (
     LoRAWeights,
     llama_fused_targets,
 )
-from kernels.lora import LoRAGroup, add_lora
+from kernels.lora import LoRAGroup, add_lora, add_lora_masked, slot_mask
 
 
 class TinyConfig:
@@ -207,3 +207,20 @@ def test_a_slot_computes_exactly_the_adapters_update() -> None:
         manager.widths[qkv],
     )
     torch.testing.assert_close(y2, expected)
+
+
+def test_the_masked_dense_path_equals_the_grouped_path() -> None:
+    manager = make_manager(max_loras=3)
+    slots = [acquire_when_loaded(manager, lora(n)) for n in ("a", "b", "c")]
+    token_slots = torch.tensor([slots[0], -1, slots[2], slots[0], slots[1], -1])
+    for target in range(4):
+        a, b = manager.lora_a[1][target], manager.lora_b[1][target]
+        x_t = torch.randn(6, a.shape[2])
+        grouped = torch.zeros(6, b.shape[2])
+        groups = [
+            LoRAGroup(s, torch.nonzero(token_slots == s).flatten()) for s in sorted(set(slots))
+        ]
+        add_lora(grouped, x_t, a, b, groups, manager.widths[target])
+        masked = torch.zeros(6, b.shape[2])
+        add_lora_masked(masked, x_t, a, b, slot_mask(token_slots, 3, a.shape[1]))
+        torch.testing.assert_close(masked, grouped)
