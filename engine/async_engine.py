@@ -52,6 +52,11 @@ class _Abort:
     request_id: str
 
 
+@dataclass(slots=True)
+class _UnloadLoRA:
+    adapter_id: str
+
+
 class _Stream:
     """Where one request's updates land on the event loop."""
 
@@ -70,7 +75,7 @@ class AsyncEngine:
     def __init__(self, engine: LLMEngine, *, max_waiting: int = 1024) -> None:
         self.engine = engine
         self.max_waiting = max_waiting
-        self._inbox: queue.SimpleQueue[_Add | _Abort | None] = queue.SimpleQueue()
+        self._inbox: queue.SimpleQueue[_Add | _Abort | _UnloadLoRA | None] = queue.SimpleQueue()
         self._streams: dict[str, _Stream] = {}
         self._num_pending = 0  # submitted but not yet finished, across threads
         self._lock = threading.Lock()
@@ -142,6 +147,11 @@ class AsyncEngine:
     def abort(self, request_id: str) -> None:
         self._inbox.put(_Abort(request_id))
 
+    def unload_lora(self, adapter_id: str) -> None:
+        """Free an adapter's slot and CPU copy (on the loop thread, which owns them),
+        at once or when its running requests finish."""
+        self._inbox.put(_UnloadLoRA(adapter_id))
+
     # -- the loop thread ----------------------------------------------------------------------
 
     def _run(self) -> None:
@@ -186,6 +196,9 @@ class AsyncEngine:
                 return False
             if isinstance(item, _Add):
                 self._add(item)
+            elif isinstance(item, _UnloadLoRA):
+                if self.engine.lora is not None:
+                    self.engine.lora.unload(item.adapter_id)
             elif item.request_id in self._streams:
                 self.engine.abort(item.request_id)
                 self._forget(item.request_id)

@@ -260,6 +260,13 @@ def serve(
             help="Adapters served from start-up: name=path (PEFT directory), as many as needed.",
         ),
     ] = None,
+    allow_runtime_lora_updating: Annotated[
+        bool,
+        typer.Option(
+            envvar=_env("ALLOW_RUNTIME_LORA_UPDATING"),
+            help="Serve /v1/load_lora_adapter and /v1/unload_lora_adapter (unauthenticated).",
+        ),
+    ] = False,
 ) -> None:
     """Serve the OpenAI-compatible API over the engine."""
     import contextlib
@@ -315,6 +322,7 @@ def serve(
         name,
         max_body_bytes=max_body_bytes,
         adapters=registry if enable_lora else None,
+        allow_runtime_lora_updating=allow_runtime_lora_updating and enable_lora,
     )
 
     @contextlib.asynccontextmanager

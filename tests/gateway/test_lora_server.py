@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -35,7 +36,8 @@ def server(demo_model_dir: Path, registry: AdapterRegistry) -> Iterator[Server]:
     )
     engine = AsyncEngine(LLMEngine(config, lora_loader=registry.load), max_waiting=256)
     engine.start()
-    with live_server(build_app(engine, MODEL, adapters=registry), engine) as server:
+    app = build_app(engine, MODEL, adapters=registry, allow_runtime_lora_updating=True)
+    with live_server(app, engine) as server:
         yield server
 
 
@@ -107,3 +109,56 @@ def test_an_unknown_adapter_is_a_404_in_openai_shape(server: Server) -> None:
     error = resp.json()["error"]
     assert error["code"] == "model_not_found" and error["param"] == "model"
     assert "no-such-adapter" in error["message"]
+
+
+def test_adapters_load_replace_and_unload_at_runtime(
+    server: Server, demo_adapters: dict[str, Path], tmp_path: Path, registry: AdapterRegistry
+) -> None:
+    from adapters.demo import clone_adapter
+
+    url = server.base_url
+    client = server.client()
+
+    def tokens() -> list[str]:
+        resp = client.completions.create(
+            model="runtime",
+            prompt=PROMPT,
+            max_tokens=8,
+            temperature=0,
+            logprobs=0,
+            extra_body={"ignore_eos": True},
+        )
+        return resp.choices[0].logprobs.tokens
+
+    first, second = tmp_path / "first", tmp_path / "second"
+    clone_adapter(demo_adapters["r8-all"], first, seed=21)
+    clone_adapter(demo_adapters["r8-all"], second, seed=22)
+    body = {"lora_name": "runtime", "lora_path": str(first)}
+    assert httpx.post(f"{url}/v1/load_lora_adapter", json=body).status_code == 200
+    before = tokens()
+    first_id = registry.get("runtime").adapter_id
+    body["lora_path"] = str(second)
+    assert httpx.post(f"{url}/v1/load_lora_adapter", json=body).status_code == 200
+    after = tokens()
+    assert before != after  # the replaced adapter serves its new weights
+    second_id = registry.get("runtime").adapter_id
+
+    bad = {"lora_name": "broken", "lora_path": str(tmp_path / "missing")}
+    resp = httpx.post(f"{url}/v1/load_lora_adapter", json=bad)
+    assert resp.status_code == 400 and resp.json()["error"]["param"] == "lora_path"
+    assert "broken" not in {m.id for m in client.models.list().data}
+
+    resp = httpx.post(f"{url}/v1/unload_lora_adapter", json={"lora_name": "runtime"})
+    assert resp.status_code == 200
+    resp = httpx.post(f"{url}/v1/completions", json={"model": "runtime", "prompt": "x"})
+    assert resp.status_code == 404
+    resp = httpx.post(f"{url}/v1/unload_lora_adapter", json={"lora_name": "runtime"})
+    assert resp.status_code == 404
+    assert server.wait_all_blocks_free()
+    lora = server.engine.engine.lora
+    deadline = time.monotonic() + 5
+    while time.monotonic() < deadline and {first_id, second_id} & (
+        set(lora.slot_of) | set(lora.cpu_cache)
+    ):
+        time.sleep(0.02)
+    assert not {first_id, second_id} & (set(lora.slot_of) | set(lora.cpu_cache))
