@@ -381,14 +381,14 @@ def _pair_factors(
         layer, module, side = _locate(key, base.num_layers)
         if config.target_modules is not None and not _listed(layer, module, config.target_modules):
             raise AdapterError(
-                f"{WEIGHTS_FILE}: tensor {key!r} adapts {module}, which target_modules "
+                f"{WEIGHTS_FILE}: tensor {_short(key, 120)} adapts {module}, which target_modules "
                 f"{list(config.target_modules)} does not include"
             )
         pair = found.setdefault((layer, module), {})
         if side in pair:
             raise AdapterError(
                 f"{WEIGHTS_FILE}: layer {layer} {module} has two lora_{side} tensors: "
-                f"{pair[side][0]!r} and {key!r}"
+                f"{_short(pair[side][0], 120)} and {_short(key, 120)}"
             )
         pair[side] = (key, tensor)
     if not found:
@@ -425,14 +425,14 @@ def _locate(key: str, num_layers: int) -> tuple[int, str, str]:
     match = _TENSOR_KEY.fullmatch(key)
     if match is None or _BLOCK.get(match["module"]) != match["block"]:
         raise AdapterError(
-            f"{WEIGHTS_FILE}: tensor {_short(key)} is not a lora_A/lora_B weight of "
+            f"{WEIGHTS_FILE}: tensor {_short(key, 120)} is not a lora_A/lora_B weight of "
             f"{', '.join(LORA_TARGETS)} in a decoder layer"
         )
     layer = int(match["layer"])
     if layer >= num_layers:
         raise AdapterError(
-            f"{WEIGHTS_FILE}: tensor {key!r} is for layer {layer}, but the base model has "
-            f"{num_layers} layers (0..{num_layers - 1})"
+            f"{WEIGHTS_FILE}: tensor {_short(key, 120)} is for layer {layer}, but the base "
+            f"model has {num_layers} layers (0..{num_layers - 1})"
         )
     return layer, match["module"], match["side"]
 
@@ -443,16 +443,18 @@ def _factor(
     key, tensor = named
     if tensor.dtype not in _FLOAT_DTYPES:
         raise AdapterError(
-            f"{WEIGHTS_FILE}: {what} ({key!r}) has dtype {tensor.dtype}; "
+            f"{WEIGHTS_FILE}: {what} ({_short(key, 120)}) has dtype {tensor.dtype}; "
             f"expected float16, bfloat16, float32 or float64"
         )
     if tuple(tensor.shape) != expected:
         raise AdapterError(
-            f"{WEIGHTS_FILE}: {what} ({key!r}) has shape {list(tensor.shape)}; expected "
+            f"{WEIGHTS_FILE}: {what} ({_short(key, 120)}) has shape {list(tensor.shape)}; expected "
             f"{list(expected)} = [{dims}]"
         )
     if not bool(torch.isfinite(tensor).all()):
-        raise AdapterError(f"{WEIGHTS_FILE}: {what} ({key!r}) holds NaN or infinite values")
+        raise AdapterError(
+            f"{WEIGHTS_FILE}: {what} ({_short(key, 120)}) holds NaN or infinite values"
+        )
     # A copy: the parsed tensors are views of the file's bytes, which nothing may write to.
     return tensor.to(torch.float32, copy=True).contiguous()
 
