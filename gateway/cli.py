@@ -30,6 +30,34 @@ def demo_model(
     typer.echo(f"demo model written to {path}")
 
 
+@app.command("demo-adapter")
+def demo_adapter(
+    model: Annotated[Path, typer.Option(help="Base model directory.")] = Path("models/demo"),
+    out: Annotated[Path, typer.Option(help="Directory for the adapter.")] = Path(
+        "models/adapters/demo-r8"
+    ),
+    rank: Annotated[int, typer.Option(min=1, help="LoRA rank r.")] = 8,
+    targets: Annotated[
+        str, typer.Option(help="all, attention, or modules separated by commas (q_proj,v_proj).")
+    ] = "all",
+    seed: Annotated[int, typer.Option(help="Seed for the adapter's weights.")] = 1,
+    alpha: Annotated[int | None, typer.Option(help="lora_alpha; default 2 * rank.")] = None,
+    rslora: Annotated[bool, typer.Option(help="Scale by alpha / sqrt(r) (rsLoRA).")] = False,
+) -> None:
+    """Build a seeded PEFT LoRA adapter for a base model (no training; changes its outputs)."""
+    from adapters.demo import TARGET_PRESETS, build_demo_adapter
+
+    modules = targets if targets in TARGET_PRESETS else targets.split(",")
+    try:
+        path = build_demo_adapter(
+            model, out, rank=rank, targets=modules, seed=seed, alpha=alpha, rslora=rslora
+        )
+    except (OSError, ValueError) as exc:
+        typer.echo(f"error: {exc}", err=True)
+        raise typer.Exit(1) from exc
+    typer.echo(f"demo adapter (rank {rank}, {targets}) written to {path}")
+
+
 @model_app.command("smollm2")
 def model_smollm2(
     out: Annotated[Path, typer.Option(help="Directory for the checkpoint.")] = Path(
