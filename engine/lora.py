@@ -214,7 +214,8 @@ class LoRAManager:
         self._pending_unload: set[str] = set()
         self._clock = 0
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="lora-loader")
-        self.num_loads = 0
+        self.num_loads = 0  # installs into a slot
+        self.num_disk_loads = 0
 
     # -- residency --------------------------------------------------------------------------
 
@@ -235,6 +236,8 @@ class LoRAManager:
             if slot is None:
                 return None
             self._install(slot, weights)
+            self.loading.pop(adapter_id, None)
+            self._cache(weights)
         elif slot in self.reserved and self.reserved[slot] != adapter_id:
             return None  # draining for a waiting adapter
         state = self.slots[slot]
@@ -269,6 +272,7 @@ class LoRAManager:
         """Drop an adapter's CPU copy and device slot now, or once its running
         requests finish."""
         self.cpu_cache.pop(adapter_id, None)
+        self.loading.pop(adapter_id, None)
         slot = self.slot_of.get(adapter_id)
         if slot is None:
             return
@@ -278,6 +282,8 @@ class LoRAManager:
             self._evict_slot(slot)
 
     def _cpu_weights(self, lora: LoRARequest) -> LoRAWeights | None:
+        """The adapter's weights if in CPU memory (cached, or loaded and not yet
+        taken); otherwise start loading them and return None."""
         adapter_id = lora.adapter_id
         weights = self.cpu_cache.get(adapter_id)
         if weights is not None:
@@ -287,14 +293,19 @@ class LoRAManager:
         if future is None:
             if self.loader is None:
                 raise LoRALoadError("this engine was started without LoRA support")
+            # Loaded weights wait in `loading` until a slot takes them: bounding it
+            # bounds that memory and keeps a queue of many cold adapters from
+            # loading them all only to evict them unused.
+            if len(self.loading) >= self.max_cpu_loras:
+                return None
             self.loading[adapter_id] = self._executor.submit(self._load, lora)
+            self.num_disk_loads += 1
             return None
         if not future.done():
             return None
-        del self.loading[adapter_id]
-        weights = future.result()  # raises LoRALoadError
-        self._cache(weights)
-        return weights
+        if future.exception() is not None:
+            del self.loading[adapter_id]
+        return future.result()  # raises LoRALoadError
 
     def _cache(self, weights: LoRAWeights) -> None:
         self.cpu_cache[weights.adapter_id] = weights

@@ -128,7 +128,8 @@ def acquire_eventually_none(manager: LoRAManager, request: LoRARequest) -> bool:
         manager.begin_step()
         if manager.acquire(request) is not None:
             return False
-        if request.adapter_id in manager.cpu_cache:
+        future = manager.loading.get(request.adapter_id)
+        if future is not None and future.done():  # loaded, and still no slot
             return True
         time.sleep(0.001)
     return False
