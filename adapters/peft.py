@@ -397,6 +397,7 @@ def _pair_factors(
     layers: list[dict[str, tuple[torch.Tensor, torch.Tensor]]] = [
         {} for _ in range(base.num_layers)
     ]
+    names: list[tuple[str, str]] = []  # (what, tensor key), in the order of the factors
     for layer, module in sorted(found, key=lambda lm: (lm[0], LORA_TARGETS.index(lm[1]))):
         pair = found[(layer, module)]
         where = f"layer {layer} {module}"
@@ -411,7 +412,25 @@ def _pair_factors(
         a = _factor(pair["A"], (config.rank, in_features), f"{where} lora_A", "r, in_features")
         b = _factor(pair["B"], (out_features, config.rank), f"{where} lora_B", "out_features, r")
         layers[layer][module] = (a, b)
+        names += [(f"{where} lora_A", pair["A"][0]), (f"{where} lora_B", pair["B"][0])]
+    _check_finite(
+        [t for layer_factors in layers for pair in layer_factors.values() for t in pair], names
+    )
     return layers
+
+
+def _check_finite(factors: list[torch.Tensor], names: list[tuple[str, str]]) -> None:
+    """One fused pass over every factor (a NaN or inf makes its norm non-finite); the
+    slow per-tensor search runs only to name the culprit."""
+    norms = torch.stack(torch._foreach_norm(factors))
+    if bool(torch.isfinite(norms).all()):
+        return
+    for tensor, (what, key) in zip(factors, names, strict=True):
+        if not bool(torch.isfinite(tensor).all()):
+            raise AdapterError(
+                f"{WEIGHTS_FILE}: {what} ({_short(key, 120)}) holds NaN or infinite values"
+            )
+    raise AdapterError(f"{WEIGHTS_FILE}: factor values too large for float32 arithmetic")
 
 
 def _listed(layer: int, module: str, target_modules: tuple[str, ...]) -> bool:
@@ -450,10 +469,6 @@ def _factor(
         raise AdapterError(
             f"{WEIGHTS_FILE}: {what} ({_short(key, 120)}) has shape {list(tensor.shape)}; expected "
             f"{list(expected)} = [{dims}]"
-        )
-    if not bool(torch.isfinite(tensor).all()):
-        raise AdapterError(
-            f"{WEIGHTS_FILE}: {what} ({_short(key, 120)}) holds NaN or infinite values"
         )
     # A copy: the parsed tensors are views of the file's bytes, which nothing may write to.
     return tensor.to(torch.float32, copy=True).contiguous()

@@ -134,7 +134,9 @@ def cold_load_ms(model_dir: str, work_dir: Path, rank: int, count: int = 5) -> f
     from engine.llm_engine import LLMEngine
 
     registry = AdapterRegistry(describe_base(model_dir), max_lora_rank=16)
-    config = EngineConfig(model=model_dir, num_kv_blocks=64, max_loras=count, max_cpu_loras=count)
+    config = EngineConfig(
+        model=model_dir, max_model_len=1024, num_kv_blocks=64, max_loras=count, max_cpu_loras=count
+    )
     engine = LLMEngine(config, lora_loader=registry.load)
     first = build_demo_adapter(
         model_dir, work_dir / f"cold-r{rank}", rank=rank, targets="all", seed=0
