@@ -162,3 +162,13 @@ def test_adapters_load_replace_and_unload_at_runtime(
     ):
         time.sleep(0.02)
     assert not {first_id, second_id} & (set(lora.slot_of) | set(lora.cpu_cache))
+
+
+def test_metrics_report_adapter_slots_and_loads(server: Server) -> None:
+    server.client().completions.create(model="r4-attn", prompt=PROMPT, max_tokens=2)
+    text = httpx.get(f"{server.base_url}/metrics").text
+    assert 'loragate:lora_requests_info{max_lora="2"' in text
+    slots = [line for line in text.splitlines() if line.startswith("loragate:lora_slots_used ")]
+    assert slots and 1.0 <= float(slots[0].split()[1]) <= 2.0
+    loads = [line for line in text.splitlines() if line.startswith("loragate:lora_loads_total ")]
+    assert loads and float(loads[0].split()[1]) >= 1.0
