@@ -343,6 +343,10 @@ def serve(
         max_cpu_loras=max_cpu_loras,
     )
     engine = _with_load_progress(lambda progress: LLMEngine(config, progress, registry.load))
+    if engine.lora is not None:
+        # Start-up adapters fill the slots before the first request, not on it.
+        for lora_name in registry.names()[:max_loras]:
+            engine.lora.load_now(registry.get(lora_name))  # type: ignore[arg-type]
     async_engine = AsyncEngine(engine, max_waiting=max_waiting)
     async_engine.start()
     app = build_app(
