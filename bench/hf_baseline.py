@@ -42,7 +42,9 @@ def never_stop(config: Any) -> Any:
     return config
 
 
-def hf_generate(model: Any, tokenizer: Any, batch: list[list[int]], output_len: int) -> Any:
+def hf_generate(
+    model: Any, tokenizer: Any, batch: list[list[int]], output_len: int, **kwargs: Any
+) -> Any:
     enc = tokenizer.pad({"input_ids": batch}, padding=True, return_tensors="pt")
     enc = {k: v.to(model.device) for k, v in enc.items()}
     with torch.inference_mode():
@@ -52,6 +54,7 @@ def hf_generate(model: Any, tokenizer: Any, batch: list[list[int]], output_len: 
             max_new_tokens=output_len,
             do_sample=False,
             pad_token_id=tokenizer.pad_token_id,
+            **kwargs,
         )
     return out[:, enc["input_ids"].shape[1] :]
 

@@ -21,6 +21,7 @@ from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass
 
 from engine.llm_engine import LLMEngine
+from engine.lora import LoRARequest
 from engine.outputs import SequenceUpdate
 from engine.request import SamplingParams
 
@@ -40,7 +41,7 @@ class _Add:
     request_id: str
     prompt: str | Sequence[int]
     params: SamplingParams
-    adapter_id: str | None
+    lora: LoRARequest | None
     cache_salt: str | None
     fairness_key: str | None
     stream: _Stream
@@ -49,6 +50,11 @@ class _Add:
 @dataclass(slots=True)
 class _Abort:
     request_id: str
+
+
+@dataclass(slots=True)
+class _UnloadLoRA:
+    adapter_id: str
 
 
 class _Stream:
@@ -69,7 +75,7 @@ class AsyncEngine:
     def __init__(self, engine: LLMEngine, *, max_waiting: int = 1024) -> None:
         self.engine = engine
         self.max_waiting = max_waiting
-        self._inbox: queue.SimpleQueue[_Add | _Abort | None] = queue.SimpleQueue()
+        self._inbox: queue.SimpleQueue[_Add | _Abort | _UnloadLoRA | None] = queue.SimpleQueue()
         self._streams: dict[str, _Stream] = {}
         self._num_pending = 0  # submitted but not yet finished, across threads
         self._lock = threading.Lock()
@@ -104,7 +110,7 @@ class AsyncEngine:
         prompt: str | Sequence[int],
         params: SamplingParams,
         *,
-        adapter_id: str | None = None,
+        lora: LoRARequest | None = None,
         cache_salt: str | None = None,
         fairness_key: str | None = None,
     ) -> AsyncIterator[SequenceUpdate]:
@@ -120,9 +126,7 @@ class AsyncEngine:
                 raise EngineOverloaded("too many requests are waiting")
             self._num_pending += 1
         stream = _Stream(asyncio.get_running_loop(), params.n)
-        self._inbox.put(
-            _Add(request_id, prompt, params, adapter_id, cache_salt, fairness_key, stream)
-        )
+        self._inbox.put(_Add(request_id, prompt, params, lora, cache_salt, fairness_key, stream))
         finished = False
         try:
             while True:
@@ -142,6 +146,11 @@ class AsyncEngine:
 
     def abort(self, request_id: str) -> None:
         self._inbox.put(_Abort(request_id))
+
+    def unload_lora(self, adapter_id: str) -> None:
+        """Free an adapter's slot and CPU copy (on the loop thread, which owns them),
+        at once or when its running requests finish."""
+        self._inbox.put(_UnloadLoRA(adapter_id))
 
     # -- the loop thread ----------------------------------------------------------------------
 
@@ -187,6 +196,9 @@ class AsyncEngine:
                 return False
             if isinstance(item, _Add):
                 self._add(item)
+            elif isinstance(item, _UnloadLoRA):
+                if self.engine.lora is not None:
+                    self.engine.lora.unload(item.adapter_id)
             elif item.request_id in self._streams:
                 self.engine.abort(item.request_id)
                 self._forget(item.request_id)
@@ -201,7 +213,7 @@ class AsyncEngine:
                 item.request_id,
                 item.prompt,
                 item.params,
-                adapter_id=item.adapter_id,
+                lora=item.lora,
                 cache_salt=item.cache_salt,
                 fairness_key=item.fairness_key,
             )

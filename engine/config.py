@@ -23,6 +23,10 @@ class EngineConfig:
     enable_prefix_caching: bool = True
     enable_chunked_prefill: bool = True
     seed: int = 0
+    enable_lora: bool = True
+    max_loras: int = 4  # adapters resident on the device (and so per step)
+    max_lora_rank: int = 16
+    max_cpu_loras: int = 16  # adapters kept in CPU memory (LRU) beyond the device slots
     num_threads: int | None = None  # torch intra-op threads; None: torch's default
     # Guided decoding (engine/guided.py): limits on what a request may ask to compile.
     guided_compile_timeout: float = 10.0  # seconds a request waits for its grammar
@@ -45,6 +49,15 @@ class EngineConfig:
             raise ValueError("kv_cache_memory must be positive")
         if self.num_kv_blocks is not None and self.num_kv_blocks < 1:
             raise ValueError("num_kv_blocks must be positive")
+        if self.max_loras < 1:
+            raise ValueError(f"max_loras must be positive, got {self.max_loras}")
+        if self.max_lora_rank < 1:
+            raise ValueError(f"max_lora_rank must be positive, got {self.max_lora_rank}")
+        if self.max_cpu_loras < self.max_loras:
+            raise ValueError(
+                f"max_cpu_loras ({self.max_cpu_loras}) must be at least "
+                f"max_loras ({self.max_loras})"
+            )
         if self.dtype not in ("auto", "float32", "bfloat16", "float16"):
             raise ValueError(
                 f"dtype must be auto, float32, bfloat16 or float16, got {self.dtype!r}"

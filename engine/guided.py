@@ -30,7 +30,7 @@ import threading
 import time
 from collections import OrderedDict
 from collections.abc import Iterable, Iterator, Sequence
-from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -440,13 +440,6 @@ class SequenceGrammar:
 def grammar_ready(request: Request) -> bool:
     """Scheduler admission gate: a guided request waits until its matcher exists."""
     return request.grammar is None or request.grammar.matcher is not None
-
-
-def wait_for_any_compile(requests: Iterable[Request], timeout: float) -> None:
-    """Block until one of these requests' grammars has compiled, or `timeout` seconds pass:
-    the engine waits here, instead of spinning, when nothing else can run."""
-    futures = [r.grammar.future for r in requests if r.grammar is not None]
-    wait(futures, timeout=timeout, return_when=FIRST_COMPLETED)
 
 
 # -- per step ------------------------------------------------------------------------------

@@ -12,8 +12,9 @@ from transformers import AutoConfig, AutoTokenizer
 
 from engine.config import EngineConfig
 from engine.detokenizer import IncrementalDetokenizer
-from engine.guided import GrammarCache, GuidedSpecError, grammar_ready, wait_for_any_compile
+from engine.guided import GrammarCache, GuidedSpecError, grammar_ready
 from engine.kv_cache.manager import KVCacheManager
+from engine.lora import LoRALoader, LoRAManager, LoRARequest, llama_fused_targets
 from engine.model_runner import ModelRunner, ProgressFn
 from engine.outputs import CompletionOutput, RequestOutput, SequenceUpdate
 from engine.request import Request, RequestStatus, SamplingParams
@@ -33,7 +34,12 @@ class _Sequence:
 
 
 class LLMEngine:
-    def __init__(self, config: EngineConfig, progress: ProgressFn | None = None) -> None:
+    def __init__(
+        self,
+        config: EngineConfig,
+        progress: ProgressFn | None = None,
+        lora_loader: LoRALoader | None = None,
+    ) -> None:
         self.config = config
         self.tokenizer = AutoTokenizer.from_pretrained(config.tokenizer or config.model)
         hf_config = AutoConfig.from_pretrained(config.model)
@@ -52,11 +58,25 @@ class LLMEngine:
             )
         self.runner.allocate_kv_cache(num_blocks)
         self.kv = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching)
+        self.lora: LoRAManager | None = None
+        if config.enable_lora:
+            self.lora = LoRAManager(
+                llama_fused_targets(hf_config),
+                self.runner.num_layers,
+                max_loras=config.max_loras,
+                max_lora_rank=config.max_lora_rank,
+                max_cpu_loras=config.max_cpu_loras,
+                loader=lora_loader,
+                device=self.runner.device,
+                dtype=self.runner.dtype,
+            )
+            self.runner.lora = self.lora
         self.scheduler = Scheduler(
             self.kv,
             max_num_seqs=config.max_num_seqs,
             max_num_batched_tokens=config.max_num_batched_tokens,
             enable_chunked_prefill=config.enable_chunked_prefill,
+            lora=self.lora,
         )
         self.sequences: dict[str, _Sequence] = {}
         self.parents: dict[str, list[str]] = {}
@@ -97,7 +117,7 @@ class LLMEngine:
         prompt: str | Sequence[int],
         params: SamplingParams,
         *,
-        adapter_id: str | None = None,
+        lora: LoRARequest | None = None,
         cache_salt: str | None = None,
         fairness_key: str | None = None,
     ) -> list[int]:
@@ -107,6 +127,8 @@ class LLMEngine:
             raise ValueError(f"request id {request_id!r} is already running")
         prompt_ids = self.tokenize(prompt)
         self._validate(prompt_ids, params)
+        if lora is not None and self.lora is None:
+            raise ValueError("LoRA adapters are not enabled on this engine")
         if params.max_tokens is None:
             params = replace(params, max_tokens=self.max_model_len - len(prompt_ids))
         eos = None if not self.eos_token_ids else min(self.eos_token_ids)
@@ -123,7 +145,7 @@ class LLMEngine:
                 prompt_ids,
                 child_params,
                 eos,
-                adapter_id=adapter_id,
+                lora=lora,
                 cache_salt=cache_salt,
                 fairness_key=fairness_key,
             )
@@ -180,10 +202,12 @@ class LLMEngine:
     def step(self) -> list[SequenceUpdate]:
         updates = self._start_grammars() if self._awaiting_grammar else []
         sched = self.scheduler.schedule()
+        updates += [self._fail(request, error) for request, error in sched.failed]
         if sched.is_empty:
-            if self._awaiting_grammar:  # only compiles to wait for: wait, don't spin
-                requests = (seq.request for seq in self._awaiting_grammar.values())
-                wait_for_any_compile(requests, timeout=0.05)
+            if not updates:
+                # Every waiting request waits on a background job (an adapter load, a
+                # grammar compile): give those threads the GIL instead of spinning.
+                time.sleep(0.001)
             return updates
         sampled, sampler_out = self.runner.execute(sched, self.kv)
         for request, num_new in sched.scheduled:
@@ -203,24 +227,23 @@ class LLMEngine:
             status = self._check_stop(seq, token_id)
             if status is not None:
                 self._finish(seq, status)
-            updates.append(self._update(seq, [token_id], logprobs))
+            updates.append(self._update(seq, token_id, logprobs))
         return updates
 
     def _start_grammars(self) -> list[SequenceUpdate]:
         """Give each guided sequence whose grammar compiled its matcher (the admission gate
-        then lets it in); fail those whose compile failed or timed out."""
+        then lets it in); fail those whose compile failed or timed out; forget finished ones
+        (an adapter that failed to load ends a request before its grammar is ready)."""
         updates = []
         now = time.monotonic()
         for child_id, seq in list(self._awaiting_grammar.items()):
             request = seq.request
             assert request.grammar is not None
             try:
-                if not request.grammar.try_start(now):
+                if not (request.is_finished or request.grammar.try_start(now)):
                     continue
             except GuidedSpecError as exc:
-                request.error = str(exc)
-                self._finish(seq, RequestStatus.FINISHED_ERROR)
-                updates.append(self._update(seq, [], None))
+                updates.append(self._fail(request, str(exc)))
             del self._awaiting_grammar[child_id]
         return updates
 
@@ -254,6 +277,13 @@ class LLMEngine:
             return RequestStatus.FINISHED_LENGTH
         return None
 
+    def _fail(self, request: Request, error: str) -> SequenceUpdate:
+        """A waiting request that can never run: finish it with an error update."""
+        seq = self.sequences[request.request_id]
+        request.error = error
+        self._finish(seq, RequestStatus.FINISHED_ERROR)
+        return self._update(seq, None, None)
+
     def _finish(self, seq: _Sequence, status: RequestStatus) -> None:
         self.scheduler.finish(seq.request, status)
         del self.sequences[seq.request.request_id]
@@ -264,7 +294,7 @@ class LLMEngine:
 
     @staticmethod
     def _update(
-        seq: _Sequence, new_token_ids: list[int], logprobs: dict[int, float] | None
+        seq: _Sequence, token_id: int | None, logprobs: dict[int, float] | None
     ) -> SequenceUpdate:
         request = seq.request
         detok = seq.detokenizer
@@ -273,7 +303,7 @@ class LLMEngine:
         return SequenceUpdate(
             request_id=seq.parent_id,
             index=seq.index,
-            new_token_ids=new_token_ids,
+            new_token_ids=[] if token_id is None else [token_id],
             text=text,
             new_logprobs=None if logprobs is None else [logprobs],
             num_prompt_tokens=request.num_prompt_tokens,
@@ -306,8 +336,14 @@ def _eos_token_ids(hf_config: Any, tokenizer: Any, model_dir: str) -> frozenset[
 class LLM:
     """Offline batch generation: `LLM(model=...).generate(prompts, SamplingParams(...))`."""
 
-    def __init__(self, model: str, progress: ProgressFn | None = None, **kwargs: Any) -> None:
-        self.engine = LLMEngine(EngineConfig(model=model, **kwargs), progress)
+    def __init__(
+        self,
+        model: str,
+        progress: ProgressFn | None = None,
+        lora_loader: LoRALoader | None = None,
+        **kwargs: Any,
+    ) -> None:
+        self.engine = LLMEngine(EngineConfig(model=model, **kwargs), progress, lora_loader)
         self._next_id = 0
 
     @property
@@ -319,7 +355,7 @@ class LLM:
         prompts: Sequence[str] | Sequence[Sequence[int]] | str,
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         *,
-        adapter_id: str | None = None,
+        lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
         cache_salt: str | None = None,
         on_step: Callable[[int], None] | None = None,
     ) -> list[RequestOutput]:
@@ -337,13 +373,20 @@ class LLM:
         )
         if len(params_list) != len(prompts):
             raise ValueError("one SamplingParams per prompt, or one for all")
+        loras = (
+            [lora_request] * len(prompts)
+            if lora_request is None or isinstance(lora_request, LoRARequest)
+            else list(lora_request)
+        )
+        if len(loras) != len(prompts):
+            raise ValueError("one LoRARequest per prompt, or one for all")
         results: dict[str, RequestOutput] = {}
         order = []
-        for prompt, params in zip(prompts, params_list, strict=True):
+        for prompt, params, lora in zip(prompts, params_list, loras, strict=True):
             request_id = str(self._next_id)
             self._next_id += 1
             prompt_ids = self.engine.add_request(
-                request_id, prompt, params, adapter_id=adapter_id, cache_salt=cache_salt
+                request_id, prompt, params, lora=lora, cache_salt=cache_salt
             )
             results[request_id] = RequestOutput(
                 request_id, prompt_ids, [CompletionOutput(i) for i in range(params.n)]

@@ -6,9 +6,16 @@ gateway wires `adapters.peft`) that turns a `LoRARequest` into `LoRAWeights`.
 
 from __future__ import annotations
 
+from collections import OrderedDict
+from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
+from typing import Any
 
+import numpy as np
 import torch
+
+from kernels.lora import LoRAGroup, add_lora, add_lora_masked, slot_mask
 
 # The projections an adapter may target, in HF names.
 LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
@@ -46,3 +53,369 @@ class LoRAWeights:
             for layer in self.layers
             for a, b in layer.values()
         )
+
+
+class LoRALoadError(RuntimeError):
+    """An adapter could not be loaded; the requests naming it fail with this message."""
+
+
+LoRALoader = Callable[[LoRARequest], LoRAWeights]
+
+
+@dataclass(frozen=True, slots=True)
+class FusedTarget:
+    """One of the model's fused linears and the HF modules it packs, with their
+    output column ranges."""
+
+    name: str
+    in_features: int
+    out_features: int
+    modules: tuple[tuple[str, int, int], ...]  # (HF module, first column, last column + 1)
+
+
+# Steps of at most this many tokens with more than one adapter (or base rows) take
+# the masked dense path: its cost grows with tokens x max_loras, its op count not at all.
+MASKED_MAX_TOKENS = 256
+
+# Indices of llama_fused_targets' entries, as the model passes them to LoRAStep.apply.
+QKV, O_PROJ, GATE_UP, DOWN = range(4)
+
+
+def llama_fused_targets(hf_config: Any) -> list[FusedTarget]:
+    heads = hf_config.num_attention_heads
+    kv_heads = getattr(hf_config, "num_key_value_heads", None) or heads
+    head_dim = getattr(hf_config, "head_dim", None) or hf_config.hidden_size // heads
+    hidden, inter = hf_config.hidden_size, hf_config.intermediate_size
+    q, kv = heads * head_dim, kv_heads * head_dim
+    return [
+        FusedTarget(
+            "qkv",
+            hidden,
+            q + 2 * kv,
+            (("q_proj", 0, q), ("k_proj", q, q + kv), ("v_proj", q + kv, q + 2 * kv)),
+        ),
+        FusedTarget("o", q, hidden, (("o_proj", 0, hidden),)),
+        FusedTarget(
+            "gate_up", hidden, 2 * inter, (("gate_proj", 0, inter), ("up_proj", inter, 2 * inter))
+        ),
+        FusedTarget("down", inter, hidden, (("down_proj", 0, hidden),)),
+    ]
+
+
+class LoRAStep:
+    """The adapters of one forward pass: which tokens run under which slot.
+
+    Built once per step; every LoRA-targeted linear of every layer calls `apply`.
+    Small steps with several adapters take the masked dense path (a fixed three
+    ops per linear), large ones the grouped path (work proportional to tokens).
+    """
+
+    __slots__ = ("manager", "groups", "masks")
+
+    def __init__(
+        self,
+        manager: LoRAManager,
+        groups: list[LoRAGroup],
+        masks: list[torch.Tensor] | None,
+    ) -> None:
+        self.manager = manager
+        self.groups = groups
+        self.masks = masks  # per target, for the dense path; None: grouped
+
+    def apply(self, layer: int, target: int, x: torch.Tensor, y: torch.Tensor) -> None:
+        """y += the step's adapters' contribution for fused target `target` of `layer`."""
+        m = self.manager
+        a, b = m.lora_a[layer][target], m.lora_b[layer][target]
+        if self.masks is not None:
+            add_lora_masked(y, x, a, b, self.masks[target])
+        else:
+            add_lora(y, x, a, b, self.groups, m.widths[target])
+
+
+class _Slot:
+    __slots__ = ("adapter_id", "pins", "last_used")
+
+    def __init__(self) -> None:
+        self.adapter_id: str | None = None
+        self.pins = 0
+        self.last_used = 0
+
+
+class LoRAManager:
+    """Where every adapter lives: `max_loras` device slots, `max_cpu_loras` CPU
+    copies (LRU), the rest on disk.
+
+    Slots hold stacked A and B per layer and fused linear, padded to
+    `max_lora_rank`: A as [max_loras, modules * max_rank, in], B transposed as
+    [max_loras, modules * max_rank, out], the scaling folded into B. A slot of
+    rank r packs its modules' rows at stride r, so its first `width` rows are
+    all of it and the rest is never read.
+
+    Loads from disk run on one background thread; the engine thread only polls
+    and copies CPU weights into a slot. A slot used by a running request is
+    pinned; eviction takes the least recently used unpinned slot. When every
+    slot is pinned, the oldest waiting request reserves the slot with the
+    fewest pins, which admits no new requests until it drains.
+    """
+
+    def __init__(
+        self,
+        targets: list[FusedTarget],
+        num_layers: int,
+        *,
+        max_loras: int,
+        max_lora_rank: int,
+        max_cpu_loras: int,
+        loader: LoRALoader | None,
+        device: torch.device,
+        dtype: torch.dtype,
+    ) -> None:
+        self.targets = targets
+        self.num_layers = num_layers
+        self.max_loras = max_loras
+        self.max_lora_rank = max_lora_rank
+        self.max_cpu_loras = max_cpu_loras
+        self.loader = loader
+        self.device = device
+        self.dtype = dtype
+        self.lora_a = [
+            [
+                torch.zeros(
+                    max_loras,
+                    len(t.modules) * max_lora_rank,
+                    t.in_features,
+                    dtype=dtype,
+                    device=device,
+                )
+                for t in targets
+            ]
+            for _ in range(num_layers)
+        ]
+        self.lora_b = [
+            [
+                torch.zeros(
+                    max_loras,
+                    len(t.modules) * max_lora_rank,
+                    t.out_features,
+                    dtype=dtype,
+                    device=device,
+                )
+                for t in targets
+            ]
+            for _ in range(num_layers)
+        ]
+        # widths[target][slot]: rows of that slot's A/B in use (0: not adapted).
+        self.widths = [[0] * max_loras for _ in targets]
+        self.slots = [_Slot() for _ in range(max_loras)]
+        self.slot_of: dict[str, int] = {}
+        self.cpu_cache: OrderedDict[str, LoRAWeights] = OrderedDict()
+        self.loading: dict[str, Future[LoRAWeights]] = {}
+        self.reserved: dict[int, str] = {}  # slot -> adapter waiting for it to drain
+        self._pending_unload: set[str] = set()
+        self._clock = 0
+        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="lora-loader")
+        self.num_loads = 0  # installs into a slot
+        self.num_disk_loads = 0
+
+    # -- residency --------------------------------------------------------------------------
+
+    def begin_step(self) -> None:
+        """Reservations are re-made each step by the oldest request still waiting."""
+        self.reserved.clear()
+
+    def acquire(self, lora: LoRARequest) -> int | None:
+        """The slot holding `lora`, pinned for one request; None while it loads or
+        waits for a slot. Raises LoRALoadError when its load failed."""
+        adapter_id = lora.adapter_id
+        slot = self.slot_of.get(adapter_id)
+        if slot is None:
+            weights = self._cpu_weights(lora)
+            if weights is None:
+                return None
+            slot = self._free_slot(adapter_id)
+            if slot is None:
+                return None
+            self._install(slot, weights)
+            self.loading.pop(adapter_id, None)
+            self._cache(weights)
+        elif slot in self.reserved and self.reserved[slot] != adapter_id:
+            return None  # draining for a waiting adapter
+        state = self.slots[slot]
+        state.pins += 1
+        self._clock += 1
+        state.last_used = self._clock
+        return slot
+
+    def load_now(self, lora: LoRARequest) -> int:
+        """Load `lora` into a free or unpinned slot on the calling thread (start-up
+        preloading, benchmarks); returns the slot, unpinned."""
+        slot = self.slot_of.get(lora.adapter_id)
+        if slot is not None:
+            return slot
+        weights = self.cpu_cache.get(lora.adapter_id) or self._load(lora)
+        self._cache(weights)
+        slot = self._free_slot(lora.adapter_id)
+        if slot is None:
+            raise LoRALoadError("every LoRA slot is in use")
+        self._install(slot, weights)
+        return slot
+
+    def release(self, slot: int) -> None:
+        state = self.slots[slot]
+        state.pins -= 1
+        assert state.pins >= 0, "LoRA slot released more often than acquired"
+        if state.pins == 0 and state.adapter_id in self._pending_unload:
+            self._pending_unload.discard(state.adapter_id)
+            self._evict_slot(slot)
+
+    def unload(self, adapter_id: str) -> None:
+        """Drop an adapter's CPU copy and device slot now, or once its running
+        requests finish."""
+        self.cpu_cache.pop(adapter_id, None)
+        self.loading.pop(adapter_id, None)
+        slot = self.slot_of.get(adapter_id)
+        if slot is None:
+            return
+        if self.slots[slot].pins:
+            self._pending_unload.add(adapter_id)
+        else:
+            self._evict_slot(slot)
+
+    def _cpu_weights(self, lora: LoRARequest) -> LoRAWeights | None:
+        """The adapter's weights if in CPU memory (cached, or loaded and not yet
+        taken); otherwise start loading them and return None."""
+        adapter_id = lora.adapter_id
+        weights = self.cpu_cache.get(adapter_id)
+        if weights is not None:
+            self.cpu_cache.move_to_end(adapter_id)
+            return weights
+        future = self.loading.get(adapter_id)
+        if future is None:
+            if self.loader is None:
+                raise LoRALoadError("this engine was started without LoRA support")
+            # Loaded weights wait in `loading` until a slot takes them: bounding it
+            # bounds that memory and keeps a queue of many cold adapters from
+            # loading them all only to evict them unused.
+            if len(self.loading) >= self.max_cpu_loras:
+                return None
+            self.loading[adapter_id] = self._executor.submit(self._load, lora)
+            self.num_disk_loads += 1
+            return None
+        if not future.done():
+            return None
+        if future.exception() is not None:
+            del self.loading[adapter_id]
+        return future.result()  # raises LoRALoadError
+
+    def _cache(self, weights: LoRAWeights) -> None:
+        self.cpu_cache[weights.adapter_id] = weights
+        self.cpu_cache.move_to_end(weights.adapter_id)
+        while len(self.cpu_cache) > self.max_cpu_loras:
+            self.cpu_cache.popitem(last=False)
+
+    def _load(self, lora: LoRARequest) -> LoRAWeights:
+        assert self.loader is not None
+        try:
+            weights = self.loader(lora)
+        except Exception as exc:  # the loader names the problem; the engine keeps serving
+            raise LoRALoadError(f"adapter {lora.name!r} failed to load: {exc}") from exc
+        if weights.adapter_id != lora.adapter_id:
+            raise LoRALoadError(f"adapter {lora.name!r} changed since it was registered")
+        if weights.rank > self.max_lora_rank:
+            raise LoRALoadError(
+                f"adapter {lora.name!r} has rank {weights.rank}, "
+                f"above max_lora_rank={self.max_lora_rank}"
+            )
+        if len(weights.layers) != self.num_layers:
+            raise LoRALoadError(
+                f"adapter {lora.name!r} has {len(weights.layers)} layers, "
+                f"the model {self.num_layers}"
+            )
+        return weights
+
+    def _free_slot(self, adapter_id: str) -> int | None:
+        free = [
+            i for i, s in enumerate(self.slots) if s.adapter_id is None and i not in self.reserved
+        ]
+        if free:
+            return free[0]
+        unpinned = [
+            i
+            for i, s in enumerate(self.slots)
+            if s.pins == 0 and self.reserved.get(i, adapter_id) == adapter_id
+        ]
+        if unpinned:
+            slot = min(unpinned, key=lambda i: self.slots[i].last_used)
+            self._evict_slot(slot)
+            return slot
+        if adapter_id not in self.reserved.values():
+            candidates = [i for i in range(self.max_loras) if i not in self.reserved]
+            if candidates:
+                self.reserved[min(candidates, key=lambda i: self.slots[i].pins)] = adapter_id
+        return None
+
+    def _evict_slot(self, slot: int) -> None:
+        state = self.slots[slot]
+        if state.adapter_id is not None:
+            del self.slot_of[state.adapter_id]
+        state.adapter_id = None
+        for widths in self.widths:
+            widths[slot] = 0
+
+    def _install(self, slot: int, weights: LoRAWeights) -> None:
+        r = weights.rank
+        present = {name for layer in weights.layers for name in layer}
+        for t, target in enumerate(self.targets):
+            names = [name for name, _, _ in target.modules if name in present]
+            width = r * len(names)
+            for layer, modules in enumerate(weights.layers):
+                # Zero all of the slot: the masked path reads past `width`.
+                a_slot = self.lora_a[layer][t][slot]
+                b_slot = self.lora_b[layer][t][slot]
+                a_slot.zero_()
+                b_slot.zero_()
+                row = 0
+                for name, start, end in target.modules:
+                    if name not in present:
+                        continue
+                    if name in modules:
+                        a, b = modules[name]
+                        a_slot[row : row + r].copy_(a)
+                        b_slot[row : row + r, start:end].copy_(b.t() * weights.scaling)
+                    row += r
+            self.widths[t][slot] = width
+        self.slots[slot].adapter_id = weights.adapter_id
+        self.slot_of[weights.adapter_id] = slot
+        self.num_loads += 1
+
+    # -- the step ---------------------------------------------------------------------------
+
+    def step_context(self, token_slots: np.ndarray) -> LoRAStep | None:
+        """Group the step's tokens by slot (-1: base model only)."""
+        slots = np.unique(token_slots)
+        slots = slots[slots >= 0]
+        if len(slots) == 0:
+            return None
+        mixed = len(slots) > 1 or bool((token_slots < 0).any())
+        if mixed and len(token_slots) <= MASKED_MAX_TOKENS:
+            index = torch.from_numpy(token_slots).to(self.device)
+            masks = [
+                slot_mask(index, self.max_loras, a.shape[1]).to(self.dtype) for a in self.lora_a[0]
+            ]
+            return LoRAStep(self, [], masks)
+        groups = []
+        for slot in slots.tolist():
+            rows = np.flatnonzero(token_slots == slot)
+            if rows[-1] - rows[0] + 1 == len(rows):
+                groups.append(LoRAGroup(slot, slice(int(rows[0]), int(rows[-1]) + 1)))
+            else:
+                index = torch.from_numpy(rows).to(self.device)
+                groups.append(LoRAGroup(slot, index))
+        return LoRAStep(self, groups, None)
+
+    @property
+    def cpu_cache_bytes(self) -> int:
+        return sum(w.nbytes for w in self.cpu_cache.values())
+
+    def shutdown(self) -> None:
+        self._executor.shutdown(wait=False, cancel_futures=True)

@@ -18,6 +18,7 @@ from transformers import PretrainedConfig
 
 from engine.config import EngineConfig
 from engine.kv_cache.manager import KVCacheManager
+from engine.lora import LoRAManager
 from engine.models.llama import (
     SUPPORTED_ARCHITECTURES,
     LlamaForCausalLM,
@@ -98,6 +99,7 @@ class ModelRunner:
         self.num_kv_heads = attn.num_kv_heads
         self.head_dim = attn.head_dim
         self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
+        self.lora: LoRAManager | None = None  # set by the engine when LoRA is enabled
         self.sampler = Sampler(self.device, config.seed)
 
     @property
@@ -166,6 +168,7 @@ class ModelRunner:
         input_ids = np.empty(num_tokens, dtype=np.int64)
         positions = np.empty(num_tokens, dtype=np.int64)
         slots = np.empty(num_tokens, dtype=np.int64)
+        token_lora_slots = np.empty(num_tokens, dtype=np.int64)
         query_lens = np.empty(len(rows), dtype=np.int64)
         seq_lens = np.empty(len(rows), dtype=np.int64)
         block_tables: list[list[int]] = []
@@ -187,6 +190,7 @@ class ModelRunner:
                 positions[t : t + n] = pos
                 input_ids[t : t + n] = request.all_token_ids[start : start + n]
                 slots[t : t + n] = np.asarray(table)[pos // bs] * bs + pos % bs
+            token_lora_slots[t : t + n] = request.lora_slot
             t += n
             if start + n == request.num_tokens:
                 sample_rows.append(request)
@@ -195,7 +199,8 @@ class ModelRunner:
         plan = build_plan(query_lens, seq_lens, block_tables, slots, num_decode, bs, self.device)
         ids_t = torch.from_numpy(input_ids).to(self.device)
         pos_t = torch.from_numpy(positions).to(self.device)
-        hidden = self.model(ids_t, pos_t, plan, self.kv_caches)
+        lora = None if self.lora is None else self.lora.step_context(token_lora_slots)
+        hidden = self.model(ids_t, pos_t, plan, self.kv_caches, lora)
         if not sample_rows:
             return [], None
         index = torch.tensor(sample_index, device=self.device)

@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from engine.guided import SequenceGrammar
+    from engine.lora import LoRARequest
 
 
 class RequestStatus(enum.IntEnum):
@@ -179,6 +180,8 @@ class Request:
         "sampling_params",
         "eos_token_id",
         "adapter_id",
+        "lora",
+        "lora_slot",
         "cache_salt",
         "fairness_key",
         "arrival_time",
@@ -205,7 +208,7 @@ class Request:
         sampling_params: SamplingParams,
         eos_token_id: int | None,
         *,
-        adapter_id: str | None = None,
+        lora: LoRARequest | None = None,
         cache_salt: str | None = None,
         fairness_key: str | None = None,
         arrival_time: float | None = None,
@@ -214,7 +217,10 @@ class Request:
         self.prompt_token_ids = prompt_token_ids
         self.sampling_params = sampling_params
         self.eos_token_id = eos_token_id
-        self.adapter_id = adapter_id
+        self.lora = lora
+        # The prefix cache keys by adapter content, never by name.
+        self.adapter_id = None if lora is None else lora.adapter_id
+        self.lora_slot = -1  # the device slot pinned while running; -1: none
         self.cache_salt = cache_salt
         self.fairness_key = fairness_key
         self.arrival_time = time.monotonic() if arrival_time is None else arrival_time

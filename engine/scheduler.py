@@ -19,6 +19,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from engine.kv_cache.manager import KVCacheManager
+from engine.lora import LoRALoadError, LoRAManager
 from engine.request import Request, RequestStatus
 
 
@@ -27,6 +28,8 @@ class SchedulerOutput:
     # (request, number of its tokens to compute this step), in batch order.
     scheduled: list[tuple[Request, int]] = field(default_factory=list)
     preempted: list[Request] = field(default_factory=list)
+    # Waiting requests that can never run (their adapter failed to load), with why.
+    failed: list[tuple[Request, str]] = field(default_factory=list)
     num_batched_tokens: int = 0
 
     @property
@@ -42,8 +45,10 @@ class Scheduler:
         max_num_seqs: int,
         max_num_batched_tokens: int,
         enable_chunked_prefill: bool,
+        lora: LoRAManager | None = None,
     ) -> None:
         self.kv = kv_manager
+        self.lora = lora
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.enable_chunked_prefill = enable_chunked_prefill
@@ -65,6 +70,8 @@ class Scheduler:
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
         budget = self.max_num_batched_tokens
+        if self.lora is not None:
+            self.lora.begin_step()
 
         i = 0
         while i < len(self.running) and budget > 0:
@@ -97,13 +104,21 @@ class Scheduler:
             if not all(gate(request) for gate in self.admission_gates):
                 skipped.append(request)
                 continue
+            if request.lora is not None:
+                try:
+                    slot = self._acquire_lora(request)
+                except LoRALoadError as exc:
+                    out.failed.append((request, str(exc)))
+                    continue
+                if slot is None:  # loading, or waiting for a slot to drain
+                    skipped.append(request)
+                    continue
             computed_blocks, num_cached = self.kv.get_computed_blocks(request)
             num_new = request.num_tokens - num_cached
-            if not self.enable_chunked_prefill and num_new > budget:
-                self.waiting.appendleft(request)
-                break
+            fits = self.enable_chunked_prefill or num_new <= budget
             num_new = min(num_new, budget)
-            if not self.kv.allocate_slots(request, num_new, computed_blocks):
+            if not fits or not self.kv.allocate_slots(request, num_new, computed_blocks):
+                self._release_lora(request)
                 self.waiting.appendleft(request)
                 break
             request.num_computed_tokens = num_cached
@@ -116,7 +131,23 @@ class Scheduler:
             budget -= num_new
         self.waiting.extendleft(reversed(skipped))
 
+    def _acquire_lora(self, request: Request) -> int | None:
+        assert request.lora is not None
+        if self.lora is None:
+            raise LoRALoadError("LoRA is not enabled on this engine")
+        slot = self.lora.acquire(request.lora)
+        if slot is not None:
+            request.lora_slot = slot
+        return slot
+
+    def _release_lora(self, request: Request) -> None:
+        if request.lora_slot >= 0:
+            assert self.lora is not None
+            self.lora.release(request.lora_slot)
+            request.lora_slot = -1
+
     def _preempt(self, request: Request) -> None:
+        self._release_lora(request)
         self.kv.free(request)
         request.status = RequestStatus.PREEMPTED
         request.num_computed_tokens = 0
@@ -133,4 +164,5 @@ class Scheduler:
             with contextlib.suppress(ValueError):
                 self.waiting.remove(request)
         request.status = status
+        self._release_lora(request)
         self.kv.free(request)

@@ -9,9 +9,11 @@ from fastapi.responses import JSONResponse
 from starlette.middleware.base import BaseHTTPMiddleware, RequestResponseEndpoint
 from starlette.responses import Response
 
+from adapters.registry import AdapterRegistry
 from engine.async_engine import AsyncEngine
 from gateway.errors import error_body, install_error_handlers
 from gateway.metrics import Metrics
+from gateway.routers import lora
 from gateway.routers.openai import health_router, router
 from gateway.serving import OpenAIServing
 
@@ -34,14 +36,22 @@ class BodySizeLimit(BaseHTTPMiddleware):
 
 
 def build_app(
-    engine: AsyncEngine, served_model_name: str, max_body_bytes: int = 4 << 20
+    engine: AsyncEngine,
+    served_model_name: str,
+    max_body_bytes: int = 4 << 20,
+    adapters: AdapterRegistry | None = None,
+    allow_runtime_lora_updating: bool = False,
 ) -> FastAPI:
     app = FastAPI(title="loragate", docs_url=None, redoc_url=None)
     app.state.metrics = Metrics(engine)
-    app.state.serving = OpenAIServing(engine, served_model_name, app.state.metrics)
+    app.state.serving = OpenAIServing(engine, served_model_name, app.state.metrics, adapters)
     app.state.started_at = int(time.time())
     install_error_handlers(app)
     app.add_middleware(BodySizeLimit, max_bytes=max_body_bytes)
     app.include_router(router)
+    if allow_runtime_lora_updating:
+        if adapters is None:
+            raise ValueError("runtime LoRA updating needs LoRA enabled")
+        app.include_router(lora.router)
     app.include_router(health_router)
     return app

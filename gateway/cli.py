@@ -30,6 +30,34 @@ def demo_model(
     typer.echo(f"demo model written to {path}")
 
 
+@app.command("demo-adapter")
+def demo_adapter(
+    model: Annotated[Path, typer.Option(help="Base model directory.")] = Path("models/demo"),
+    out: Annotated[Path, typer.Option(help="Directory for the adapter.")] = Path(
+        "models/adapters/demo-r8"
+    ),
+    rank: Annotated[int, typer.Option(min=1, help="LoRA rank r.")] = 8,
+    targets: Annotated[
+        str, typer.Option(help="all, attention, or modules separated by commas (q_proj,v_proj).")
+    ] = "all",
+    seed: Annotated[int, typer.Option(help="Seed for the adapter's weights.")] = 1,
+    alpha: Annotated[int | None, typer.Option(help="lora_alpha; default 2 * rank.")] = None,
+    rslora: Annotated[bool, typer.Option(help="Scale by alpha / sqrt(r) (rsLoRA).")] = False,
+) -> None:
+    """Build a seeded PEFT LoRA adapter for a base model (no training; changes its outputs)."""
+    from adapters.demo import TARGET_PRESETS, build_demo_adapter
+
+    modules = targets if targets in TARGET_PRESETS else targets.split(",")
+    try:
+        path = build_demo_adapter(
+            model, out, rank=rank, targets=modules, seed=seed, alpha=alpha, rslora=rslora
+        )
+    except (OSError, ValueError) as exc:
+        typer.echo(f"error: {exc}", err=True)
+        raise typer.Exit(1) from exc
+    typer.echo(f"demo adapter (rank {rank}, {targets}) written to {path}")
+
+
 @model_app.command("smollm2")
 def model_smollm2(
     out: Annotated[Path, typer.Option(help="Directory for the checkpoint.")] = Path(
@@ -125,8 +153,47 @@ app.add_typer(bench_app, name="bench")
     add_help_option=False,
 )
 def bench_offline(ctx: typer.Context) -> None:
-    """Our engine vs Hugging Face generate on W1/W2/Wv (`--help` lists the options)."""
+    """Our engine vs Hugging Face generate on W1/W2/Wv, or W3 (`--help` lists the options)."""
+    args = list(ctx.args)
+    if _option_value(args, "--workload") == "w3":  # W3 needs adapters: its own benchmark
+        from bench.lora import main as lora_main
+
+        lora_main(_without_option(args, "--workload"))
+        return
     from bench.offline import main
+
+    main(args)
+
+
+def _without_option(args: list[str], name: str) -> list[str]:
+    out, skip = [], False
+    for arg in args:
+        if skip:
+            skip = False
+        elif arg == name:
+            skip = True
+        elif not arg.startswith(name + "="):
+            out.append(arg)
+    return out
+
+
+def _option_value(args: list[str], name: str) -> str | None:
+    for i, arg in enumerate(args):
+        if arg == name and i + 1 < len(args):
+            return args[i + 1]
+        if arg.startswith(name + "="):
+            return arg.split("=", 1)[1]
+    return None
+
+
+@bench_app.command(
+    "lora",
+    context_settings={"allow_extra_args": True, "ignore_unknown_options": True},
+    add_help_option=False,
+)
+def bench_lora(ctx: typer.Context) -> None:
+    """Multi-LoRA W3 vs base-only W1 and vs peft (`--help` lists the options)."""
+    from bench.lora import main
 
     main(list(ctx.args))
 
@@ -168,8 +235,9 @@ def _env(name: str) -> str:
     return f"LORAGATE_{name}"
 
 
-@app.command("serve")
+@app.command("serve", context_settings={"allow_extra_args": True})
 def serve(
+    ctx: typer.Context,
     model: Annotated[str, typer.Option(envvar=_env("MODEL"), help="Model directory.")] = (
         "models/smollm2"
     ),
@@ -217,6 +285,28 @@ def serve(
             envvar=_env("SHUTDOWN_GRACE"), help="Seconds running requests get to finish on SIGTERM."
         ),
     ] = 10.0,
+    enable_lora: Annotated[bool, typer.Option(envvar=_env("ENABLE_LORA"))] = True,
+    max_loras: Annotated[
+        int, typer.Option(envvar=_env("MAX_LORAS"), help="Adapters resident on the device.")
+    ] = 4,
+    max_lora_rank: Annotated[int, typer.Option(envvar=_env("MAX_LORA_RANK"))] = 16,
+    max_cpu_loras: Annotated[
+        int, typer.Option(envvar=_env("MAX_CPU_LORAS"), help="Adapters cached in CPU memory.")
+    ] = 16,
+    lora_modules: Annotated[
+        list[str] | None,
+        typer.Option(
+            envvar=_env("LORA_MODULES"),
+            help="Adapters served from start-up: name=path (PEFT directory), as many as needed.",
+        ),
+    ] = None,
+    allow_runtime_lora_updating: Annotated[
+        bool,
+        typer.Option(
+            envvar=_env("ALLOW_RUNTIME_LORA_UPDATING"),
+            help="Serve /v1/load_lora_adapter and /v1/unload_lora_adapter (unauthenticated).",
+        ),
+    ] = False,
     guided_compile_timeout: Annotated[
         float,
         typer.Option(
@@ -247,9 +337,27 @@ def serve(
 
     import uvicorn
 
+    from adapters.peft import AdapterError, describe_base
+    from adapters.registry import AdapterRegistry
     from engine import EngineConfig, LLMEngine
     from engine.async_engine import AsyncEngine
     from gateway.app import build_app
+
+    # vLLM's form `--lora-modules a=path b=path` leaves the later pairs as extra args.
+    modules = list(lora_modules or []) + list(ctx.args)
+    bad = [m for m in modules if "=" not in m]
+    if bad:
+        raise typer.BadParameter(f"expected name=path, got {bad[0]!r}", param_hint="--lora-modules")
+    if modules and not enable_lora:
+        raise typer.BadParameter("--lora-modules needs --enable-lora", param_hint="--lora-modules")
+    name = served_model_name or Path(model).resolve().name
+    registry = AdapterRegistry(describe_base(model, extra_names=[name]), max_lora_rank)
+    for module in modules:
+        lora_name, _, path = module.partition("=")
+        try:
+            registry.register(lora_name, path)
+        except AdapterError as exc:
+            raise typer.BadParameter(str(exc), param_hint="--lora-modules") from exc
 
     config = EngineConfig(
         model=model,
@@ -265,16 +373,29 @@ def serve(
         enable_chunked_prefill=enable_chunked_prefill,
         seed=seed,
         num_threads=num_threads,
+        enable_lora=enable_lora,
+        max_loras=max_loras,
+        max_lora_rank=max_lora_rank,
+        max_cpu_loras=max_cpu_loras,
         guided_compile_timeout=guided_compile_timeout,
         guided_cache_size=guided_cache_size,
         guided_max_schema_bytes=guided_max_schema_bytes,
         guided_max_schema_depth=guided_max_schema_depth,
     )
-    engine = _with_load_progress(lambda progress: LLMEngine(config, progress))
+    engine = _with_load_progress(lambda progress: LLMEngine(config, progress, registry.load))
+    if engine.lora is not None:
+        # Start-up adapters fill the slots before the first request, not on it.
+        for lora_name in registry.names()[:max_loras]:
+            engine.lora.load_now(registry.get(lora_name))  # type: ignore[arg-type]
     async_engine = AsyncEngine(engine, max_waiting=max_waiting)
     async_engine.start()
-    name = served_model_name or Path(model).resolve().name
-    app = build_app(async_engine, name, max_body_bytes=max_body_bytes)
+    app = build_app(
+        async_engine,
+        name,
+        max_body_bytes=max_body_bytes,
+        adapters=registry if enable_lora else None,
+        allow_runtime_lora_updating=allow_runtime_lora_updating and enable_lora,
+    )
 
     @contextlib.asynccontextmanager
     async def lifespan(_: object):  # type: ignore[no-untyped-def]
@@ -282,6 +403,8 @@ def serve(
         await async_engine.shutdown(shutdown_grace)
 
     app.router.lifespan_context = lifespan
+    for lora_name in registry.names():
+        typer.echo(f"adapter {lora_name!r}: {registry.get(lora_name).path}")  # type: ignore[union-attr]
     typer.echo(f"serving {name!r} on http://{host}:{port}/v1")
     uvicorn.run(
         app, host=host, port=port, log_level="info", timeout_graceful_shutdown=int(shutdown_grace)

@@ -7,6 +7,7 @@ as responses complete.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterator
 
 from prometheus_client import CollectorRegistry, Counter, Histogram
@@ -14,6 +15,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
 from engine.async_engine import AsyncEngine
+from engine.llm_engine import LLMEngine
 
 _LATENCY_BUCKETS = (
     0.005,
@@ -68,6 +70,33 @@ class _EngineCollector(Collector):
         )
         yield CounterMetricFamily(
             "loragate:num_preemptions", "Sequences preempted.", value=core.scheduler.num_preemptions
+        )
+        if core.lora is not None:
+            yield from self._lora(core)
+
+    @staticmethod
+    def _lora(core: LLMEngine) -> Iterator[GaugeMetricFamily | CounterMetricFamily]:
+        # list() copies are atomic under the GIL; the engine thread mutates the originals.
+        running = sorted({r.lora.name for r in list(core.scheduler.running) if r.lora})
+        waiting = sorted({r.lora.name for r in list(core.scheduler.waiting) if r.lora})
+        info = GaugeMetricFamily(
+            "loragate:lora_requests_info",
+            "Adapters of running and waiting requests (vLLM's labels); the value is a timestamp.",
+            labels=["max_lora", "running_lora_adapters", "waiting_lora_adapters"],
+        )
+        info.add_metric(
+            [str(core.lora.max_loras), ",".join(running), ",".join(waiting)], time.time()
+        )
+        yield info
+        yield GaugeMetricFamily(
+            "loragate:lora_slots_used",
+            "Device LoRA slots holding an adapter.",
+            value=len(core.lora.slot_of),
+        )
+        yield CounterMetricFamily(
+            "loragate:lora_loads",
+            "Adapters read from disk.",
+            value=core.lora.num_disk_loads,
         )
 
 

@@ -16,8 +16,10 @@ from typing import Any
 
 from fastapi.responses import JSONResponse, StreamingResponse
 
+from adapters.registry import AdapterRegistry
 from engine.async_engine import AsyncEngine
 from engine.guided import GuidedSpecError
+from engine.lora import LoRARequest
 from engine.outputs import SequenceUpdate
 from engine.request import GuidedSpec, SamplingParams
 from gateway.errors import APIError
@@ -87,28 +89,40 @@ class _Timer:
 
 
 class OpenAIServing:
-    def __init__(self, engine: AsyncEngine, served_model_name: str, metrics: Metrics) -> None:
+    def __init__(
+        self,
+        engine: AsyncEngine,
+        served_model_name: str,
+        metrics: Metrics,
+        adapters: AdapterRegistry | None = None,
+    ) -> None:
         self.engine = engine
         self.model_name = served_model_name
         self.tokenizer = engine.engine.tokenizer
         self.metrics = metrics
+        self.adapters = adapters
 
-    def check_model(self, name: str) -> None:
-        if name != self.model_name:
+    def resolve_model(self, name: str) -> LoRARequest | None:
+        """The adapter a `model` field names; None for the base model; 404 otherwise."""
+        if name == self.model_name:
+            return None
+        lora = None if self.adapters is None else self.adapters.get(name)
+        if lora is None:
             raise APIError(
                 404, f"The model `{name}` does not exist.", param="model", code="model_not_found"
             )
+        return lora
 
     # -- routes -------------------------------------------------------------------------------
 
     async def completions(self, body: CompletionRequest) -> JSONResponse | StreamingResponse:
-        self.check_model(body.model)
+        lora = self.resolve_model(body.model)
         prompts = self._completion_prompts(body.prompt)
         params = self._params(body, body.max_tokens, body.logprobs)
-        return await self._respond(body, prompts, params, chat=False)
+        return await self._respond(body, prompts, params, lora, chat=False)
 
     async def chat(self, body: ChatCompletionRequest) -> JSONResponse | StreamingResponse:
-        self.check_model(body.model)
+        lora = self.resolve_model(body.model)
         messages = [{"role": m.role, "content": m.text()} for m in body.messages]
         try:
             encoded = self.tokenizer.apply_chat_template(
@@ -117,7 +131,7 @@ class OpenAIServing:
         except Exception as exc:  # noqa: BLE001 - a template may reject a conversation
             raise APIError(400, f"chat template failed: {exc}", param="messages") from exc
         params = self._params(body, body.requested_max_tokens, body.num_logprobs)
-        return await self._respond(body, [list(encoded["input_ids"])], params, chat=True)
+        return await self._respond(body, [list(encoded["input_ids"])], params, lora, chat=True)
 
     # -- helpers ------------------------------------------------------------------------------
 
@@ -148,14 +162,21 @@ class OpenAIServing:
             raise APIError(400, str(exc), param=param) from exc
 
     async def _respond(
-        self, body: Any, prompts: list[str | list[int]], params: SamplingParams, chat: bool
+        self,
+        body: Any,
+        prompts: list[str | list[int]],
+        params: SamplingParams,
+        lora: LoRARequest | None,
+        chat: bool,
     ) -> JSONResponse | StreamingResponse:
         timer = _Timer(self.metrics)  # time to first token includes a grammar's compile
         if params.guided is not None:
             await self._compile_grammar(params.guided, body.guided_param)
         request_id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
         streams = [
-            self.engine.generate(f"{request_id}-{i}", prompt, params, fairness_key=body.user)
+            self.engine.generate(
+                f"{request_id}-{i}", prompt, params, lora=lora, fairness_key=body.user
+            )
             for i, prompt in enumerate(prompts)
         ]
         updates = _merge(streams)
@@ -174,6 +195,7 @@ class OpenAIServing:
         created = int(time.time())
         if body.stream:
             chunks = self._stream(
+                body.model,
                 request_id,
                 created,
                 chat,
@@ -195,7 +217,7 @@ class OpenAIServing:
                 "id": request_id,
                 "object": "chat.completion" if chat else "text_completion",
                 "created": created,
-                "model": self.model_name,
+                "model": body.model,
                 "choices": [self._final_choice(c, chat) for c in choices],
                 "usage": usage.body(choices),
             }
@@ -272,6 +294,7 @@ class OpenAIServing:
 
     async def _stream(
         self,
+        model: str,
         request_id: str,
         created: int,
         chat: bool,
@@ -290,7 +313,7 @@ class OpenAIServing:
                 "id": request_id,
                 "object": obj,
                 "created": created,
-                "model": self.model_name,
+                "model": model,
                 "choices": choice_list,
             }
             if include_usage:

@@ -36,3 +36,27 @@ def smollm2_dir() -> Path:
     except FileNotFoundError as exc:
         pytest.skip(str(exc))
     return prepare_smollm2(out_dir)
+
+
+# (name, rank, targets, seed): ranks 4, 8 and 16; attention-only and all-linear targets.
+DEMO_ADAPTERS = (
+    ("r4-attn", 4, "attention", 11),
+    ("r8-all", 8, "all", 12),
+    ("r16-all", 16, "all", 13),
+    ("r8-attn", 8, "attention", 14),
+    ("r16-attn", 16, "attention", 15),
+)
+
+
+@pytest.fixture(scope="session")
+def demo_adapters(
+    demo_model_dir: Path, tmp_path_factory: pytest.TempPathFactory
+) -> dict[str, Path]:
+    """Five PEFT adapters for the demo model, built by peft itself, by name."""
+    from adapters.demo import build_demo_adapter
+
+    root = tmp_path_factory.mktemp("demo-adapters")
+    return {
+        name: build_demo_adapter(demo_model_dir, root / name, rank=rank, targets=targets, seed=seed)
+        for name, rank, targets, seed in DEMO_ADAPTERS
+    }

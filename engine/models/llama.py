@@ -19,6 +19,7 @@ from transformers import PretrainedConfig
 from transformers.activations import ACT2FN
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
+from engine.lora import DOWN, GATE_UP, O_PROJ, QKV, LoRAStep
 from kernels.attention import AttentionPlan, paged_attention, write_kv
 
 SUPPORTED_ARCHITECTURES = {"LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM"}
@@ -88,8 +89,9 @@ Rope = tuple[torch.Tensor, torch.Tensor]
 
 
 class Attention(nn.Module):
-    def __init__(self, config: PretrainedConfig, bias: bool) -> None:
+    def __init__(self, config: PretrainedConfig, bias: bool, layer: int) -> None:
         super().__init__()
+        self.layer = layer
         self.num_heads = config.num_attention_heads
         self.num_kv_heads = config.num_key_value_heads
         self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // self.num_heads
@@ -105,9 +107,12 @@ class Attention(nn.Module):
         x: torch.Tensor,
         plan: AttentionPlan,
         kv_cache: tuple[torch.Tensor, torch.Tensor],
+        lora: LoRAStep | None,
     ) -> torch.Tensor:
         n = x.shape[0]
         qkv = self.qkv_proj(x)
+        if lora is not None:
+            lora.apply(self.layer, QKV, x, qkv)
         # q and k heads side by side: one rotary pass for both.
         qk = qkv[:, : self.q_size + self.kv_size].view(n, -1, self.head_dim)
         qk = apply_rope(qk, rope)
@@ -115,29 +120,40 @@ class Attention(nn.Module):
         v = qkv[:, self.q_size + self.kv_size :].view(n, self.num_kv_heads, self.head_dim)
         key_cache, value_cache = kv_cache
         write_kv(k, v, key_cache, value_cache, plan.slot_mapping)
-        out = paged_attention(q, key_cache, value_cache, plan, self.scale)
-        return self.o_proj(out.view(n, self.q_size))
+        out = paged_attention(q, key_cache, value_cache, plan, self.scale).view(n, self.q_size)
+        y = self.o_proj(out)
+        if lora is not None:
+            lora.apply(self.layer, O_PROJ, out, y)
+        return y
 
 
 class MLP(nn.Module):
-    def __init__(self, config: PretrainedConfig) -> None:
+    def __init__(self, config: PretrainedConfig, layer: int) -> None:
         super().__init__()
+        self.layer = layer
         self.intermediate_size = config.intermediate_size
         self.gate_up_proj = nn.Linear(config.hidden_size, 2 * config.intermediate_size, bias=False)
         self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
         act = config.hidden_act
         self.act: Callable[[torch.Tensor], torch.Tensor] = F.silu if act == "silu" else ACT2FN[act]
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)
-        return self.down_proj(self.act(gate) * up)
+    def forward(self, x: torch.Tensor, lora: LoRAStep | None) -> torch.Tensor:
+        gate_up = self.gate_up_proj(x)
+        if lora is not None:
+            lora.apply(self.layer, GATE_UP, x, gate_up)
+        gate, up = gate_up.split(self.intermediate_size, dim=-1)
+        h = self.act(gate) * up
+        y = self.down_proj(h)
+        if lora is not None:
+            lora.apply(self.layer, DOWN, h, y)
+        return y
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, config: PretrainedConfig, bias: bool) -> None:
+    def __init__(self, config: PretrainedConfig, bias: bool, layer: int) -> None:
         super().__init__()
-        self.self_attn = Attention(config, bias)
-        self.mlp = MLP(config)
+        self.self_attn = Attention(config, bias, layer)
+        self.mlp = MLP(config, layer)
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
@@ -147,9 +163,10 @@ class DecoderLayer(nn.Module):
         x: torch.Tensor,
         plan: AttentionPlan,
         kv_cache: tuple[torch.Tensor, torch.Tensor],
+        lora: LoRAStep | None,
     ) -> torch.Tensor:
-        x = x + self.self_attn(rope, self.input_layernorm(x), plan, kv_cache)
-        return x + self.mlp(self.post_attention_layernorm(x))
+        x = x + self.self_attn(rope, self.input_layernorm(x), plan, kv_cache, lora)
+        return x + self.mlp(self.post_attention_layernorm(x), lora)
 
 
 class LlamaForCausalLM(nn.Module):
@@ -164,7 +181,7 @@ class LlamaForCausalLM(nn.Module):
         )
         self.rotary = RotaryEmbedding(config, head_dim, max_model_len)
         self.layers = nn.ModuleList(
-            DecoderLayer(config, qkv_bias) for _ in range(config.num_hidden_layers)
+            DecoderLayer(config, qkv_bias, i) for i in range(config.num_hidden_layers)
         )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
@@ -178,11 +195,12 @@ class LlamaForCausalLM(nn.Module):
         positions: torch.Tensor,
         plan: AttentionPlan,
         kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
+        lora: LoRAStep | None = None,
     ) -> torch.Tensor:
         x = self.embed_tokens(input_ids)
         rope = self.rotary(positions, x.dtype)
         for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
-            x = layer(rope, x, plan, kv_cache)
+            x = layer(rope, x, plan, kv_cache, lora)
         return self.norm(x)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:

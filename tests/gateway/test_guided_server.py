@@ -4,9 +4,7 @@ from __future__ import annotations
 
 import json
 import re
-import socket
 import threading
-import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -14,10 +12,11 @@ from typing import Any
 import httpx
 import jsonschema
 import pytest
-import uvicorn
-from test_openai_server import Server
+from live_server import Server, live_server
 
-from engine import EngineConfig, LLMEngine
+from adapters.peft import describe_base
+from adapters.registry import AdapterRegistry
+from engine import LLM, EngineConfig, LLMEngine, SamplingParams
 from engine.async_engine import AsyncEngine
 from engine.request import GuidedSpec
 from gateway.app import build_app
@@ -49,19 +48,8 @@ def server(demo_model_dir: Path) -> Iterator[Server]:
     )
     engine = AsyncEngine(LLMEngine(config), max_waiting=64)
     engine.start()
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = int(sock.getsockname()[1])
-    uv = uvicorn.Server(
-        uvicorn.Config(build_app(engine, MODEL), host="127.0.0.1", port=port, log_level="warning")
-    )
-    thread = threading.Thread(target=uv.run, daemon=True)
-    thread.start()
-    while not uv.started:
-        time.sleep(0.01)
-    yield Server(f"http://127.0.0.1:{port}", engine)
-    uv.should_exit = True
-    thread.join(10)
+    with live_server(build_app(engine, MODEL), engine) as server:
+        yield server
 
 
 def json_schema_format(schema: dict[str, Any], strict: bool | None = True) -> dict[str, Any]:
@@ -253,3 +241,35 @@ def test_text_response_format_is_unguided(server: Server) -> None:
     plain = client.chat.completions.create(**kwargs)
     text = client.chat.completions.create(**kwargs, response_format={"type": "text"})
     assert text.choices[0].message.content == plain.choices[0].message.content
+
+
+def test_json_schema_under_an_adapter_streams_and_matches_the_offline_engine(
+    demo_model_dir: Path, demo_adapters: dict[str, Path]
+) -> None:
+    registry = AdapterRegistry(describe_base(demo_model_dir), max_lora_rank=16)
+    registry.register("r8-all", demo_adapters["r8-all"])
+    config = EngineConfig(model=str(demo_model_dir), kv_cache_memory=32 << 20, max_model_len=256)
+    engine = AsyncEngine(LLMEngine(config, lora_loader=registry.load), max_waiting=16)
+    engine.start()
+    prompt = [5, 77, 301, 1200, 42, 9, 640]
+    with live_server(build_app(engine, MODEL, adapters=registry), engine) as server:
+        chunks = list(
+            server.client().completions.create(
+                model="r8-all",
+                prompt=prompt,
+                n=2,
+                max_tokens=64,
+                temperature=0,
+                stream=True,
+                extra_body={"guided_json": POINT},
+            )
+        )
+    texts = ["", ""]
+    for chunk in chunks:
+        for choice in chunk.choices:
+            texts[choice.index] += choice.text
+    offline = LLM(str(demo_model_dir), kv_cache_memory=32 << 20, lora_loader=registry.load)
+    params = SamplingParams(temperature=0, max_tokens=64, guided=GuidedSpec(json_schema=POINT))
+    expected = offline.generate([prompt], params, lora_request=registry.get("r8-all"))[0]
+    assert texts == [expected.outputs[0].text] * 2
+    jsonschema.validate(json.loads(texts[0]), POINT)

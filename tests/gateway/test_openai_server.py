@@ -3,16 +3,13 @@
 from __future__ import annotations
 
 import asyncio
-import socket
-import threading
-import time
 from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
 import openai
 import pytest
-import uvicorn
+from live_server import Server, live_server
 
 from engine import LLM, EngineConfig, LLMEngine, SamplingParams
 from engine.async_engine import AsyncEngine
@@ -21,53 +18,13 @@ from gateway.app import build_app
 MODEL = "demo"
 
 
-class Server:
-    def __init__(self, base_url: str, engine: AsyncEngine) -> None:
-        self.base_url = base_url
-        self.engine = engine
-
-    def client(self) -> openai.OpenAI:
-        return openai.OpenAI(
-            base_url=f"{self.base_url}/v1", api_key="unused", max_retries=0, timeout=60
-        )
-
-    def wait_all_blocks_free(self, timeout: float = 10.0) -> bool:
-        kv = self.engine.engine.kv
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if kv.num_free_blocks == kv.pool.num_blocks and not self.engine.engine.parents:
-                return True
-            time.sleep(0.02)
-        return False
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
-
-
 @pytest.fixture(scope="module")
 def server(demo_model_dir: Path) -> Iterator[Server]:
     config = EngineConfig(model=str(demo_model_dir), kv_cache_memory=64 << 20, max_model_len=512)
     engine = AsyncEngine(LLMEngine(config), max_waiting=256)
     engine.start()
-    port = _free_port()
-    uv = uvicorn.Server(
-        uvicorn.Config(
-            build_app(engine, MODEL, max_body_bytes=1 << 20),
-            host="127.0.0.1",
-            port=port,
-            log_level="warning",
-        )
-    )
-    thread = threading.Thread(target=uv.run, daemon=True)
-    thread.start()
-    while not uv.started:
-        time.sleep(0.01)
-    yield Server(f"http://127.0.0.1:{port}", engine)
-    uv.should_exit = True
-    thread.join(10)
+    with live_server(build_app(engine, MODEL, max_body_bytes=1 << 20), engine) as server:
+        yield server
 
 
 @pytest.fixture(scope="module")

@@ -1,0 +1,57 @@
+"""A live uvicorn server on 127.0.0.1 for tests that talk HTTP with the real openai client."""
+
+from __future__ import annotations
+
+import contextlib
+import socket
+import threading
+import time
+from collections.abc import Iterator
+
+import openai
+import uvicorn
+from fastapi import FastAPI
+
+from engine.async_engine import AsyncEngine
+
+
+class Server:
+    def __init__(self, base_url: str, engine: AsyncEngine) -> None:
+        self.base_url = base_url
+        self.engine = engine
+
+    def client(self) -> openai.OpenAI:
+        return openai.OpenAI(
+            base_url=f"{self.base_url}/v1", api_key="unused", max_retries=0, timeout=60
+        )
+
+    def wait_all_blocks_free(self, timeout: float = 10.0) -> bool:
+        kv = self.engine.engine.kv
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if kv.num_free_blocks == kv.pool.num_blocks and not self.engine.engine.parents:
+                return True
+            time.sleep(0.02)
+        return False
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+@contextlib.contextmanager
+def live_server(app: FastAPI, engine: AsyncEngine) -> Iterator[Server]:
+    """Serve `app` on a free port until the block exits."""
+    port = free_port()
+    uv = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
+    thread = threading.Thread(target=uv.run, daemon=True)
+    thread.start()
+    while not uv.started:
+        time.sleep(0.01)
+    try:
+        yield Server(f"http://127.0.0.1:{port}", engine)
+    finally:
+        uv.should_exit = True
+        thread.join(10)
