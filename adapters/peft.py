@@ -27,6 +27,7 @@ import math
 import os
 import re
 from collections.abc import Iterable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TypeGuard
@@ -184,14 +185,18 @@ def load_peft_adapter(
         f"no rank-{config.rank} adapter of this base model is that large",
     )
     # The identity is computed from the very bytes that are parsed, so a file replaced while
-    # it is loaded cannot be served under the identity of the one it replaced.
-    adapter_id = _digest(config_bytes, weights_bytes)
+    # it is loaded cannot be served under the identity of the one it replaced. sha256
+    # releases the GIL: it runs beside the parsing, which is the other half of a load.
+    digest = _HASHER.submit(_digest, config_bytes, weights_bytes)
+    try:
+        layers = _pair_factors(_parse_weights(weights_bytes), config, base)
+    finally:
+        adapter_id = digest.result()
     if expected_id is not None and adapter_id != expected_id:
         raise AdapterError(
             f"adapter files changed since registration: sha256 is {adapter_id}, "
             f"registered as {expected_id}"
         )
-    layers = _pair_factors(_parse_weights(weights_bytes), config, base)
     return LoRAWeights(
         adapter_id=adapter_id, rank=config.rank, scaling=config.scaling, layers=layers
     )
@@ -238,6 +243,9 @@ def _max_weights_bytes(base: BaseModelInfo, rank: int) -> int:
     """The largest file a valid adapter can be: every module of every layer, in float64."""
     per_rank = sum(inp + out for inp, out in base.module_shapes.values())
     return rank * per_rank * base.num_layers * 8 + _HEADER_ALLOWANCE
+
+
+_HASHER = ThreadPoolExecutor(max_workers=2, thread_name_prefix="adapter-sha256")
 
 
 def _digest(config_bytes: bytes, weights_bytes: bytes) -> str:
@@ -470,8 +478,9 @@ def _factor(
             f"{WEIGHTS_FILE}: {what} ({_short(key, 120)}) has shape {list(tensor.shape)}; expected "
             f"{list(expected)} = [{dims}]"
         )
-    # A copy: the parsed tensors are views of the file's bytes, which nothing may write to.
-    return tensor.to(torch.float32, copy=True).contiguous()
+    # float32 factors stay views of the file's bytes (read-only: nothing writes to them;
+    # the engine copies them into its slots): a copy here would be the load's largest cost.
+    return tensor.to(torch.float32).contiguous()
 
 
 # --- small predicates ----------------------------------------------------------------------

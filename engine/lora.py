@@ -55,6 +55,22 @@ class LoRAWeights:
         )
 
 
+@dataclass(slots=True)
+class PackedLoRA:
+    """An adapter in slot layout, built off the engine thread: per fused target,
+    A as [layers, width, in] and B transposed as [layers, width, out] with the
+    scaling folded in, modules packed at stride rank. Installing it into a slot
+    is one copy per target and side."""
+
+    adapter_id: str
+    a: list[torch.Tensor]
+    b: list[torch.Tensor]
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in (*self.a, *self.b))
+
+
 class LoRALoadError(RuntimeError):
     """An adapter could not be loaded; the requests naming it fail with this message."""
 
@@ -125,7 +141,7 @@ class LoRAStep:
     def apply(self, layer: int, target: int, x: torch.Tensor, y: torch.Tensor) -> None:
         """y += the step's adapters' contribution for fused target `target` of `layer`."""
         m = self.manager
-        a, b = m.lora_a[layer][target], m.lora_b[layer][target]
+        a, b = m.lora_a[target][layer], m.lora_b[target][layer]
         if self.masks is not None:
             add_lora_masked(y, x, a, b, self.masks[target])
         else:
@@ -178,38 +194,38 @@ class LoRAManager:
         self.loader = loader
         self.device = device
         self.dtype = dtype
+        # Per fused target, every layer's slots in one tensor: a slot installs with one
+        # copy per target, and layer i's stack is the contiguous view [i].
         self.lora_a = [
-            [
-                torch.zeros(
-                    max_loras,
-                    len(t.modules) * max_lora_rank,
-                    t.in_features,
-                    dtype=dtype,
-                    device=device,
-                )
-                for t in targets
-            ]
-            for _ in range(num_layers)
+            torch.zeros(
+                num_layers,
+                max_loras,
+                len(t.modules) * max_lora_rank,
+                t.in_features,
+                dtype=dtype,
+                device=device,
+            )
+            for t in targets
         ]
         self.lora_b = [
-            [
-                torch.zeros(
-                    max_loras,
-                    len(t.modules) * max_lora_rank,
-                    t.out_features,
-                    dtype=dtype,
-                    device=device,
-                )
-                for t in targets
-            ]
-            for _ in range(num_layers)
+            torch.zeros(
+                num_layers,
+                max_loras,
+                len(t.modules) * max_lora_rank,
+                t.out_features,
+                dtype=dtype,
+                device=device,
+            )
+            for t in targets
         ]
-        # widths[target][slot]: rows of that slot's A/B in use (0: not adapted).
+        # widths[target][slot]: rows of that slot's A/B in use (0: not adapted);
+        # _written: rows that may be non-zero (an evicted adapter's stay until overwritten).
         self.widths = [[0] * max_loras for _ in targets]
+        self._written = [[0] * max_loras for _ in targets]
         self.slots = [_Slot() for _ in range(max_loras)]
         self.slot_of: dict[str, int] = {}
-        self.cpu_cache: OrderedDict[str, LoRAWeights] = OrderedDict()
-        self.loading: dict[str, Future[LoRAWeights]] = {}
+        self.cpu_cache: OrderedDict[str, PackedLoRA] = OrderedDict()
+        self.loading: dict[str, Future[PackedLoRA]] = {}
         self.reserved: dict[int, str] = {}  # slot -> adapter waiting for it to drain
         self._pending_unload: set[str] = set()
         self._clock = 0
@@ -281,7 +297,7 @@ class LoRAManager:
         else:
             self._evict_slot(slot)
 
-    def _cpu_weights(self, lora: LoRARequest) -> LoRAWeights | None:
+    def _cpu_weights(self, lora: LoRARequest) -> PackedLoRA | None:
         """The adapter's weights if in CPU memory (cached, or loaded and not yet
         taken); otherwise start loading them and return None."""
         adapter_id = lora.adapter_id
@@ -307,7 +323,7 @@ class LoRAManager:
             del self.loading[adapter_id]
         return future.result()  # raises LoRALoadError
 
-    def _cache(self, weights: LoRAWeights) -> None:
+    def _cache(self, weights: PackedLoRA) -> None:
         self.cpu_cache[weights.adapter_id] = weights
         self.cpu_cache.move_to_end(weights.adapter_id)
         while len(self.cpu_cache) > self.max_cpu_loras:
@@ -331,7 +347,45 @@ class LoRAManager:
                 f"adapter {lora.name!r} has {len(weights.layers)} layers, "
                 f"the model {self.num_layers}"
             )
-        return weights
+        return self._pack(weights)
+
+    def _pack(self, weights: LoRAWeights) -> PackedLoRA:
+        r = weights.rank
+        present = {name for layer in weights.layers for name in layer}
+        complete = all(len(layer) == len(present) for layer in weights.layers)
+        packed_a, packed_b = [], []
+        for target in self.targets:
+            names = [name for name, _, _ in target.modules if name in present]
+            width = r * len(names)
+            shape_a = (self.num_layers, width, target.in_features)
+            # Every row of A is written when every layer has every module; B's rows
+            # only in their module's columns.
+            a = torch.empty(shape_a) if complete else torch.zeros(shape_a)
+            b = torch.zeros(self.num_layers, width, target.out_features, dtype=self.dtype)
+            row = 0
+            for name, start, end in target.modules:
+                if name not in present:
+                    continue
+                if complete:  # one stacked copy per module, not one per layer
+                    a[:, row : row + r] = torch.stack([layer[name][0] for layer in weights.layers])
+                    factors_b = torch.stack([layer[name][1] for layer in weights.layers])
+                    torch.mul(
+                        factors_b.transpose(1, 2),
+                        weights.scaling,
+                        out=b[:, row : row + r, start:end],
+                    )
+                else:
+                    for i, layer in enumerate(weights.layers):
+                        if name in layer:
+                            factor_a, factor_b = layer[name]
+                            a[i, row : row + r] = factor_a
+                            torch.mul(
+                                factor_b.t(), weights.scaling, out=b[i, row : row + r, start:end]
+                            )
+                row += r
+            packed_a.append(a.to(self.dtype))
+            packed_b.append(b)
+        return PackedLoRA(weights.adapter_id, packed_a, packed_b)
 
     def _free_slot(self, adapter_id: str) -> int | None:
         free = [
@@ -362,30 +416,18 @@ class LoRAManager:
         for widths in self.widths:
             widths[slot] = 0
 
-    def _install(self, slot: int, weights: LoRAWeights) -> None:
-        r = weights.rank
-        present = {name for layer in weights.layers for name in layer}
-        for t, target in enumerate(self.targets):
-            names = [name for name, _, _ in target.modules if name in present]
-            width = r * len(names)
-            for layer, modules in enumerate(weights.layers):
-                # Zero all of the slot: the masked path reads past `width`.
-                a_slot = self.lora_a[layer][t][slot]
-                b_slot = self.lora_b[layer][t][slot]
-                a_slot.zero_()
-                b_slot.zero_()
-                row = 0
-                for name, start, end in target.modules:
-                    if name not in present:
-                        continue
-                    if name in modules:
-                        a, b = modules[name]
-                        a_slot[row : row + r].copy_(a)
-                        b_slot[row : row + r, start:end].copy_(b.t() * weights.scaling)
-                    row += r
-            self.widths[t][slot] = width
-        self.slots[slot].adapter_id = weights.adapter_id
-        self.slot_of[weights.adapter_id] = slot
+    def _install(self, slot: int, packed: PackedLoRA) -> None:
+        for t in range(len(self.targets)):
+            width = packed.a[t].shape[1]
+            written = self._written[t][slot]
+            self.lora_a[t][:, slot, :width].copy_(packed.a[t], non_blocking=True)
+            self.lora_b[t][:, slot, :width].copy_(packed.b[t], non_blocking=True)
+            if written > width:  # the masked path reads past `width`: it must be zero
+                self.lora_a[t][:, slot, width:written].zero_()
+                self.lora_b[t][:, slot, width:written].zero_()
+            self.widths[t][slot] = self._written[t][slot] = width
+        self.slots[slot].adapter_id = packed.adapter_id
+        self.slot_of[packed.adapter_id] = slot
         self.num_loads += 1
 
     # -- the step ---------------------------------------------------------------------------
@@ -400,7 +442,7 @@ class LoRAManager:
         if mixed and len(token_slots) <= MASKED_MAX_TOKENS:
             index = torch.from_numpy(token_slots).to(self.device)
             masks = [
-                slot_mask(index, self.max_loras, a.shape[1]).to(self.dtype) for a in self.lora_a[0]
+                slot_mask(index, self.max_loras, a.shape[2]).to(self.dtype) for a in self.lora_a
             ]
             return LoRAStep(self, [], masks)
         groups = []

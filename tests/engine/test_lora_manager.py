@@ -155,7 +155,7 @@ def test_weights_that_do_not_match_the_registered_identity_are_refused() -> None
 def test_unload_frees_the_slot_and_the_cpu_copy() -> None:
     manager = make_manager()
     slot = acquire_when_loaded(manager, lora("a"))
-    ref = weakref.ref(manager.cpu_cache["sha-a"].layers[0]["q_proj"][0])
+    ref = weakref.ref(manager.cpu_cache["sha-a"].a[0])
     manager.unload("sha-a")
     assert manager.slot_of == {"sha-a": slot}  # pinned: leaves when its request does
     manager.release(slot)
@@ -169,7 +169,7 @@ def test_the_cpu_cache_keeps_the_most_recent_adapters_only() -> None:
     refs = []
     for name in ["a", "b", "c", "d"]:
         slot = acquire_when_loaded(manager, lora(name))
-        refs.append(weakref.ref(manager.cpu_cache[f"sha-{name}"].layers[0]["q_proj"][0]))
+        refs.append(weakref.ref(manager.cpu_cache[f"sha-{name}"].a[0]))
         manager.release(slot)
     assert list(manager.cpu_cache) == ["sha-c", "sha-d"]
     gc.collect()
@@ -179,15 +179,15 @@ def test_the_cpu_cache_keeps_the_most_recent_adapters_only() -> None:
 def test_a_slot_computes_exactly_the_adapters_update() -> None:
     manager = make_manager(max_loras=2)
     sa = acquire_when_loaded(manager, lora("a"))
-    w = manager.cpu_cache["sha-a"]
+    w = weights_for("sha-a")  # the loader's weights, made again
     x = torch.randn(5, TinyConfig.hidden_size)
     layer, qkv = 1, 0
     y = torch.zeros(5, 16)  # q 8 + k 4 + v 4
     add_lora(
         y,
         x,
-        manager.lora_a[layer][qkv],
-        manager.lora_b[layer][qkv],
+        manager.lora_a[qkv][layer],
+        manager.lora_b[qkv][layer],
         [LoRAGroup(sa, slice(1, 4))],
         manager.widths[qkv],
     )
@@ -202,8 +202,8 @@ def test_a_slot_computes_exactly_the_adapters_update() -> None:
     add_lora(
         y2,
         x,
-        manager.lora_a[layer][qkv],
-        manager.lora_b[layer][qkv],
+        manager.lora_a[qkv][layer],
+        manager.lora_b[qkv][layer],
         [LoRAGroup(sa, torch.tensor([1, 2, 3]))],
         manager.widths[qkv],
     )
@@ -215,7 +215,7 @@ def test_the_masked_dense_path_equals_the_grouped_path() -> None:
     slots = [acquire_when_loaded(manager, lora(n)) for n in ("a", "b", "c")]
     token_slots = torch.tensor([slots[0], -1, slots[2], slots[0], slots[1], -1])
     for target in range(4):
-        a, b = manager.lora_a[1][target], manager.lora_b[1][target]
+        a, b = manager.lora_a[target][1], manager.lora_b[target][1]
         x_t = torch.randn(6, a.shape[2])
         grouped = torch.zeros(6, b.shape[2])
         groups = [
@@ -225,3 +225,18 @@ def test_the_masked_dense_path_equals_the_grouped_path() -> None:
         masked = torch.zeros(6, b.shape[2])
         add_lora_masked(masked, x_t, a, b, slot_mask(token_slots, 3, a.shape[1]))
         torch.testing.assert_close(masked, grouped)
+
+
+def test_a_narrower_adapter_in_a_reused_slot_leaves_no_stale_rows() -> None:
+    def loader(request: LoRARequest) -> LoRAWeights:
+        rank = 4 if request.name == "wide" else 1
+        return weights_for(request.adapter_id, rank=rank, modules=("q_proj", "k_proj", "v_proj"))
+
+    manager = make_manager(max_loras=1, loader=loader)
+    slot = acquire_when_loaded(manager, lora("wide"))
+    manager.release(slot)
+    assert acquire_when_loaded(manager, lora("narrow")) == slot
+    qkv = 0
+    assert manager.widths[qkv][slot] == 3
+    assert manager.lora_a[qkv][:, slot, 3:].abs().sum() == 0
+    assert manager.lora_b[qkv][:, slot, 3:].abs().sum() == 0
