@@ -284,6 +284,11 @@ class LoRAManager:
             self._pending_unload.discard(state.adapter_id)
             self._evict_slot(slot)
 
+    def abandon(self, adapter_id: str) -> None:
+        """No waiting request wants this adapter any more (they were aborted): drop
+        its load, so that it stops holding a place among the loads in flight."""
+        self.loading.pop(adapter_id, None)
+
     def unload(self, adapter_id: str) -> None:
         """Drop an adapter's CPU copy and device slot now, or once its running
         requests finish."""
@@ -312,7 +317,7 @@ class LoRAManager:
             # Loaded weights wait in `loading` until a slot takes them: bounding it
             # bounds that memory and keeps a queue of many cold adapters from
             # loading them all only to evict them unused.
-            if len(self.loading) >= self.max_cpu_loras and not self._drop_oldest_loaded():
+            if len(self.loading) >= self.max_cpu_loras:
                 return None
             self.loading[adapter_id] = self._executor.submit(self._load, lora)
             self.num_disk_loads += 1
@@ -322,15 +327,6 @@ class LoRAManager:
         if future.exception() is not None:
             del self.loading[adapter_id]
         return future.result()  # raises LoRALoadError
-
-    def _drop_oldest_loaded(self) -> bool:
-        """Make room in `loading` by dropping the oldest finished load nobody took
-        (its request may have gone); it is read again if asked for again."""
-        for adapter_id, future in self.loading.items():
-            if future.done():
-                del self.loading[adapter_id]
-                return True
-        return False
 
     def _cache(self, weights: PackedLoRA) -> None:
         self.cpu_cache[weights.adapter_id] = weights

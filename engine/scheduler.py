@@ -146,6 +146,14 @@ class Scheduler:
             self.lora.release(request.lora_slot)
             request.lora_slot = -1
 
+    def _abandon_lora_load(self, request: Request) -> None:
+        """A load nobody waits for any more must not hold a place among the loads."""
+        adapter_id = request.adapter_id
+        if self.lora is None or adapter_id is None or request.lora_slot >= 0:
+            return
+        if not any(r.adapter_id == adapter_id for r in self.waiting):
+            self.lora.abandon(adapter_id)
+
     def _preempt(self, request: Request) -> None:
         self._release_lora(request)
         self.kv.free(request)
@@ -163,6 +171,7 @@ class Scheduler:
         elif not request.is_finished:
             with contextlib.suppress(ValueError):
                 self.waiting.remove(request)
+            self._abandon_lora_load(request)
         request.status = status
         self._release_lora(request)
         self.kv.free(request)

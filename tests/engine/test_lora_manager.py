@@ -242,11 +242,14 @@ def test_a_narrower_adapter_in_a_reused_slot_leaves_no_stale_rows() -> None:
     assert manager.lora_b[qkv][:, slot, 3:].abs().sum() == 0
 
 
-def test_loads_nobody_took_do_not_block_new_ones() -> None:
+def test_abandoned_loads_do_not_block_new_ones() -> None:
     manager = make_manager(max_loras=1, max_cpu_loras=2)
-    for name in ("gone-1", "gone-2"):  # their requests were aborted while loading
+    for name in ("gone-1", "gone-2"):
         manager.acquire(lora(name))
     while not all(f.done() for f in manager.loading.values()):
         time.sleep(0.001)
+    manager.begin_step()
+    assert manager.acquire(lora("new")) is None and "sha-new" not in manager.loading  # full
+    for name in ("gone-1", "gone-2"):  # their requests were aborted while loading
+        manager.abandon(f"sha-{name}")
     assert acquire_when_loaded(manager, lora("new")) == 0
-    assert "sha-new" in manager.slot_of and len(manager.loading) <= 2
