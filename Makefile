@@ -38,6 +38,8 @@ test: venv
 
 lint: venv
 	$(BIN)/ruff check .
+	$(BIN)/ruff format --check .
+	$(BIN)/mypy engine kernels adapters gateway bench --ignore-missing-imports
 
 bench: venv models
 	$(BIN)/loragate bench offline --model models/demo

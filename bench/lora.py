@@ -145,22 +145,24 @@ def cold_load_ms(model_dir: str, work_dir: Path, ranks: tuple[int, ...], count: 
         max_lora_rank=max(ranks),
     )
     engine = LLMEngine(config, lora_loader=registry.load)
+    lora_manager = engine.lora
+    assert lora_manager is not None
     result = {}
     for rank in ranks:
         first = build_demo_adapter(
             model_dir, work_dir / f"cold-r{rank}", rank=rank, targets="all", seed=0
         )
-        engine.lora.load_now(registry.register(first.name, first))  # warm-up, untimed
+        lora_manager.load_now(registry.register(first.name, first))  # warm-up, untimed
         times = []
         for i in range(count):
             path = work_dir / f"cold-r{rank}-{i}"
             clone_adapter(first, path, seed=100 + i)
             lora = registry.register(path.name, path)
             t0 = time.perf_counter()
-            engine.lora.load_now(lora)
+            lora_manager.load_now(lora)
             times.append(1e3 * (time.perf_counter() - t0))
         for name in registry.names():  # free the slots for the next rank
-            engine.lora.unload(registry.unregister(name).adapter_id)
+            lora_manager.unload(registry.unregister(name).adapter_id)
         result[rank] = statistics.median(times)
     return result
 

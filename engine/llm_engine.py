@@ -362,27 +362,28 @@ class LLM:
         """Run every prompt to completion; results in prompt order.
 
         `on_step(num_finished)` is called after each step (progress bars)."""
-        if isinstance(prompts, str):
-            prompts = [prompts]
+        prompt_list: list[str | Sequence[int]] = (
+            [prompts] if isinstance(prompts, str) else list(prompts)
+        )
         if sampling_params is None:
             sampling_params = SamplingParams()
         params_list = (
-            [sampling_params] * len(prompts)
+            [sampling_params] * len(prompt_list)
             if isinstance(sampling_params, SamplingParams)
             else list(sampling_params)
         )
-        if len(params_list) != len(prompts):
+        if len(params_list) != len(prompt_list):
             raise ValueError("one SamplingParams per prompt, or one for all")
         loras = (
-            [lora_request] * len(prompts)
+            [lora_request] * len(prompt_list)
             if lora_request is None or isinstance(lora_request, LoRARequest)
             else list(lora_request)
         )
-        if len(loras) != len(prompts):
+        if len(loras) != len(prompt_list):
             raise ValueError("one LoRARequest per prompt, or one for all")
         results: dict[str, RequestOutput] = {}
         order = []
-        for prompt, params, lora in zip(prompts, params_list, loras, strict=True):
+        for prompt, params, lora in zip(prompt_list, params_list, loras, strict=True):
             request_id = str(self._next_id)
             self._next_id += 1
             prompt_ids = self.engine.add_request(

@@ -334,7 +334,7 @@ class LoRAManager:
         while len(self.cpu_cache) > self.max_cpu_loras:
             self.cpu_cache.popitem(last=False)
 
-    def _load(self, lora: LoRARequest) -> LoRAWeights:
+    def _load(self, lora: LoRARequest) -> PackedLoRA:
         assert self.loader is not None
         try:
             weights = self.loader(lora)

@@ -94,7 +94,7 @@ class ModelRunner:
 
         with torch.no_grad():
             self.model.load_weights(iter_safetensors(model_dir), on_tensor)
-        attn = self.model.layers[0].self_attn
+        attn = self.model.first_attention
         self.num_layers = len(self.model.layers)
         self.num_kv_heads = attn.num_kv_heads
         self.head_dim = attn.head_dim

@@ -8,6 +8,8 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
+    import torch
+
     from engine.guided import SequenceGrammar
     from engine.lora import LoRARequest
 
@@ -232,7 +234,7 @@ class Request:
         self.stop_reason: int | str | None = None
         self.error: str | None = None
         self.block_hashes: list[bytes] = []
-        self.generator = None
+        self.generator: torch.Generator | None = None  # per-request seed, made on first use
         self.logprobs: list[dict[int, float]] | None = (
             [] if sampling_params.logprobs is not None else None
         )

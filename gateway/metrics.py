@@ -16,6 +16,7 @@ from prometheus_client.registry import Collector
 
 from engine.async_engine import AsyncEngine
 from engine.llm_engine import LLMEngine
+from engine.lora import LoRAManager
 
 _LATENCY_BUCKETS = (
     0.005,
@@ -72,10 +73,12 @@ class _EngineCollector(Collector):
             "loragate:num_preemptions", "Sequences preempted.", value=core.scheduler.num_preemptions
         )
         if core.lora is not None:
-            yield from self._lora(core)
+            yield from self._lora(core, core.lora)
 
     @staticmethod
-    def _lora(core: LLMEngine) -> Iterator[GaugeMetricFamily | CounterMetricFamily]:
+    def _lora(
+        core: LLMEngine, lora: LoRAManager
+    ) -> Iterator[GaugeMetricFamily | CounterMetricFamily]:
         # list() copies are atomic under the GIL; the engine thread mutates the originals.
         running = sorted({r.lora.name for r in list(core.scheduler.running) if r.lora})
         waiting = sorted({r.lora.name for r in list(core.scheduler.waiting) if r.lora})
@@ -84,19 +87,17 @@ class _EngineCollector(Collector):
             "Adapters of running and waiting requests (vLLM's labels); the value is a timestamp.",
             labels=["max_lora", "running_lora_adapters", "waiting_lora_adapters"],
         )
-        info.add_metric(
-            [str(core.lora.max_loras), ",".join(running), ",".join(waiting)], time.time()
-        )
+        info.add_metric([str(lora.max_loras), ",".join(running), ",".join(waiting)], time.time())
         yield info
         yield GaugeMetricFamily(
             "loragate:lora_slots_used",
             "Device LoRA slots holding an adapter.",
-            value=len(core.lora.slot_of),
+            value=len(lora.slot_of),
         )
         yield CounterMetricFamily(
             "loragate:lora_loads",
             "Adapters read from disk.",
-            value=core.lora.num_disk_loads,
+            value=lora.num_disk_loads,
         )
 
 

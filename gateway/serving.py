@@ -10,9 +10,9 @@ import asyncio
 import json
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, cast
 
 from fastapi.responses import JSONResponse, StreamingResponse
 
@@ -98,7 +98,7 @@ class OpenAIServing:
     ) -> None:
         self.engine = engine
         self.model_name = served_model_name
-        self.tokenizer = engine.engine.tokenizer
+        self.tokenizer: Any = engine.engine.tokenizer
         self.metrics = metrics
         self.adapters = adapters
 
@@ -131,7 +131,8 @@ class OpenAIServing:
         except Exception as exc:  # noqa: BLE001 - a template may reject a conversation
             raise APIError(400, f"chat template failed: {exc}", param="messages") from exc
         params = self._params(body, body.requested_max_tokens, body.num_logprobs)
-        return await self._respond(body, [list(encoded["input_ids"])], params, lora, chat=True)
+        prompt_ids = list(cast(list[int], encoded["input_ids"]))
+        return await self._respond(body, [prompt_ids], params, lora, chat=True)
 
     # -- helpers ------------------------------------------------------------------------------
 
@@ -262,7 +263,7 @@ class OpenAIServing:
         if chat:
             content = []
             for token_id, entry in zip(token_ids, entries, strict=False):
-                token = decode([token_id])
+                token: str = decode([token_id])
                 top = sorted(entry.items(), key=lambda kv: -kv[1])
                 content.append(
                     {
@@ -273,7 +274,7 @@ class OpenAIServing:
                             {
                                 "token": decode([t]),
                                 "logprob": lp,
-                                "bytes": list(decode([t]).encode()),
+                                "bytes": list(cast(str, decode([t])).encode()),
                             }
                             for t, lp in top
                         ],
@@ -380,7 +381,7 @@ async def _chain(
 
 async def _merge(
     streams: list[AsyncIterator[SequenceUpdate]],
-) -> AsyncIterator[tuple[int, SequenceUpdate]]:
+) -> AsyncGenerator[tuple[int, SequenceUpdate]]:
     """Interleave several requests' updates, tagged with their prompt index."""
     if len(streams) == 1:
         # Closing explicitly aborts the request now, not when the generator is collected.

@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import cast
 
 import torch
 import torch.nn.functional as F
@@ -47,6 +48,9 @@ class RMSNorm(nn.Module):
 
 class RotaryEmbedding(nn.Module):
     """cos/sin tables for every position up to max_model_len, indexed per token."""
+
+    cos: torch.Tensor
+    signed_sin: torch.Tensor
 
     def __init__(self, config: PretrainedConfig, head_dim: int, max_len: int) -> None:
         super().__init__()
@@ -251,8 +255,12 @@ class LlamaForCausalLM(nn.Module):
         if missing:
             raise ValueError(f"checkpoint is missing weights: {missing[:5]}")
 
+    @property
+    def first_attention(self) -> Attention:
+        return cast(DecoderLayer, self.layers[0]).self_attn
+
     def _load_shard(self, param: torch.Tensor, tensor: torch.Tensor, proj: str, shard: int) -> None:
-        attn = self.layers[0].self_attn
+        attn = self.first_attention
         if proj in ("q_proj", "k_proj", "v_proj"):
             sizes = [attn.q_size, attn.kv_size, attn.kv_size]
         else:
