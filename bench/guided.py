@@ -29,10 +29,10 @@ from typing import Any
 
 import torch
 from rich.console import Console
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+from rich.progress import Progress
 from rich.table import Table
 
-from bench.workloads import make_workloads
+from bench.workloads import make_workloads, new_progress
 
 DTYPE = "float32"
 
@@ -90,17 +90,6 @@ expr ::= term (("+" | "-") term)*
 term ::= factor (("*" | "/") factor)*
 factor ::= [0-9]+ | "(" expr ")"
 """
-
-
-def _progress(console: Console) -> Progress:
-    return Progress(
-        TextColumn("{task.description:<24}"),
-        BarColumn(),
-        MofNCompleteColumn(),
-        TimeElapsedColumn(),
-        console=console,
-        refresh_per_second=4,  # a slow refresh: the bar's thread competes for the GIL
-    )
 
 
 class _BitmaskTimer:
@@ -255,7 +244,7 @@ def run_guided_bench(
     (w1,) = make_workloads(["w1"], vocab, sorted(special), num_prompts=num_prompts, seed=seed)
     block_size = 16
     blocks_per_seq = -(-(w1.max_prompt_len + output_len) // block_size) + 1
-    with _progress(console) as progress:
+    with new_progress(console) as progress:
         task = progress.add_task("load", total=None)
 
         def on_tensor(done: int, total: int) -> None:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import copy
 import gc
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -84,13 +84,19 @@ def run_hf(
     output_len: int,
     progress: Progress,
     repeat: int = 1,
+    *,
+    label: str | None = None,
+    batch_kwargs: Callable[[slice], dict[str, Any]] | None = None,
 ) -> dict[str, Any]:
-    """Time static batches through `generate`; with repeat > 1 keep the fastest run."""
+    """Time static batches through `generate`; with repeat > 1 keep the fastest run.
+
+    `batch_kwargs(rows)` adds `generate` arguments for the batch of prompts[rows]
+    (peft's per-row `adapter_names`)."""
     return best_of(
-        lambda label: _run_hf_once(
-            model, tokenizer, workload, batch_size, output_len, progress, label
+        lambda lbl: _run_hf_once(
+            model, tokenizer, workload, batch_size, output_len, progress, lbl, batch_kwargs
         ),
-        f"{workload.name} HF",
+        label or f"{workload.name} HF",
         repeat,
     )
 
@@ -103,9 +109,11 @@ def _run_hf_once(
     output_len: int,
     progress: Progress,
     label: str,
+    batch_kwargs: Callable[[slice], dict[str, Any]] | None = None,
 ) -> dict[str, Any]:
     prompts = workload.prompts
-    batches = [prompts[i : i + batch_size] for i in range(0, len(prompts), batch_size)]
+    rows = [slice(i, i + batch_size) for i in range(0, len(prompts), batch_size)]
+    batches = [prompts[r] for r in rows]
     task = progress.add_task(label, total=len(prompts))
     alloc = used = 0
     for batch in batches:
@@ -115,8 +123,9 @@ def _run_hf_once(
     token_ids: list[list[int]] = []
     gc.collect()
     t0 = time.perf_counter()
-    for batch in batches:
-        new = hf_generate(model, tokenizer, batch, output_len)
+    for batch, batch_rows in zip(batches, rows, strict=True):
+        kwargs = batch_kwargs(batch_rows) if batch_kwargs is not None else {}
+        new = hf_generate(model, tokenizer, batch, output_len, **kwargs)
         token_ids.extend(new.tolist())  # a device-to-host copy: also synchronizes CUDA
         progress.advance(task, len(batch))
     wall = time.perf_counter() - t0

@@ -28,11 +28,11 @@ from pathlib import Path
 from typing import Any
 
 from rich.console import Console
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+from rich.progress import Progress
 from rich.table import Table
 
-from bench.hf_baseline import hf_generate
-from bench.workloads import best_of, make_workloads
+from bench.hf_baseline import build_hf, run_hf
+from bench.workloads import Workload, best_of, make_workloads, new_progress
 
 
 def build_adapters(model_dir: str, out_dir: Path, count: int, rank: int) -> list[Path]:
@@ -85,45 +85,34 @@ def run_ours(
 def run_peft(
     model_dir: str,
     adapter_dirs: list[Path],
-    prompts: list[list[int]],
+    workload: Workload,
     names: list[str],
     output_len: int,
     batch_size: int,
     progress: Progress,
     repeat: int,
 ) -> dict[str, Any]:
+    """peft's mixed-adapter generate: static batches, one adapter per row, round-robin."""
     import torch
     from peft import PeftModel
-    from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    tokenizer = AutoTokenizer.from_pretrained(model_dir)
-    tokenizer.padding_side = "left"
-    if tokenizer.pad_token_id is None:
-        tokenizer.pad_token = tokenizer.eos_token
-    base = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    base, tokenizer = build_hf(model_dir, torch.device("cpu"), progress)
     model = PeftModel.from_pretrained(base, str(adapter_dirs[0]), adapter_name=names[0])
     for name, path in zip(names[1:], adapter_dirs[1:], strict=True):
         model.load_adapter(str(path), adapter_name=name)
     model.eval()
-    row_names = [names[i % len(names)] for i in range(len(prompts))]
-
-    def once(lbl: str) -> dict[str, Any]:
-        task = progress.add_task(lbl, total=len(prompts))
-        token_ids: list[list[int]] = []
-        gc.collect()
-        t0 = time.perf_counter()
-        for i in range(0, len(prompts), batch_size):
-            batch = prompts[i : i + batch_size]
-            new = hf_generate(
-                model, tokenizer, batch, output_len, adapter_names=row_names[i : i + batch_size]
-            )
-            token_ids.extend(new.tolist())
-            progress.advance(task, len(batch))
-        wall = time.perf_counter() - t0
-        num_out = sum(len(t) for t in token_ids)
-        return {"wall_s": wall, "tok_s": num_out / wall, "token_ids": token_ids}
-
-    return best_of(once, "w3 peft", repeat)
+    row_names = [names[i % len(names)] for i in range(len(workload.prompts))]
+    return run_hf(
+        model,
+        tokenizer,
+        workload,
+        batch_size,
+        output_len,
+        progress,
+        repeat,
+        label="w3 peft",
+        batch_kwargs=lambda rows: {"adapter_names": row_names[rows]},
+    )
 
 
 def cold_load_ms(model_dir: str, work_dir: Path, ranks: tuple[int, ...], count: int = 9) -> dict:
@@ -192,14 +181,7 @@ def main(argv: list[str] | None = None) -> None:
     console = Console()
     work = args.adapters_dir or Path(tempfile.mkdtemp(prefix="loragate-bench-lora-"))
     work.mkdir(parents=True, exist_ok=True)
-    with Progress(
-        TextColumn("{task.description}"),
-        BarColumn(),
-        MofNCompleteColumn(),
-        TimeElapsedColumn(),
-        console=console,
-        transient=True,
-    ) as progress:
+    with new_progress(console) as progress:
         task = progress.add_task("build adapters", total=None)
         adapter_dirs = build_adapters(args.model, work, args.num_adapters, args.rank)
         progress.update(task, completed=1, total=1)
@@ -240,7 +222,7 @@ def main(argv: list[str] | None = None) -> None:
             rows["w3 peft"] = run_peft(
                 args.model,
                 adapter_dirs,
-                prompts,
+                w1,
                 names,
                 args.output_len,
                 args.batch_size,

@@ -47,11 +47,7 @@ import numpy as np
 import torch
 from rich.console import Console
 from rich.progress import (
-    BarColumn,
-    MofNCompleteColumn,
     Progress,
-    TextColumn,
-    TimeElapsedColumn,
 )
 from rich.table import Table
 
@@ -62,6 +58,7 @@ from bench.workloads import (
     allowed_token_ids,
     best_of,
     make_workloads,
+    new_progress,
     parse_workloads,
 )
 
@@ -73,19 +70,6 @@ DTYPE = "float32"
 
 def _cdiv(a: int, b: int) -> int:
     return -(-a // b)
-
-
-def _new_progress(console: Console) -> Progress:
-    # A slow refresh: the bar's thread competes with the measured work for the GIL.
-    return Progress(
-        TextColumn("{task.description:<28}"),
-        BarColumn(),
-        MofNCompleteColumn(),
-        TimeElapsedColumn(),
-        console=console,
-        refresh_per_second=4,
-        transient=False,
-    )
 
 
 def build_ours(
@@ -311,7 +295,7 @@ def run_offline(
     warm_prompts = rng.choice(ids, size=(min(batch_size, 4), 32)).tolist()
 
     rows: list[dict[str, Any]] = []
-    with _new_progress(console) as progress:
+    with new_progress(console) as progress:
         build: dict[str, Any] = dict(
             block_size=block_size,
             num_kv_blocks=num_kv_blocks,

@@ -12,6 +12,8 @@ from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
 WORKLOAD_NAMES = ("w1", "w2", "wv")
 PROMPT_LEN = 128
@@ -95,3 +97,16 @@ def best_of(measure: Callable[[str], dict[str, Any]], label: str, repeat: int) -
     best = min(runs, key=lambda r: r["wall_s"])
     best["wall_s_runs"] = [r["wall_s"] for r in runs]
     return best
+
+
+def new_progress(console: Console) -> Progress:
+    """The benchmarks' progress bars. A slow refresh: the bar's thread competes with the
+    measured work for the GIL."""
+    return Progress(
+        TextColumn("{task.description:<28}"),
+        BarColumn(),
+        MofNCompleteColumn(),
+        TimeElapsedColumn(),
+        console=console,
+        refresh_per_second=4,
+    )

@@ -304,7 +304,7 @@ class GrammarCache:
         if spec.regex is not None:
             return CompiledSpec(compiler.compile_regex(spec.regex), None)
         if spec.choice is not None:
-            # JSON string literals are EBNF string literals (quotes, backslashes, \n, \uXXXX).
+            # A JSON string literal is also an EBNF string literal (same quoting and escapes).
             alternatives = " | ".join(json.dumps(c, ensure_ascii=False) for c in spec.choice)
             return CompiledSpec(compiler.compile_grammar(f"root ::= {alternatives}"), None)
         assert spec.grammar is not None

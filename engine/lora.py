@@ -196,28 +196,8 @@ class LoRAManager:
         self.dtype = dtype
         # Per fused target, every layer's slots in one tensor: a slot installs with one
         # copy per target, and layer i's stack is the contiguous view [i].
-        self.lora_a = [
-            torch.zeros(
-                num_layers,
-                max_loras,
-                len(t.modules) * max_lora_rank,
-                t.in_features,
-                dtype=dtype,
-                device=device,
-            )
-            for t in targets
-        ]
-        self.lora_b = [
-            torch.zeros(
-                num_layers,
-                max_loras,
-                len(t.modules) * max_lora_rank,
-                t.out_features,
-                dtype=dtype,
-                device=device,
-            )
-            for t in targets
-        ]
+        self.lora_a = [self._slot_stack(len(t.modules), t.in_features) for t in targets]
+        self.lora_b = [self._slot_stack(len(t.modules), t.out_features) for t in targets]
         # widths[target][slot]: rows of that slot's A/B in use (0: not adapted);
         # _written: rows that may be non-zero (an evicted adapter's stay until overwritten).
         self.widths = [[0] * max_loras for _ in targets]
@@ -232,6 +212,13 @@ class LoRAManager:
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="lora-loader")
         self.num_loads = 0  # installs into a slot
         self.num_disk_loads = 0
+
+    def _slot_stack(self, num_modules: int, features: int) -> torch.Tensor:
+        """[layers, slots, modules * max_rank, features], zeroed: per fused target, every
+        layer's slots in one tensor, so a slot installs with one copy per target and
+        layer i's stack is the contiguous view [i]."""
+        shape = (self.num_layers, self.max_loras, num_modules * self.max_lora_rank, features)
+        return torch.zeros(shape, dtype=self.dtype, device=self.device)
 
     # -- residency --------------------------------------------------------------------------
 
@@ -357,39 +344,23 @@ class LoRAManager:
     def _pack(self, weights: LoRAWeights) -> PackedLoRA:
         r = weights.rank
         present = {name for layer in weights.layers for name in layer}
-        complete = all(len(layer) == len(present) for layer in weights.layers)
         packed_a, packed_b = [], []
         for target in self.targets:
-            names = [name for name, _, _ in target.modules if name in present]
-            width = r * len(names)
-            shape_a = (self.num_layers, width, target.in_features)
-            # Every row of A is written when every layer has every module; B's rows
-            # only in their module's columns.
-            a = torch.empty(shape_a) if complete else torch.zeros(shape_a)
-            b = torch.zeros(self.num_layers, width, target.out_features, dtype=self.dtype)
-            row = 0
-            for name, start, end in target.modules:
-                if name not in present:
-                    continue
-                if complete:  # one stacked copy per module, not one per layer
-                    a[:, row : row + r] = torch.stack([layer[name][0] for layer in weights.layers])
-                    factors_b = torch.stack([layer[name][1] for layer in weights.layers])
-                    torch.mul(
-                        factors_b.transpose(1, 2),
-                        weights.scaling,
-                        out=b[:, row : row + r, start:end],
-                    )
-                else:
-                    for i, layer in enumerate(weights.layers):
-                        if name in layer:
-                            factor_a, factor_b = layer[name]
-                            a[i, row : row + r] = factor_a
-                            torch.mul(
-                                factor_b.t(), weights.scaling, out=b[i, row : row + r, start:end]
-                            )
-                row += r
+            modules = [(name, start, end) for name, start, end in target.modules if name in present]
+            # Every row of A is written below; B's rows only in their module's columns.
+            a = torch.empty(self.num_layers, r * len(modules), target.in_features)
+            b = torch.zeros(self.num_layers, r * len(modules), target.out_features)
+            for i, (name, start, end) in enumerate(modules):
+                rows = slice(i * r, (i + 1) * r)
+                # One stacked copy per module, not one per layer; a layer the adapter
+                # leaves alone contributes zeros.
+                zeros = (torch.zeros(r, target.in_features), torch.zeros(end - start, r))
+                factors = [layer.get(name, zeros) for layer in weights.layers]
+                a[:, rows] = torch.stack([fa for fa, _ in factors])
+                factors_b = torch.stack([fb for _, fb in factors]).transpose(1, 2)
+                torch.mul(factors_b, weights.scaling, out=b[:, rows, start:end])
             packed_a.append(a.to(self.dtype))
-            packed_b.append(b)
+            packed_b.append(b.to(self.dtype))
         return PackedLoRA(weights.adapter_id, packed_a, packed_b)
 
     def _free_slot(self, adapter_id: str) -> int | None:
@@ -439,6 +410,8 @@ class LoRAManager:
 
     def step_context(self, token_slots: np.ndarray) -> LoRAStep | None:
         """Group the step's tokens by slot (-1: base model only)."""
+        if len(token_slots) == 0 or token_slots.max() < 0:  # the common all-base step
+            return None
         slots = np.unique(token_slots)
         slots = slots[slots >= 0]
         if len(slots) == 0:

@@ -181,7 +181,6 @@ class Request:
         "prompt_token_ids",
         "sampling_params",
         "eos_token_id",
-        "adapter_id",
         "lora",
         "lora_slot",
         "cache_salt",
@@ -220,8 +219,6 @@ class Request:
         self.sampling_params = sampling_params
         self.eos_token_id = eos_token_id
         self.lora = lora
-        # The prefix cache keys by adapter content, never by name.
-        self.adapter_id = None if lora is None else lora.adapter_id
         self.lora_slot = -1  # the device slot pinned while running; -1: none
         self.cache_salt = cache_salt
         self.fairness_key = fairness_key
@@ -243,6 +240,11 @@ class Request:
         self.scheduled_time: float | None = None
         # Guided requests: this sequence's matcher, once its grammar is compiled.
         self.grammar: SequenceGrammar | None = None
+
+    @property
+    def adapter_id(self) -> str | None:
+        """The adapter's content hash: the prefix cache keys by it, never by name."""
+        return None if self.lora is None else self.lora.adapter_id
 
     @property
     def num_tokens(self) -> int:

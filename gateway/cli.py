@@ -147,11 +147,33 @@ bench_app = typer.Typer(no_args_is_help=True, help="Reproducible benchmarks that
 app.add_typer(bench_app, name="bench")
 
 
-@bench_app.command(
-    "offline",
-    context_settings={"allow_extra_args": True, "ignore_unknown_options": True},
-    add_help_option=False,
+# Each benchmark parses its own arguments (argparse, `--help`); the CLI only passes them on.
+_PASSTHROUGH = {"allow_extra_args": True, "ignore_unknown_options": True}
+
+
+def _bench_command(name: str, module: str, help: str) -> None:
+    def run(ctx: typer.Context) -> None:
+        import importlib
+
+        importlib.import_module(module).main(list(ctx.args))
+
+    bench_app.command(name, help=help, context_settings=_PASSTHROUGH, add_help_option=False)(run)
+
+
+_bench_command(
+    "lora", "bench.lora", "Multi-LoRA W3 vs base-only W1 and vs peft (`--help` lists the options)."
 )
+_bench_command(
+    "serve", "bench.serve", "Load-test any OpenAI-compatible server (`--help` lists the options)."
+)
+_bench_command(
+    "guided",
+    "bench.guided",
+    "Guided vs unguided decode on W1, and grammar compile times (`--help` lists the options).",
+)
+
+
+@bench_app.command("offline", context_settings=_PASSTHROUGH, add_help_option=False)
 def bench_offline(ctx: typer.Context) -> None:
     """Our engine vs Hugging Face generate on W1/W2/Wv, or W3 (`--help` lists the options)."""
     args = list(ctx.args)
@@ -184,42 +206,6 @@ def _option_value(args: list[str], name: str) -> str | None:
         if arg.startswith(name + "="):
             return arg.split("=", 1)[1]
     return None
-
-
-@bench_app.command(
-    "lora",
-    context_settings={"allow_extra_args": True, "ignore_unknown_options": True},
-    add_help_option=False,
-)
-def bench_lora(ctx: typer.Context) -> None:
-    """Multi-LoRA W3 vs base-only W1 and vs peft (`--help` lists the options)."""
-    from bench.lora import main
-
-    main(list(ctx.args))
-
-
-@bench_app.command(
-    "serve",
-    context_settings={"allow_extra_args": True, "ignore_unknown_options": True},
-    add_help_option=False,
-)
-def bench_serve(ctx: typer.Context) -> None:
-    """Load-test any OpenAI-compatible server (`--help` lists the options)."""
-    from bench.serve import main
-
-    main(list(ctx.args))
-
-
-@bench_app.command(
-    "guided",
-    context_settings={"allow_extra_args": True, "ignore_unknown_options": True},
-    add_help_option=False,
-)
-def bench_guided(ctx: typer.Context) -> None:
-    """Guided vs unguided decode on W1, and grammar compile times (`--help` lists the options)."""
-    from bench.guided import main
-
-    main(list(ctx.args))
 
 
 def _bytes(value: str) -> int:
