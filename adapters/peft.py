@@ -32,9 +32,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TypeGuard
 
-import safetensors.torch
 import torch
 
+from adapters.safetensors_view import SafetensorsError, load_views
 from engine.lora import LORA_TARGETS, LoRAWeights
 
 CONFIG_FILE = "adapter_config.json"
@@ -179,7 +179,7 @@ def load_peft_adapter(
     )
     config = _parse_config(config_bytes, max_lora_rank)
     _check_base_model(config.base_model, base)
-    weights_bytes = _read_bounded(
+    weights = _read_weights(
         weights_path,
         _max_weights_bytes(base, config.rank),
         f"no rank-{config.rank} adapter of this base model is that large",
@@ -187,9 +187,9 @@ def load_peft_adapter(
     # The identity is computed from the very bytes that are parsed, so a file replaced while
     # it is loaded cannot be served under the identity of the one it replaced. sha256
     # releases the GIL: it runs beside the parsing, which is the other half of a load.
-    digest = _HASHER.submit(_digest, config_bytes, weights_bytes)
+    digest = _HASHER.submit(_digest, config_bytes, weights)
     try:
-        layers = _pair_factors(_parse_weights(weights_bytes), config, base)
+        layers = _pair_factors(_parse_weights(weights), config, base)
     finally:
         adapter_id = digest.result()
     if expected_id is not None and adapter_id != expected_id:
@@ -239,6 +239,26 @@ def _read_bounded(path: Path, limit: int, why: str) -> bytes:
     return data
 
 
+def _read_weights(path: Path, limit: int, why: str) -> torch.Tensor:
+    """The file's bytes in one uint8 tensor, which the factors will be views of."""
+    try:
+        with path.open("rb", buffering=0) as stream:
+            size = os.fstat(stream.fileno()).st_size
+            if size > limit:
+                raise AdapterError(f"{path.name} is over {limit} bytes: {why}")
+            buffer = torch.empty(size, dtype=torch.uint8)
+            view = buffer.numpy().data
+            read = 0
+            while read < size and (count := stream.readinto(view[read:])):
+                read += count
+            grew = bool(stream.read(1))
+    except OSError as exc:
+        raise AdapterError(f"cannot read {path.name}: {exc.strerror or exc}") from exc
+    if read != size or grew:
+        raise AdapterError(f"{path.name} changed while it was being read")
+    return buffer
+
+
 def _max_weights_bytes(base: BaseModelInfo, rank: int) -> int:
     """The largest file a valid adapter can be: every module of every layer, in float64."""
     per_rank = sum(inp + out for inp, out in base.module_shapes.values())
@@ -248,10 +268,10 @@ def _max_weights_bytes(base: BaseModelInfo, rank: int) -> int:
 _HASHER = ThreadPoolExecutor(max_workers=2, thread_name_prefix="adapter-sha256")
 
 
-def _digest(config_bytes: bytes, weights_bytes: bytes) -> str:
+def _digest(config_bytes: bytes, weights: torch.Tensor) -> str:
     digest = hashlib.sha256()
-    for data in (config_bytes, weights_bytes):
-        digest.update(len(data).to_bytes(8, "big"))
+    for data in (memoryview(config_bytes), weights.numpy().data):
+        digest.update(data.nbytes.to_bytes(8, "big"))
         digest.update(data)
     return digest.hexdigest()
 
@@ -373,10 +393,10 @@ def _last_component(name: str) -> str:
 # --- adapter_model.safetensors -----------------------------------------------------------
 
 
-def _parse_weights(data: bytes) -> dict[str, torch.Tensor]:
+def _parse_weights(data: torch.Tensor) -> dict[str, torch.Tensor]:
     try:
-        return safetensors.torch.load(data)
-    except Exception as exc:  # the parser's errors vary: SafetensorError, KeyError on dtypes...
+        return load_views(data)
+    except SafetensorsError as exc:
         raise AdapterError(f"{WEIGHTS_FILE} is not a valid safetensors file: {exc}") from exc
 
 
@@ -478,8 +498,8 @@ def _factor(
             f"{WEIGHTS_FILE}: {what} ({_short(key, 120)}) has shape {list(tensor.shape)}; expected "
             f"{list(expected)} = [{dims}]"
         )
-    # float32 factors stay views of the file's bytes (read-only: nothing writes to them;
-    # the engine copies them into its slots): a copy here would be the load's largest cost.
+    # float32 factors stay views of the buffer the file was read into (nothing writes to
+    # them; the engine copies them into its slots): a copy here would be the load's largest.
     return tensor.to(torch.float32).contiguous()
 
 

@@ -58,17 +58,24 @@ class LoRAWeights:
 @dataclass(slots=True)
 class PackedLoRA:
     """An adapter in slot layout, built off the engine thread: per fused target,
-    A as [layers, width, in] and B transposed as [layers, width, out] with the
-    scaling folded in, modules packed at stride rank. Installing it into a slot
-    is one copy per target and side."""
+    one entry per module the adapter adapts, in the target's order, holding A as
+    [layers, rank, in] and B transposed as [layers, rank, out of that module] with
+    the scaling folded in. Nothing is padded: installing writes each module's
+    rows and columns of the slot and zeroes the rest of them."""
 
     adapter_id: str
-    a: list[torch.Tensor]
-    b: list[torch.Tensor]
+    rank: int
+    # modules[target] = [(HF module, A, B), ...]
+    modules: list[list[tuple[str, torch.Tensor, torch.Tensor]]]
 
     @property
     def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in (*self.a, *self.b))
+        return sum(
+            t.numel() * t.element_size()
+            for target in self.modules
+            for _, a, b in target
+            for t in (a, b)
+        )
 
 
 class LoRALoadError(RuntimeError):
@@ -342,26 +349,26 @@ class LoRAManager:
         return self._pack(weights)
 
     def _pack(self, weights: LoRAWeights) -> PackedLoRA:
-        r = weights.rank
-        present = {name for layer in weights.layers for name in layer}
-        packed_a, packed_b = [], []
+        r, layers, num_layers = weights.rank, weights.layers, self.num_layers
+        present = {name for layer in layers for name in layer}
+        packed = []
         for target in self.targets:
-            modules = [(name, start, end) for name, start, end in target.modules if name in present]
-            # Every row of A is written below; B's rows only in their module's columns.
-            a = torch.empty(self.num_layers, r * len(modules), target.in_features)
-            b = torch.zeros(self.num_layers, r * len(modules), target.out_features)
-            for i, (name, start, end) in enumerate(modules):
-                rows = slice(i * r, (i + 1) * r)
-                # One stacked copy per module, not one per layer; a layer the adapter
-                # leaves alone contributes zeros.
-                zeros = (torch.zeros(r, target.in_features), torch.zeros(end - start, r))
-                factors = [layer.get(name, zeros) for layer in weights.layers]
-                a[:, rows] = torch.stack([fa for fa, _ in factors])
-                factors_b = torch.stack([fb for _, fb in factors]).transpose(1, 2)
-                torch.mul(factors_b, weights.scaling, out=b[:, rows, start:end])
-            packed_a.append(a.to(self.dtype))
-            packed_b.append(b.to(self.dtype))
-        return PackedLoRA(weights.adapter_id, packed_a, packed_b)
+            entries = []
+            for name, start, end in target.modules:
+                if name not in present:
+                    continue
+                # A layer the adapter leaves alone contributes zeros.
+                absent = (torch.zeros(r, target.in_features), torch.zeros(end - start, r))
+                factors = [layer.get(name, absent) for layer in layers]
+                a = torch.stack(
+                    [fa for fa, _ in factors], out=torch.empty(num_layers, r, target.in_features)
+                )
+                b = torch.empty(num_layers, r, end - start)
+                for i, (_, fb) in enumerate(factors):
+                    torch.mul(fb.T, weights.scaling, out=b[i])
+                entries.append((name, a.to(self.dtype), b.to(self.dtype)))
+            packed.append(entries)
+        return PackedLoRA(weights.adapter_id, r, packed)
 
     def _free_slot(self, adapter_id: str) -> int | None:
         free = [
@@ -393,14 +400,22 @@ class LoRAManager:
             widths[slot] = 0
 
     def _install(self, slot: int, packed: PackedLoRA) -> None:
-        for t in range(len(self.targets)):
-            width = packed.a[t].shape[1]
+        r = packed.rank
+        for t, target in enumerate(self.targets):
+            a_slot, b_slot = self.lora_a[t][:, slot], self.lora_b[t][:, slot]
+            columns = {name: (start, end) for name, start, end in target.modules}
+            for i, (name, a, b) in enumerate(packed.modules[t]):
+                rows = slice(i * r, (i + 1) * r)
+                start, end = columns[name]
+                a_slot[:, rows].copy_(a, non_blocking=True)
+                b_slot[:, rows, start:end].copy_(b, non_blocking=True)
+                b_slot[:, rows, :start].zero_()  # B's other modules' columns
+                b_slot[:, rows, end:].zero_()
+            width = len(packed.modules[t]) * r
             written = self._written[t][slot]
-            self.lora_a[t][:, slot, :width].copy_(packed.a[t], non_blocking=True)
-            self.lora_b[t][:, slot, :width].copy_(packed.b[t], non_blocking=True)
             if written > width:  # the masked path reads past `width`: it must be zero
-                self.lora_a[t][:, slot, width:written].zero_()
-                self.lora_b[t][:, slot, width:written].zero_()
+                a_slot[:, width:written].zero_()
+                b_slot[:, width:written].zero_()
             self.widths[t][slot] = self._written[t][slot] = width
         self.slots[slot].adapter_id = packed.adapter_id
         self.slot_of[packed.adapter_id] = slot

@@ -155,7 +155,7 @@ def test_weights_that_do_not_match_the_registered_identity_are_refused() -> None
 def test_unload_frees_the_slot_and_the_cpu_copy() -> None:
     manager = make_manager()
     slot = acquire_when_loaded(manager, lora("a"))
-    ref = weakref.ref(manager.cpu_cache["sha-a"].a[0])
+    ref = weakref.ref(manager.cpu_cache["sha-a"].modules[0][0][1])
     manager.unload("sha-a")
     assert manager.slot_of == {"sha-a": slot}  # pinned: leaves when its request does
     manager.release(slot)
@@ -169,7 +169,7 @@ def test_the_cpu_cache_keeps_the_most_recent_adapters_only() -> None:
     refs = []
     for name in ["a", "b", "c", "d"]:
         slot = acquire_when_loaded(manager, lora(name))
-        refs.append(weakref.ref(manager.cpu_cache[f"sha-{name}"].a[0]))
+        refs.append(weakref.ref(manager.cpu_cache[f"sha-{name}"].modules[0][0][1]))
         manager.release(slot)
     assert list(manager.cpu_cache) == ["sha-c", "sha-d"]
     gc.collect()
