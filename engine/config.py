@@ -28,6 +28,7 @@ class EngineConfig:
     max_lora_rank: int = 16
     max_cpu_loras: int = 16  # adapters kept in CPU memory (LRU) beyond the device slots
     num_threads: int | None = None  # torch intra-op threads; None: torch's default
+    cpu_kernels: bool = True  # C++ decode attention on CPU float32 (kernels.native)
     # Guided decoding (engine/guided.py): limits on what a request may ask to compile.
     guided_compile_timeout: float = 10.0  # seconds a request waits for its grammar
     guided_cache_size: int = 256  # compiled grammars kept, least recently used dropped

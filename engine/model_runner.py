@@ -28,6 +28,7 @@ from engine.models.llama import (
 from engine.request import Request
 from engine.sampler import Sampler, SamplerOutput
 from engine.scheduler import SchedulerOutput
+from kernels import native
 from kernels.attention import build_plan
 
 logger = logging.getLogger(__name__)
@@ -101,6 +102,12 @@ class ModelRunner:
         self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
         self.lora: LoRAManager | None = None  # set by the engine when LoRA is enabled
         self.sampler = Sampler(self.device, config.seed)
+        self.native_attention = (
+            config.cpu_kernels
+            and self.device.type == "cpu"
+            and self.dtype == torch.float32
+            and native.load()
+        )
 
     @property
     def bytes_per_block(self) -> int:
@@ -196,7 +203,16 @@ class ModelRunner:
                 sample_rows.append(request)
                 sample_index.append(t - 1)
 
-        plan = build_plan(query_lens, seq_lens, block_tables, slots, num_decode, bs, self.device)
+        plan = build_plan(
+            query_lens,
+            seq_lens,
+            block_tables,
+            slots,
+            num_decode,
+            bs,
+            self.device,
+            self.native_attention,
+        )
         ids_t = torch.from_numpy(input_ids).to(self.device)
         pos_t = torch.from_numpy(positions).to(self.device)
         lora = None if self.lora is None else self.lora.step_context(token_lora_slots)

@@ -264,6 +264,13 @@ def serve(
     device: Annotated[str, typer.Option(envvar=_env("DEVICE"))] = "auto",
     seed: Annotated[int, typer.Option(envvar=_env("SEED"))] = 0,
     num_threads: Annotated[int | None, typer.Option(envvar=_env("NUM_THREADS"))] = None,
+    cpu_kernels: Annotated[
+        bool,
+        typer.Option(
+            envvar=_env("CPU_KERNELS"),
+            help="C++ decode attention on CPU (compiled once per machine); off: the torch path.",
+        ),
+    ] = True,
     max_body_bytes: Annotated[int, typer.Option(envvar=_env("MAX_BODY_BYTES"))] = 4 << 20,
     shutdown_grace: Annotated[
         float,
@@ -359,6 +366,7 @@ def serve(
         enable_chunked_prefill=enable_chunked_prefill,
         seed=seed,
         num_threads=num_threads,
+        cpu_kernels=cpu_kernels,
         enable_lora=enable_lora,
         max_loras=max_loras,
         max_lora_rank=max_lora_rank,

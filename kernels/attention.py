@@ -53,6 +53,7 @@ class DecodeGroup:
     shared_block_ids: torch.Tensor | None  # [num_shared] blocks every row of the group starts with
     block_tables: torch.Tensor  # [rows, max_tail_blocks]: each row's blocks after the shared ones
     mask: torch.Tensor  # [1, rows, 1, max_tail_blocks * block_size] bool: key within the row
+    seq_lens: torch.Tensor  # [rows] int64, shared blocks included
 
 
 @dataclass(slots=True)
@@ -61,6 +62,8 @@ class AttentionPlan:
     num_decode: int
     decode_groups: list[DecodeGroup]
     prefill_rows: list[PrefillRow]
+    # Decode groups go to the C++ kernel (kernels.native), which reads blocks in place.
+    native: bool = False
 
 
 # A decode group's fixed cost, in padded key slots: splitting rows into
@@ -76,16 +79,18 @@ def build_plan(
     num_decode: int,
     block_size: int,
     device: torch.device,
+    native: bool = False,
 ) -> AttentionPlan:
     """Rows [0, num_decode) must have query_len == 1, sorted by seq_len for the
-    grouping to pay off; the rest are prefills."""
+    grouping to pay off; the rest are prefills. `native`: decode with the C++ kernel,
+    which pads nothing, so its rows are one group (one pass over a shared prefix)."""
     groups = []
     if num_decode:
         bt = np.zeros((num_decode, max(len(t) for t in block_tables[:num_decode])), np.int64)
         for i, table in enumerate(block_tables[:num_decode]):
             bt[i, : len(table)] = table
         lens = seq_lens[:num_decode]
-        for start, end in _split_by_length(lens):
+        for start, end in [(0, num_decode)] if native else _split_by_length(lens):
             groups.append(_decode_group(bt[start:end], lens[start:end], start, block_size, device))
     prefill_rows = []
     query_start = int(query_lens[:num_decode].sum())
@@ -105,6 +110,7 @@ def build_plan(
         num_decode=num_decode,
         decode_groups=groups,
         prefill_rows=prefill_rows,
+        native=native,
     )
 
 
@@ -139,7 +145,8 @@ def _decode_group(
     tables = torch.from_numpy(bt[:, num_shared : num_shared + tail_blocks].copy()).to(device)
     key_pos = np.arange(tail_blocks * block_size) + num_shared * block_size
     mask = torch.from_numpy(key_pos[None, :] < lens[:, None]).view(1, rows, 1, -1).to(device)
-    return DecodeGroup(row_start, row_start + rows, shared, tables, mask)
+    seq_lens = torch.from_numpy(lens.astype(np.int64, copy=True)).to(device)
+    return DecodeGroup(row_start, row_start + rows, shared, tables, mask, seq_lens)
 
 
 def write_kv(
@@ -182,6 +189,18 @@ def paged_attention(
     """
     out = torch.empty_like(query)
     for group in plan.decode_groups:
+        if plan.native:
+            torch.ops.loragate.decode_attention(
+                query[group.row_start : group.row_end],
+                key_cache,
+                value_cache,
+                group.shared_block_ids,
+                group.block_tables,
+                group.seq_lens,
+                scale,
+                out[group.row_start : group.row_end],
+            )
+            continue
         out[group.row_start : group.row_end] = _decode_attention(
             query[group.row_start : group.row_end], key_cache, value_cache, group, scale
         )

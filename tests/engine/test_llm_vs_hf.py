@@ -29,6 +29,9 @@ def hf_outputs(demo_model_dir: Path, prompts: list[list[int]]) -> list[list[int]
 
 CONFIGS = {
     "default": {},
+    # Decode attention on its torch path (the specification) rather than the C++ kernel.
+    "torch-attention": {"cpu_kernels": False},
+    "torch-attention-preempting": {"cpu_kernels": False, "num_kv_blocks": 30, "max_model_len": 480},
     "no-prefix-cache": {"enable_prefix_caching": False},
     "chunked-32": {"max_num_batched_tokens": 32},
     "no-chunking": {
@@ -63,7 +66,7 @@ def test_greedy_matches_hf(
             assert out.outputs[0].finish_reason == "length"
         kv = llm.engine.kv
         assert kv.num_free_blocks == kv.pool.num_blocks
-    if name.startswith("preempting"):
+    if "preempting" in name:
         assert llm.engine.scheduler.num_preemptions > 0
     if name == "default":
         assert outs[0].num_cached_tokens == 0

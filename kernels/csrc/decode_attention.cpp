@@ -1,0 +1,170 @@
+// Paged decode attention for the CPU: one query token per row, its keys and values read in
+// place from the block cache (no gather into a padded copy), softmax over each row's length.
+//
+// A group's rows may share leading blocks (a common prefix): each shared block is read once
+// and scored against every row's queries while it is in cache, as the torch cascade path
+// does with one GEMM. Matches kernels/attention.py's _decode_attention, which is the
+// specification: query scaled first, scores, max-subtracted exp, P @ V, divided by the sum.
+//
+// Layout: key_cache / value_cache [kv_heads, num_blocks, block_size, head_dim], float32,
+// contiguous; query and out [rows, heads, head_dim] with head_dim contiguous.
+
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <cmath>
+#include <limits>
+#include <optional>
+#include <vector>
+
+namespace {
+
+inline float dot(const float* a, const float* b, int64_t n) {
+  float acc = 0.f;
+#pragma omp simd reduction(+ : acc)
+  for (int64_t i = 0; i < n; ++i) acc += a[i] * b[i];
+  return acc;
+}
+
+inline void axpy(float* y, const float* x, float a, int64_t n) {
+#pragma omp simd
+  for (int64_t i = 0; i < n; ++i) y[i] += a * x[i];
+}
+
+void decode_attention(const at::Tensor& query, const at::Tensor& key_cache,
+                      const at::Tensor& value_cache, const std::optional<at::Tensor>& shared_block_ids,
+                      const at::Tensor& tail_tables, const at::Tensor& seq_lens, double scale,
+                      at::Tensor out) {
+  TORCH_CHECK(query.scalar_type() == at::kFloat && key_cache.scalar_type() == at::kFloat &&
+                  value_cache.scalar_type() == at::kFloat && out.scalar_type() == at::kFloat,
+              "decode_attention: float32 only");
+  TORCH_CHECK(query.dim() == 3 && out.sizes() == query.sizes(), "decode_attention: query/out shape");
+  TORCH_CHECK(query.stride(2) == 1 && out.stride(2) == 1, "decode_attention: head_dim must be contiguous");
+  TORCH_CHECK(key_cache.is_contiguous() && value_cache.is_contiguous() &&
+                  key_cache.sizes() == value_cache.sizes() && key_cache.dim() == 4,
+              "decode_attention: caches must be contiguous [kv_heads, blocks, block_size, head_dim]");
+  TORCH_CHECK(tail_tables.scalar_type() == at::kLong && tail_tables.dim() == 2 &&
+                  tail_tables.is_contiguous() && seq_lens.scalar_type() == at::kLong &&
+                  seq_lens.is_contiguous(),
+              "decode_attention: int64 contiguous block tables and lengths");
+
+  const int64_t rows = query.size(0), heads = query.size(1), dim = query.size(2);
+  const int64_t kv_heads = key_cache.size(0), num_blocks = key_cache.size(1);
+  const int64_t block_size = key_cache.size(2);
+  TORCH_CHECK(key_cache.size(3) == dim && heads % kv_heads == 0, "decode_attention: head shapes");
+  TORCH_CHECK(tail_tables.size(0) == rows && seq_lens.numel() == rows, "decode_attention: rows");
+  const int64_t per_kv = heads / kv_heads;
+
+  at::Tensor shared;
+  if (shared_block_ids.has_value()) shared = shared_block_ids->contiguous();
+  const int64_t num_shared = shared.defined() ? shared.numel() : 0;
+  TORCH_CHECK(!shared.defined() || shared.scalar_type() == at::kLong, "decode_attention: int64 ids");
+  const int64_t* shared_ids = num_shared ? shared.data_ptr<int64_t>() : nullptr;
+  const int64_t* tails = tail_tables.data_ptr<int64_t>();
+  const int64_t tail_width = tail_tables.size(1);
+  const int64_t* lens = seq_lens.data_ptr<int64_t>();
+  int64_t max_len = 0;
+  for (int64_t r = 0; r < rows; ++r) {
+    TORCH_CHECK(lens[r] > num_shared * block_size &&
+                    lens[r] <= (num_shared + tail_width) * block_size,
+                "decode_attention: a row's length does not fit its blocks");
+    max_len = std::max(max_len, lens[r]);
+  }
+  auto check_block = [&](int64_t id) {
+    TORCH_CHECK(id >= 0 && id < num_blocks, "decode_attention: block id out of range");
+  };
+  for (int64_t i = 0; i < num_shared; ++i) check_block(shared_ids[i]);
+  for (int64_t r = 0; r < rows; ++r)
+    for (int64_t b = 0; b < (lens[r] + block_size - 1) / block_size - num_shared; ++b)
+      check_block(tails[r * tail_width + b]);
+
+  const float* q_base = query.data_ptr<float>();
+  float* o_base = out.data_ptr<float>();
+  const int64_t q_row = query.stride(0), q_head = query.stride(1);
+  const int64_t o_row = out.stride(0), o_head = out.stride(1);
+  const int64_t block_elems = block_size * dim, head_elems = num_blocks * block_elems;
+  const float* k_base = key_cache.data_ptr<float>();
+  const float* v_base = value_cache.data_ptr<float>();
+  const float fscale = static_cast<float>(scale);
+
+  at::parallel_for(0, kv_heads, 1, [&](int64_t g_begin, int64_t g_end) {
+    // scores[(r * per_kv + h) * max_len + t]; the scaled queries of this kv head's heads.
+    std::vector<float> scores(rows * per_kv * max_len);
+    std::vector<float> q(rows * per_kv * dim);
+    std::vector<float> inv_sum(rows * per_kv);
+    for (int64_t g = g_begin; g < g_end; ++g) {
+      const float* K = k_base + g * head_elems;
+      const float* V = v_base + g * head_elems;
+      for (int64_t r = 0; r < rows; ++r)
+        for (int64_t h = 0; h < per_kv; ++h) {
+          const float* src = q_base + r * q_row + (g * per_kv + h) * q_head;
+          float* dst = q.data() + (r * per_kv + h) * dim;
+          for (int64_t i = 0; i < dim; ++i) dst[i] = src[i] * fscale;
+        }
+      auto score = [&](const float* keys, int64_t r, int64_t pos, int64_t n) {
+        for (int64_t h = 0; h < per_kv; ++h) {
+          const float* qh = q.data() + (r * per_kv + h) * dim;
+          float* s = scores.data() + (r * per_kv + h) * max_len + pos;
+          for (int64_t j = 0; j < n; ++j) s[j] = dot(qh, keys + j * dim, dim);
+        }
+      };
+      auto accumulate = [&](const float* values, int64_t r, int64_t pos, int64_t n) {
+        for (int64_t h = 0; h < per_kv; ++h) {
+          const float* p = scores.data() + (r * per_kv + h) * max_len + pos;
+          float* o = o_base + r * o_row + (g * per_kv + h) * o_head;
+          for (int64_t j = 0; j < n; ++j) axpy(o, values + j * dim, p[j], dim);
+        }
+      };
+      // Shared blocks outermost: each is loaded once for every row.
+      for (int64_t b = 0; b < num_shared; ++b)
+        for (int64_t r = 0; r < rows; ++r)
+          score(K + shared_ids[b] * block_elems, r, b * block_size, block_size);
+      for (int64_t r = 0; r < rows; ++r)
+        for (int64_t pos = num_shared * block_size; pos < lens[r]; pos += block_size) {
+          const int64_t id = tails[r * tail_width + pos / block_size - num_shared];
+          score(K + id * block_elems, r, pos, std::min(block_size, lens[r] - pos));
+        }
+      for (int64_t r = 0; r < rows; ++r)
+        for (int64_t h = 0; h < per_kv; ++h) {
+          float* s = scores.data() + (r * per_kv + h) * max_len;
+          float m = -std::numeric_limits<float>::infinity();
+          for (int64_t t = 0; t < lens[r]; ++t) m = std::max(m, s[t]);
+          float sum = 0.f;
+          for (int64_t t = 0; t < lens[r]; ++t) {
+            s[t] = std::exp(s[t] - m);
+            sum += s[t];
+          }
+          inv_sum[r * per_kv + h] = sum;
+          float* o = o_base + r * o_row + (g * per_kv + h) * o_head;
+          std::fill(o, o + dim, 0.f);
+        }
+      for (int64_t b = 0; b < num_shared; ++b)
+        for (int64_t r = 0; r < rows; ++r)
+          accumulate(V + shared_ids[b] * block_elems, r, b * block_size, block_size);
+      for (int64_t r = 0; r < rows; ++r)
+        for (int64_t pos = num_shared * block_size; pos < lens[r]; pos += block_size) {
+          const int64_t id = tails[r * tail_width + pos / block_size - num_shared];
+          accumulate(V + id * block_elems, r, pos, std::min(block_size, lens[r] - pos));
+        }
+      for (int64_t r = 0; r < rows; ++r)
+        for (int64_t h = 0; h < per_kv; ++h) {
+          float* o = o_base + r * o_row + (g * per_kv + h) * o_head;
+          const float sum = inv_sum[r * per_kv + h];
+          for (int64_t i = 0; i < dim; ++i) o[i] /= sum;
+        }
+    }
+  });
+}
+
+}  // namespace
+
+TORCH_LIBRARY(loragate, m) {
+  m.def(
+      "decode_attention(Tensor query, Tensor key_cache, Tensor value_cache, "
+      "Tensor? shared_block_ids, Tensor tail_tables, Tensor seq_lens, float scale, "
+      "Tensor(a!) out) -> ()");
+}
+
+TORCH_LIBRARY_IMPL(loragate, CPU, m) { m.impl("decode_attention", &decode_attention); }

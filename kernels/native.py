@@ -1,0 +1,83 @@
+"""C++ kernels for the CPU (kernels/csrc), compiled on first use and cached on disk.
+
+The torch functions in this package are the specification; a native kernel must
+match its torch twin (tests hold them equal) and is only an accelerator: when the
+compiler, ninja or the build is missing or fails, `load()` says why once in the log
+and returns False, and every caller keeps to the torch path.
+
+The build is specific to this machine's CPU (`-march=native`), so its cache
+directory is keyed by the CPU's flags as well as by the sources.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import platform
+import threading
+from pathlib import Path
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+SOURCES = [Path(__file__).parent / "csrc" / "decode_attention.cpp"]
+# Set to 0 to keep every kernel on its torch path (the engine's --no-cpu-kernels).
+ENV_DISABLE = "LORAGATE_CPU_KERNELS"
+
+_lock = threading.Lock()
+_state: dict[str, bool] = {}
+
+
+def load() -> bool:
+    """Build (once per machine) and load the CPU kernels; True when torch.ops.loragate has them."""
+    with _lock:
+        if "loaded" not in _state:
+            _state["loaded"] = _build_and_load()
+        return _state["loaded"]
+
+
+def _build_and_load() -> bool:
+    if os.environ.get(ENV_DISABLE, "1").lower() in ("0", "false", "no", "off"):
+        logger.info("CPU kernels disabled by %s", ENV_DISABLE)
+        return False
+    try:
+        from torch.utils import cpp_extension
+
+        build_dir = _build_dir()
+        build_dir.mkdir(parents=True, exist_ok=True)
+        logger.info("loading CPU kernels (compiled once per machine into %s)", build_dir)
+        cpp_extension.load(
+            name="loragate_cpu_kernels",
+            sources=[str(s) for s in SOURCES],
+            extra_cflags=["-O3", "-march=native", "-fopenmp"],
+            build_directory=str(build_dir),
+            is_python_module=False,
+            verbose=False,
+        )
+    except Exception as exc:  # noqa: BLE001 - any build failure means: use the torch path
+        logger.warning("CPU kernels unavailable, using the torch path: %s", exc)
+        return False
+    return hasattr(torch.ops.loragate, "decode_attention")
+
+
+def _build_dir() -> Path:
+    digest = hashlib.sha256()
+    for source in SOURCES:
+        digest.update(source.read_bytes())
+    digest.update(torch.__version__.encode())
+    digest.update(platform.machine().encode())
+    digest.update(_cpu_flags().encode())
+    root = Path(os.environ.get("LORAGATE_KERNEL_CACHE", Path.home() / ".cache" / "loragate"))
+    return root / f"cpu-kernels-{digest.hexdigest()[:16]}"
+
+
+def _cpu_flags() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("flags"):
+                return line
+    except OSError:
+        pass
+    return platform.processor()

@@ -1,0 +1,141 @@
+"""The C++ decode attention (kernels/csrc) against its torch specification and a dense
+softmax reference: random paged caches, grouped-query heads, shared prefixes, ragged lengths."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+import torch
+
+from kernels import native
+from kernels.attention import build_plan, paged_attention
+
+pytestmark = pytest.mark.skipif(not native.load(), reason="CPU kernels could not be built here")
+
+
+def _case(
+    seed: int,
+    lens: list[int],
+    shared_tokens: int,
+    heads: int = 4,
+    kv_heads: int = 2,
+    dim: int = 64,
+    block_size: int = 16,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, list[list[int]]]:
+    """A cache holding each row's keys in random blocks; rows share their first
+    `shared_tokens // block_size` blocks."""
+    g = torch.Generator().manual_seed(seed)
+    rng = np.random.default_rng(seed)
+    num_blocks = sum(-(-n // block_size) for n in lens) + 8
+    key_cache = torch.randn(kv_heads, num_blocks, block_size, dim, generator=g)
+    value_cache = torch.randn(kv_heads, num_blocks, block_size, dim, generator=g)
+    free = rng.permutation(num_blocks).tolist()
+    shared = [free.pop() for _ in range(shared_tokens // block_size)]
+    tables = [shared + [free.pop() for _ in range(-(-n // block_size) - len(shared))] for n in lens]
+    query = torch.randn(len(lens), heads, dim, generator=g)
+    return query, key_cache, value_cache, tables
+
+
+def _dense(query, key_cache, value_cache, tables, lens, scale):  # type: ignore[no-untyped-def]
+    kv_heads, _, block_size, dim = key_cache.shape
+    per_kv = query.shape[1] // kv_heads
+    out = torch.empty_like(query)
+    for r, (table, n) in enumerate(zip(tables, lens, strict=True)):
+        k = key_cache[:, table].reshape(kv_heads, -1, dim)[:, :n]
+        v = value_cache[:, table].reshape(kv_heads, -1, dim)[:, :n]
+        k, v = k.repeat_interleave(per_kv, 0), v.repeat_interleave(per_kv, 0)
+        p = torch.softmax((query[r, :, None, :].double() @ k.double().transpose(1, 2)) * scale, -1)
+        out[r] = (p @ v.double())[:, 0].float()
+    return out
+
+
+def _attend(query, key_cache, value_cache, tables, lens, native_path):  # type: ignore[no-untyped-def]
+    block_size = key_cache.shape[2]
+    lens_np = np.array(lens)
+    order = np.argsort(lens_np, kind="stable")  # build_plan wants decode rows sorted by length
+    slots = np.array([tables[i][(lens[i] - 1) // block_size] * block_size for i in order])
+    plan = build_plan(
+        np.ones(len(lens), np.int64),
+        lens_np[order],
+        [tables[i] for i in order],
+        slots,
+        len(lens),
+        block_size,
+        torch.device("cpu"),
+        native=native_path,
+    )
+    scale = query.shape[2] ** -0.5
+    out = paged_attention(query[order], key_cache, value_cache, plan, scale)
+    return out[np.argsort(order)]
+
+
+@pytest.mark.parametrize(
+    ("lens", "shared_tokens", "heads", "kv_heads"),
+    [
+        ([1], 0, 4, 2),
+        ([5, 16, 17, 33, 100], 0, 4, 2),
+        ([40] * 16, 32, 4, 2),  # a shared prefix: the cascade path of both
+        ([1030, 1045, 1100, 1300], 1024, 8, 2),
+        ([7, 64, 200], 0, 6, 6),  # no grouping of query heads
+        ([3, 300], 0, 8, 1),  # every query head on one kv head
+    ],
+)
+def test_native_matches_torch_and_dense(
+    lens: list[int], shared_tokens: int, heads: int, kv_heads: int
+) -> None:
+    query, key_cache, value_cache, tables = _case(0, lens, shared_tokens, heads, kv_heads)
+    ours = _attend(query, key_cache, value_cache, tables, lens, native_path=True)
+    spec = _attend(query, key_cache, value_cache, tables, lens, native_path=False)
+    dense = _dense(query, key_cache, value_cache, tables, lens, query.shape[2] ** -0.5)
+    torch.testing.assert_close(ours, dense, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(ours, spec, rtol=1e-5, atol=1e-5)
+
+
+def test_strided_query_and_output_slices() -> None:
+    """The model passes q as a slice of the fused q|k projection and writes into a slice."""
+    lens = [9, 20, 33]
+    query, key_cache, value_cache, tables = _case(1, lens, 0)
+    wide = torch.randn(len(lens), 6, 64)
+    wide[:, :4] = query
+    out = torch.zeros(len(lens) + 2, 4, 64)
+    torch.ops.loragate.decode_attention(
+        wide[:, :4],
+        key_cache,
+        value_cache,
+        None,
+        torch.tensor([t + [0] * (3 - len(t)) for t in tables]),
+        torch.tensor(lens),
+        64**-0.5,
+        out[1:-1],
+    )
+    dense = _dense(query, key_cache, value_cache, tables, lens, 64**-0.5)
+    torch.testing.assert_close(out[1:-1], dense, rtol=1e-5, atol=1e-5)
+    assert not out[0].any() and not out[-1].any()
+
+
+@pytest.mark.parametrize(
+    ("tables", "lens", "message"),
+    [
+        ([[0, 99]], [20], "block id out of range"),
+        ([[0, -1]], [20], "block id out of range"),
+        ([[0, 1]], [40], "does not fit its blocks"),
+        ([[0, 1]], [0], "does not fit its blocks"),
+    ],
+)
+def test_bad_tables_are_refused_not_read(
+    tables: list[list[int]], lens: list[int], message: str
+) -> None:
+    cache = torch.zeros(2, 8, 16, 64)
+    with pytest.raises(RuntimeError, match=message):
+        torch.ops.loragate.decode_attention(
+            torch.zeros(1, 4, 64),
+            cache,
+            cache,
+            None,
+            torch.tensor(tables),
+            torch.tensor(lens),
+            1 / math.sqrt(64),
+            torch.empty(1, 4, 64),
+        )
