@@ -1,10 +1,15 @@
-"""The engine's step loop in its own thread, bridged to asyncio.
+"""The engine's step loop, bridged to asyncio: in a thread of this process, or (engine_process)
+in a process of its own.
 
-One dedicated thread owns the LLMEngine and runs `step()` back to back while
-there is work (torch releases the GIL inside its ops, so the event loop keeps
-serving HTTP). Requests and aborts enter through a thread-safe queue that the
-loop drains between steps; each request's updates reach its own asyncio queue
-through `loop.call_soon_threadsafe`, so no coroutine ever waits on a step.
+`EngineClient` is what the gateway holds, whichever runs the loop: requests go
+in as messages; each request's updates reach its own asyncio queue through
+`loop.call_soon_threadsafe`, one wake-up per event loop per step, so no
+coroutine ever waits on a step.
+
+`AsyncEngine` runs the loop in one dedicated thread that owns the LLMEngine and
+runs `step()` back to back while there is work (torch releases the GIL inside its
+ops, so the event loop keeps serving HTTP). Messages reach it through a
+thread-safe queue that the loop drains between steps.
 
 Failure containment: an exception inside a step fails the requests of that
 step with an error update, frees their blocks, and the loop keeps serving.
@@ -17,9 +22,12 @@ import logging
 import queue
 import threading
 import time
-from collections.abc import AsyncIterator, Sequence
-from dataclasses import dataclass
+from abc import ABC, abstractmethod
+from collections.abc import AsyncIterator, Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
 
+from engine.guided import GuidedSpec
 from engine.llm_engine import LLMEngine
 from engine.lora import LoRARequest
 from engine.outputs import SequenceUpdate
@@ -37,24 +45,70 @@ class EngineDead(RuntimeError):
 
 
 @dataclass(slots=True)
-class _Add:
+class Add:
     request_id: str
     prompt: str | Sequence[int]
     params: SamplingParams
     lora: LoRARequest | None
     cache_salt: str | None
     fairness_key: str | None
-    stream: _Stream
 
 
 @dataclass(slots=True)
-class _Abort:
+class Abort:
     request_id: str
 
 
 @dataclass(slots=True)
-class _UnloadLoRA:
+class UnloadLoRA:
     adapter_id: str
+
+
+Message = Add | Abort | UnloadLoRA
+
+
+@dataclass(slots=True)
+class EngineStats:
+    """A snapshot of the engine for /metrics (vLLM's meanings)."""
+
+    num_running: int = 0
+    num_waiting: int = 0
+    kv_cache_usage: float = 0.0
+    prefix_cache_queries: int = 0
+    prefix_cache_hits: int = 0
+    num_preemptions: int = 0
+    max_loras: int | None = None  # None: LoRA disabled
+    running_adapters: list[str] = field(default_factory=list)
+    waiting_adapters: list[str] = field(default_factory=list)
+    lora_slots_used: int = 0
+    lora_disk_loads: int = 0
+
+
+def engine_stats(engine: LLMEngine) -> EngineStats:
+    scheduler, lora = engine.scheduler, engine.lora
+    # list() copies are atomic under the GIL; the loop thread mutates the originals.
+    running, waiting = list(scheduler.running), list(scheduler.waiting)
+    stats = EngineStats(
+        num_running=len(running),
+        num_waiting=len(waiting),
+        kv_cache_usage=engine.kv.usage,
+        prefix_cache_queries=engine.kv.num_queried_tokens,
+        prefix_cache_hits=engine.kv.num_hit_tokens,
+        num_preemptions=scheduler.num_preemptions,
+    )
+    if lora is not None:
+        stats.max_loras = lora.max_loras
+        stats.running_adapters = sorted({r.lora.name for r in running if r.lora})
+        stats.waiting_adapters = sorted({r.lora.name for r in waiting if r.lora})
+        stats.lora_slots_used = len(lora.slot_of)
+        stats.lora_disk_loads = lora.num_disk_loads
+    return stats
+
+
+def finished_parents(engine: LLMEngine, updates: list[SequenceUpdate]) -> list[str]:
+    """Caller requests whose every sequence has finished (n > 1 samples of one request
+    may finish in the same step)."""
+    return [u.request_id for u in updates if u.finished and u.request_id not in engine.parents]
 
 
 class _Stream:
@@ -71,36 +125,48 @@ class _Stream:
         self.loop.call_soon_threadsafe(self.queue.put_nowait, item)
 
 
-class AsyncEngine:
-    def __init__(self, engine: LLMEngine, *, max_waiting: int = 1024) -> None:
-        self.engine = engine
+class EngineClient(ABC):
+    """The gateway's handle on a running engine loop."""
+
+    def __init__(self, max_waiting: int, max_num_seqs: int) -> None:
         self.max_waiting = max_waiting
-        self._inbox: queue.SimpleQueue[_Add | _Abort | _UnloadLoRA | None] = queue.SimpleQueue()
+        self.max_num_seqs = max_num_seqs
         self._streams: dict[str, _Stream] = {}
         self._num_pending = 0  # submitted but not yet finished, across threads
         self._lock = threading.Lock()
-        self._thread: threading.Thread | None = None
         self._stopping = threading.Event()
 
-    # -- lifecycle ----------------------------------------------------------------------------
+    # -- what a front end provides ----------------------------------------------------------
 
-    def start(self) -> None:
-        self._thread = threading.Thread(target=self._run, name="engine-loop", daemon=True)
-        self._thread.start()
+    @abstractmethod
+    def start(self) -> None: ...
 
     @property
-    def is_alive(self) -> bool:
-        return self._thread is not None and self._thread.is_alive() and not self._stopping.is_set()
+    @abstractmethod
+    def is_alive(self) -> bool: ...
 
+    @abstractmethod
     async def shutdown(self, grace_period: float = 10.0) -> None:
         """Stop admitting, let running requests finish for `grace_period`, abort the rest."""
-        deadline = time.monotonic() + grace_period
-        self._stopping.set()
-        while self._num_pending and time.monotonic() < deadline:
-            await asyncio.sleep(0.05)
-        self._inbox.put(None)  # the loop aborts what is left as it exits
-        if self._thread is not None:
-            await asyncio.to_thread(self._thread.join, 5.0)
+
+    @property
+    @abstractmethod
+    def tokenizer(self) -> Any: ...
+
+    @property
+    @abstractmethod
+    def max_model_len(self) -> int: ...
+
+    @abstractmethod
+    async def compile_grammar(self, spec: GuidedSpec) -> None:
+        """Compile (or find cached) a request's grammar; raises GuidedSpecError."""
+
+    @abstractmethod
+    def stats(self) -> EngineStats: ...
+
+    @abstractmethod
+    def _submit(self, message: Message) -> None:
+        """Hand a message to the loop (any thread)."""
 
     # -- requests -----------------------------------------------------------------------------
 
@@ -122,11 +188,12 @@ class AsyncEngine:
         if not self.is_alive:
             raise EngineDead("the engine is not running")
         with self._lock:
-            if self._num_pending >= self.max_waiting + self.engine.config.max_num_seqs:
+            if self._num_pending >= self.max_waiting + self.max_num_seqs:
                 raise EngineOverloaded("too many requests are waiting")
             self._num_pending += 1
         stream = _Stream(asyncio.get_running_loop(), params.n)
-        self._inbox.put(_Add(request_id, prompt, params, lora, cache_salt, fairness_key, stream))
+        self._streams[request_id] = stream
+        self._submit(Add(request_id, prompt, params, lora, cache_salt, fairness_key))
         finished = False
         try:
             while True:
@@ -142,15 +209,96 @@ class AsyncEngine:
                         return
         finally:
             if not finished:
-                self._inbox.put(_Abort(request_id))
+                self.abort(request_id)
 
     def abort(self, request_id: str) -> None:
-        self._inbox.put(_Abort(request_id))
+        self._forget(request_id)
+        self._submit(Abort(request_id))
 
     def unload_lora(self, adapter_id: str) -> None:
-        """Free an adapter's slot and CPU copy (on the loop thread, which owns them),
-        at once or when its running requests finish."""
-        self._inbox.put(_UnloadLoRA(adapter_id))
+        """Free an adapter's slot and CPU copy (on the loop, which owns them), at once or
+        when its running requests finish."""
+        self._submit(UnloadLoRA(adapter_id))
+
+    # -- results, from the loop's side ------------------------------------------------------------
+
+    def _deliver(self, updates: list[SequenceUpdate], finished: list[str]) -> None:
+        """One wake-up per event loop per step, not one per token; then forget the
+        requests that are done."""
+        batches: dict[asyncio.AbstractEventLoop, list[tuple[_Stream, SequenceUpdate]]] = {}
+        for update in updates:
+            stream = self._streams.get(update.request_id)
+            if stream is not None:
+                batches.setdefault(stream.loop, []).append((stream, update))
+        for loop, batch in batches.items():
+            loop.call_soon_threadsafe(_put_all, batch)
+        for request_id in finished:
+            self._forget(request_id)
+
+    def _refuse(self, request_id: str, error: BaseException) -> None:
+        """End a request with an exception its caller raises (refused, or failed)."""
+        stream = self._streams.get(request_id)
+        self._forget(request_id)
+        if stream is not None:
+            stream.put(error)
+
+    def _forget(self, request_id: str) -> None:
+        if self._streams.pop(request_id, None) is not None:
+            with self._lock:
+                self._num_pending -= 1
+
+    def _refuse_all(self, error: BaseException) -> None:
+        for request_id in list(self._streams):
+            self._refuse(request_id, error)
+
+    async def _drain_pending(self, grace_period: float) -> None:
+        deadline = time.monotonic() + grace_period
+        self._stopping.set()
+        while self._num_pending and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+
+
+class AsyncEngine(EngineClient):
+    """The loop in a thread of this process, owning `engine`."""
+
+    def __init__(self, engine: LLMEngine, *, max_waiting: int = 1024) -> None:
+        super().__init__(max_waiting, engine.config.max_num_seqs)
+        self.engine = engine
+        self._inbox: queue.SimpleQueue[Message | None] = queue.SimpleQueue()
+        self._thread: threading.Thread | None = None
+
+    # -- lifecycle ----------------------------------------------------------------------------
+
+    def start(self) -> None:
+        self._thread = threading.Thread(target=self._run, name="engine-loop", daemon=True)
+        self._thread.start()
+
+    @property
+    def is_alive(self) -> bool:
+        return self._thread is not None and self._thread.is_alive() and not self._stopping.is_set()
+
+    async def shutdown(self, grace_period: float = 10.0) -> None:
+        await self._drain_pending(grace_period)
+        self._inbox.put(None)  # the loop aborts what is left as it exits
+        if self._thread is not None:
+            await asyncio.to_thread(self._thread.join, 5.0)
+
+    @property
+    def tokenizer(self) -> Any:
+        return self.engine.tokenizer
+
+    @property
+    def max_model_len(self) -> int:
+        return self.engine.max_model_len
+
+    async def compile_grammar(self, spec: GuidedSpec) -> None:
+        await self.engine.grammars.compile(spec)
+
+    def stats(self) -> EngineStats:
+        return engine_stats(self.engine)
+
+    def _submit(self, message: Message) -> None:
+        self._inbox.put(message)
 
     # -- the loop thread ----------------------------------------------------------------------
 
@@ -159,7 +307,9 @@ class AsyncEngine:
         while True:
             block = not engine.has_unfinished_requests()
             if not self._drain(block):
-                self._abort_all(EngineDead("the server is shutting down"))
+                for request_id in list(self._streams):
+                    engine.abort(request_id)
+                self._refuse_all(EngineDead("the server is shutting down"))
                 break
             if not engine.has_unfinished_requests():
                 continue
@@ -167,26 +317,14 @@ class AsyncEngine:
                 updates = engine.step()
             except Exception as exc:  # noqa: BLE001 - contain it: fail the step's requests, keep serving
                 logger.exception("engine step failed")
-                self._fail_all(exc)
+                error = RuntimeError(f"engine step failed: {type(exc).__name__}: {exc}")
+                for request_id in engine.fail_running():
+                    self._refuse(request_id, error)
                 continue
-            self._deliver(updates)
-            # After delivering: n > 1 samples of one request may finish in the same step.
-            for update in updates:
-                if update.finished and update.request_id not in engine.parents:
-                    self._forget(update.request_id)
-
-    def _deliver(self, updates: list[SequenceUpdate]) -> None:
-        """One wake-up per event loop per step, not one per token."""
-        batches: dict[asyncio.AbstractEventLoop, list[tuple[_Stream, SequenceUpdate]]] = {}
-        for update in updates:
-            stream = self._streams.get(update.request_id)
-            if stream is not None:
-                batches.setdefault(stream.loop, []).append((stream, update))
-        for loop, batch in batches.items():
-            loop.call_soon_threadsafe(_put_all, batch)
+            self._deliver(updates, finished_parents(engine, updates))
 
     def _drain(self, block: bool) -> bool:
-        """Apply queued adds and aborts; False when told to exit."""
+        """Apply queued messages; False when told to exit."""
         try:
             item = self._inbox.get(timeout=0.5) if block else self._inbox.get_nowait()
         except queue.Empty:
@@ -194,54 +332,35 @@ class AsyncEngine:
         while True:
             if item is None:
                 return False
-            if isinstance(item, _Add):
-                self._add(item)
-            elif isinstance(item, _UnloadLoRA):
-                if self.engine.lora is not None:
-                    self.engine.lora.unload(item.adapter_id)
-            elif item.request_id in self._streams:
-                self.engine.abort(item.request_id)
-                self._forget(item.request_id)
+            apply_message(self.engine, item, self._refuse)
             try:
                 item = self._inbox.get_nowait()
             except queue.Empty:
                 return True
 
-    def _add(self, item: _Add) -> None:
+
+def apply_message(
+    engine: LLMEngine, message: Message, refuse: Callable[[str, BaseException], None]
+) -> None:
+    """One message, applied on the loop; `refuse(request_id, exc)` reports a request the
+    engine would not take."""
+    if isinstance(message, Add):
         try:
-            self.engine.add_request(
-                item.request_id,
-                item.prompt,
-                item.params,
-                lora=item.lora,
-                cache_salt=item.cache_salt,
-                fairness_key=item.fairness_key,
+            engine.add_request(
+                message.request_id,
+                message.prompt,
+                message.params,
+                lora=message.lora,
+                cache_salt=message.cache_salt,
+                fairness_key=message.fairness_key,
             )
         except Exception as exc:  # noqa: BLE001 - refused requests report to their caller
-            with self._lock:
-                self._num_pending -= 1
-            item.stream.put(exc)
-            return
-        self._streams[item.request_id] = item.stream
-
-    def _forget(self, request_id: str) -> None:
-        if self._streams.pop(request_id, None) is not None:
-            with self._lock:
-                self._num_pending -= 1
-
-    def _abort_all(self, error: Exception) -> None:
-        for request_id, stream in list(self._streams.items()):
-            self.engine.abort(request_id)
-            self._forget(request_id)
-            stream.put(error)
-
-    def _fail_all(self, exc: Exception) -> None:
-        error = RuntimeError(f"engine step failed: {type(exc).__name__}: {exc}")
-        for request_id in self.engine.fail_running():
-            stream = self._streams.get(request_id)
-            self._forget(request_id)
-            if stream is not None:
-                stream.put(error)
+            refuse(message.request_id, exc)
+    elif isinstance(message, UnloadLoRA):
+        if engine.lora is not None:
+            engine.lora.unload(message.adapter_id)
+    else:
+        engine.abort(message.request_id)  # a no-op for a request that has finished
 
 
 def _put_all(batch: list[tuple[_Stream, SequenceUpdate]]) -> None:

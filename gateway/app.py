@@ -1,4 +1,4 @@
-"""Build the FastAPI app around a running AsyncEngine."""
+"""Build the FastAPI app around a running engine (EngineClient)."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ from starlette.middleware.base import BaseHTTPMiddleware, RequestResponseEndpoin
 from starlette.responses import Response
 
 from adapters.registry import AdapterRegistry
-from engine.async_engine import AsyncEngine
+from engine.async_engine import EngineClient
 from gateway.errors import error_body, install_error_handlers
 from gateway.metrics import Metrics
 from gateway.routers import lora
@@ -36,7 +36,7 @@ class BodySizeLimit(BaseHTTPMiddleware):
 
 
 def build_app(
-    engine: AsyncEngine,
+    engine: EngineClient,
     served_model_name: str,
     max_body_bytes: int = 4 << 20,
     adapters: AdapterRegistry | None = None,

@@ -14,9 +14,7 @@ from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
-from engine.async_engine import AsyncEngine
-from engine.llm_engine import LLMEngine
-from engine.lora import LoRAManager
+from engine.async_engine import EngineClient, EngineStats
 
 _LATENCY_BUCKETS = (
     0.005,
@@ -41,68 +39,72 @@ _LATENCY_BUCKETS = (
 
 
 class _EngineCollector(Collector):
-    def __init__(self, engine: AsyncEngine) -> None:
+    def __init__(self, engine: EngineClient) -> None:
         self.engine = engine
 
     def collect(self) -> Iterator[GaugeMetricFamily | CounterMetricFamily]:
-        core = self.engine.engine
+        stats = self.engine.stats()
         yield GaugeMetricFamily(
             "loragate:num_requests_running",
             "Sequences in the running batch.",
-            value=len(core.scheduler.running),
+            value=stats.num_running,
         )
         yield GaugeMetricFamily(
             "loragate:num_requests_waiting",
             "Sequences waiting to run.",
-            value=len(core.scheduler.waiting),
+            value=stats.num_waiting,
         )
         yield GaugeMetricFamily(
-            "loragate:kv_cache_usage_perc", "Fraction of KV blocks in use.", value=core.kv.usage
+            "loragate:kv_cache_usage_perc",
+            "Fraction of KV blocks in use.",
+            value=stats.kv_cache_usage,
         )
         yield CounterMetricFamily(
             "loragate:prefix_cache_queries",
             "Prompt tokens looked up.",
-            value=core.kv.num_queried_tokens,
+            value=stats.prefix_cache_queries,
         )
         yield CounterMetricFamily(
             "loragate:prefix_cache_hits",
             "Prompt tokens found cached.",
-            value=core.kv.num_hit_tokens,
+            value=stats.prefix_cache_hits,
         )
         yield CounterMetricFamily(
-            "loragate:num_preemptions", "Sequences preempted.", value=core.scheduler.num_preemptions
+            "loragate:num_preemptions", "Sequences preempted.", value=stats.num_preemptions
         )
-        if core.lora is not None:
-            yield from self._lora(core, core.lora)
+        if stats.max_loras is not None:
+            yield from self._lora(stats)
 
     @staticmethod
-    def _lora(
-        core: LLMEngine, lora: LoRAManager
-    ) -> Iterator[GaugeMetricFamily | CounterMetricFamily]:
-        # list() copies are atomic under the GIL; the engine thread mutates the originals.
-        running = sorted({r.lora.name for r in list(core.scheduler.running) if r.lora})
-        waiting = sorted({r.lora.name for r in list(core.scheduler.waiting) if r.lora})
+    def _lora(stats: EngineStats) -> Iterator[GaugeMetricFamily | CounterMetricFamily]:
         info = GaugeMetricFamily(
             "loragate:lora_requests_info",
             "Adapters of running and waiting requests (vLLM's labels); the value is a timestamp.",
             labels=["max_lora", "running_lora_adapters", "waiting_lora_adapters"],
         )
-        info.add_metric([str(lora.max_loras), ",".join(running), ",".join(waiting)], time.time())
+        info.add_metric(
+            [
+                str(stats.max_loras),
+                ",".join(stats.running_adapters),
+                ",".join(stats.waiting_adapters),
+            ],
+            time.time(),
+        )
         yield info
         yield GaugeMetricFamily(
             "loragate:lora_slots_used",
             "Device LoRA slots holding an adapter.",
-            value=len(lora.slot_of),
+            value=stats.lora_slots_used,
         )
         yield CounterMetricFamily(
             "loragate:lora_loads",
             "Adapters read from disk.",
-            value=lora.num_disk_loads,
+            value=stats.lora_disk_loads,
         )
 
 
 class Metrics:
-    def __init__(self, engine: AsyncEngine) -> None:
+    def __init__(self, engine: EngineClient) -> None:
         self.registry = CollectorRegistry()
         self.registry.register(_EngineCollector(engine))
         r = self.registry

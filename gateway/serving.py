@@ -17,7 +17,7 @@ from typing import Any, cast
 from fastapi.responses import JSONResponse, StreamingResponse
 
 from adapters.registry import AdapterRegistry
-from engine.async_engine import AsyncEngine
+from engine.async_engine import EngineClient
 from engine.guided import GuidedSpecError
 from engine.lora import LoRARequest
 from engine.outputs import SequenceUpdate
@@ -91,14 +91,14 @@ class _Timer:
 class OpenAIServing:
     def __init__(
         self,
-        engine: AsyncEngine,
+        engine: EngineClient,
         served_model_name: str,
         metrics: Metrics,
         adapters: AdapterRegistry | None = None,
     ) -> None:
         self.engine = engine
         self.model_name = served_model_name
-        self.tokenizer: Any = engine.engine.tokenizer
+        self.tokenizer: Any = engine.tokenizer
         self.metrics = metrics
         self.adapters = adapters
 
@@ -158,7 +158,7 @@ class OpenAIServing:
         """A spec that cannot compile (or not in time) answers 400 before anything is queued
         or streamed; the engine then finds the grammar in its cache."""
         try:
-            await self.engine.engine.grammars.compile(spec)
+            await self.engine.compile_grammar(spec)
         except GuidedSpecError as exc:
             raise APIError(400, str(exc), param=param) from exc
 

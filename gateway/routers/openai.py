@@ -45,7 +45,7 @@ async def list_models(serving: ServingDep, request: Request) -> dict[str, Any]:
         "owned_by": "loragate",
         "root": serving.model_name,
         "parent": None,
-        "max_model_len": serving.engine.engine.max_model_len,
+        "max_model_len": serving.engine.max_model_len,
     }
     # Adapters as vLLM lists them: their own ids, with the base model as parent.
     adapters = [] if serving.adapters is None else serving.adapters.names()
