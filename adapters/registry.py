@@ -10,6 +10,7 @@ never serves the old weights' KV blocks under that name.
 from __future__ import annotations
 
 import threading
+from dataclasses import dataclass
 from pathlib import Path
 
 from adapters.peft import AdapterError, BaseModelInfo, load_peft_adapter
@@ -47,8 +48,22 @@ class AdapterRegistry:
         return sorted(self._by_name)
 
     def load(self, request: LoRARequest) -> LoRAWeights:
-        """The engine's loader: re-read and re-validate, refusing files changed
-        since registration."""
+        return self.loader(request)
+
+    @property
+    def loader(self) -> RegisteredLoader:
+        return RegisteredLoader(self.base, self.max_lora_rank)
+
+
+@dataclass(frozen=True, slots=True)
+class RegisteredLoader:
+    """The engine's loader, as a value that can cross into the engine process: re-read
+    and re-validate a registered adapter, refusing files changed since registration."""
+
+    base: BaseModelInfo
+    max_lora_rank: int
+
+    def __call__(self, request: LoRARequest) -> LoRAWeights:
         return load_peft_adapter(
             Path(request.path), self.base, self.max_lora_rank, expected_id=request.adapter_id
         )

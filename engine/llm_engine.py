@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -80,15 +80,7 @@ class LLMEngine:
         )
         self.sequences: dict[str, _Sequence] = {}
         self.parents: dict[str, list[str]] = {}
-        self.grammars = GrammarCache(
-            self.tokenizer,
-            self.vocab_size,
-            sorted(self.eos_token_ids),
-            max_entries=config.guided_cache_size,
-            max_bytes=config.guided_max_schema_bytes,
-            max_depth=config.guided_max_schema_depth,
-            compile_timeout=config.guided_compile_timeout,
-        )
+        self.grammars = grammar_cache(config, self.tokenizer, self.vocab_size, self.eos_token_ids)
         self.scheduler.admission_gates.append(grammar_ready)
         # Guided sequences whose matcher does not exist yet (compiling, or not looked at).
         self._awaiting_grammar: dict[str, _Sequence] = {}
@@ -313,6 +305,20 @@ class LLMEngine:
             stop_reason=request.stop_reason,
             error=request.error,
         )
+
+
+def grammar_cache(
+    config: EngineConfig, tokenizer: Any, vocab_size: int, eos_token_ids: Iterable[int]
+) -> GrammarCache:
+    return GrammarCache(
+        tokenizer,
+        vocab_size,
+        sorted(eos_token_ids),
+        max_entries=config.guided_cache_size,
+        max_bytes=config.guided_max_schema_bytes,
+        max_depth=config.guided_max_schema_depth,
+        compile_timeout=config.guided_compile_timeout,
+    )
 
 
 def _eos_token_ids(hf_config: Any, tokenizer: Any, model_dir: str) -> frozenset[int]:

@@ -35,6 +35,9 @@ logger = logging.getLogger(__name__)
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 CPU_DEFAULT_KV_CACHE_MEMORY = 2 << 30
+# Steps of at least this many tokens run on config.prefill_threads (GEMM-bound prefills);
+# smaller ones (decode, a few short prompts) on config.num_threads.
+LARGE_STEP_TOKENS = 256
 
 ProgressFn = Callable[[int, int], None]
 
@@ -70,6 +73,8 @@ class ModelRunner:
         self.dtype = resolve_dtype(config.dtype, hf_config, self.device)
         if config.num_threads:
             torch.set_num_threads(config.num_threads)
+        self.decode_threads = torch.get_num_threads()
+        self.prefill_threads = config.prefill_threads or self.decode_threads
         architectures = set(getattr(hf_config, "architectures", None) or ["LlamaForCausalLM"])
         if not architectures & SUPPORTED_ARCHITECTURES:
             raise ValueError(
@@ -203,6 +208,9 @@ class ModelRunner:
                 sample_rows.append(request)
                 sample_index.append(t - 1)
 
+        threads = self.prefill_threads if num_tokens >= LARGE_STEP_TOKENS else self.decode_threads
+        if threads != torch.get_num_threads():
+            torch.set_num_threads(threads)
         plan = build_plan(
             query_lens,
             seq_lens,

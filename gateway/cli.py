@@ -120,6 +120,15 @@ def generate(
         )
 
 
+def _usable_cores() -> int:
+    """The cores this process may use. With the engine in its own process, decode steps
+    leave one to the HTTP side (vLLM-CPU reserves one the same way: on two cores one torch
+    thread beats two that fight); prefills, which the streams wait on anyway, take all."""
+    import os
+
+    return len(os.sched_getaffinity(0))
+
+
 def _with_load_progress(build):  # type: ignore[no-untyped-def]
     """Run `build(progress)` under a progress bar fed with (tensors loaded, total)."""
     import logging
@@ -263,7 +272,29 @@ def serve(
     dtype: Annotated[str, typer.Option(envvar=_env("DTYPE"))] = "auto",
     device: Annotated[str, typer.Option(envvar=_env("DEVICE"))] = "auto",
     seed: Annotated[int, typer.Option(envvar=_env("SEED"))] = 0,
-    num_threads: Annotated[int | None, typer.Option(envvar=_env("NUM_THREADS"))] = None,
+    num_threads: Annotated[
+        int | None,
+        typer.Option(
+            envvar=_env("NUM_THREADS"),
+            help="Torch threads of the engine. Default: with --engine-process, one per core "
+            "but one (left to the HTTP side); in-process, torch's default.",
+        ),
+    ] = None,
+    prefill_threads: Annotated[
+        int | None,
+        typer.Option(
+            envvar=_env("PREFILL_THREADS"),
+            help="Torch threads for large steps (prompt prefills). Default: with "
+            "--engine-process, every core; in-process, --num-threads.",
+        ),
+    ] = None,
+    engine_process: Annotated[
+        bool,
+        typer.Option(
+            envvar=_env("ENGINE_PROCESS"),
+            help="Run the engine loop in its own process (no GIL shared with HTTP).",
+        ),
+    ] = True,
     cpu_kernels: Annotated[
         bool,
         typer.Option(
@@ -333,7 +364,8 @@ def serve(
     from adapters.peft import AdapterError, describe_base
     from adapters.registry import AdapterRegistry
     from engine import EngineConfig, LLMEngine
-    from engine.async_engine import AsyncEngine
+    from engine.async_engine import AsyncEngine, EngineClient
+    from engine.engine_process import EngineProcess
     from gateway.app import build_app
 
     # vLLM's form `--lora-modules a=path b=path` leaves the later pairs as extra args.
@@ -352,6 +384,8 @@ def serve(
         except AdapterError as exc:
             raise typer.BadParameter(str(exc), param_hint="--lora-modules") from exc
 
+    cores = _usable_cores()
+    default_threads = (max(1, cores - 1), cores) if engine_process else (None, None)
     config = EngineConfig(
         model=model,
         dtype=dtype,
@@ -365,7 +399,8 @@ def serve(
         enable_prefix_caching=enable_prefix_caching,
         enable_chunked_prefill=enable_chunked_prefill,
         seed=seed,
-        num_threads=num_threads,
+        num_threads=num_threads or default_threads[0],
+        prefill_threads=prefill_threads or default_threads[1],
         cpu_kernels=cpu_kernels,
         enable_lora=enable_lora,
         max_loras=max_loras,
@@ -376,13 +411,24 @@ def serve(
         guided_max_schema_bytes=guided_max_schema_bytes,
         guided_max_schema_depth=guided_max_schema_depth,
     )
-    engine = _with_load_progress(lambda progress: LLMEngine(config, progress, registry.load))
-    if engine.lora is not None:
-        # Start-up adapters fill the slots before the first request, not on it.
-        for lora_name in registry.names()[:max_loras]:
-            engine.lora.load_now(registry.get(lora_name))  # type: ignore[arg-type]
-    async_engine = AsyncEngine(engine, max_waiting=max_waiting)
-    async_engine.start()
+    preload = [lora for n in registry.names()[:max_loras] if (lora := registry.get(n))]
+    if not enable_lora:
+        preload = []
+    async_engine: EngineClient
+    if engine_process:
+        process = EngineProcess(
+            config, lora_loader=registry.loader, preload=preload, max_waiting=max_waiting
+        )
+        _with_load_progress(process.start)
+        async_engine = process
+    else:
+        engine = _with_load_progress(lambda progress: LLMEngine(config, progress, registry.load))
+        if engine.lora is not None:
+            # Start-up adapters fill the slots before the first request, not on it.
+            for lora in preload:
+                engine.lora.load_now(lora)
+        async_engine = AsyncEngine(engine, max_waiting=max_waiting)
+        async_engine.start()
     app = build_app(
         async_engine,
         name,

@@ -12,11 +12,11 @@ import openai
 import uvicorn
 from fastapi import FastAPI
 
-from engine.async_engine import AsyncEngine
+from engine.async_engine import AsyncEngine, EngineClient
 
 
 class Server:
-    def __init__(self, base_url: str, engine: AsyncEngine) -> None:
+    def __init__(self, base_url: str, engine: EngineClient) -> None:
         self.base_url = base_url
         self.engine = engine
 
@@ -26,13 +26,20 @@ class Server:
         )
 
     def wait_all_blocks_free(self, timeout: float = 10.0) -> bool:
-        kv = self.engine.engine.kv
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
-            if kv.num_free_blocks == kv.pool.num_blocks and not self.engine.engine.parents:
+            if self._all_free():
                 return True
             time.sleep(0.02)
         return False
+
+    def _all_free(self) -> bool:
+        if isinstance(self.engine, AsyncEngine):
+            kv = self.engine.engine.kv
+            return kv.num_free_blocks == kv.pool.num_blocks and not self.engine.engine.parents
+        # An engine in another process: its last stats snapshot (sent whenever it idles).
+        stats = self.engine.stats()
+        return stats.kv_cache_usage == 0 and stats.num_running == stats.num_waiting == 0
 
 
 def free_port() -> int:
@@ -42,7 +49,7 @@ def free_port() -> int:
 
 
 @contextlib.contextmanager
-def live_server(app: FastAPI, engine: AsyncEngine) -> Iterator[Server]:
+def live_server(app: FastAPI, engine: EngineClient) -> Iterator[Server]:
     """Serve `app` on a free port until the block exits."""
     port = free_port()
     uv = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))

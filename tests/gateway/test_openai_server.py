@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Iterator
+from dataclasses import replace
 from pathlib import Path
 
 import httpx
@@ -12,19 +13,28 @@ import pytest
 from live_server import Server, live_server
 
 from engine import LLM, EngineConfig, LLMEngine, SamplingParams
-from engine.async_engine import AsyncEngine
+from engine.async_engine import AsyncEngine, EngineClient
+from engine.engine_process import EngineProcess
 from gateway.app import build_app
 
 MODEL = "demo"
 
 
-@pytest.fixture(scope="module")
-def server(demo_model_dir: Path) -> Iterator[Server]:
+@pytest.fixture(scope="module", params=["thread", "process"])
+def server(request: pytest.FixtureRequest, demo_model_dir: Path) -> Iterator[Server]:
+    """Every test runs against both engine loops: a thread of the server's process, and
+    a process of its own (`loragate serve`'s default)."""
     config = EngineConfig(model=str(demo_model_dir), kv_cache_memory=64 << 20, max_model_len=512)
-    engine = AsyncEngine(LLMEngine(config), max_waiting=256)
-    engine.start()
+    engine: EngineClient
+    if request.param == "thread":
+        engine = AsyncEngine(LLMEngine(config), max_waiting=256)
+        engine.start()
+    else:
+        engine = EngineProcess(replace(config, num_threads=1), max_waiting=256)
+        engine.start()
     with live_server(build_app(engine, MODEL, max_body_bytes=1 << 20), engine) as server:
         yield server
+    asyncio.run(engine.shutdown(0))
 
 
 @pytest.fixture(scope="module")
@@ -310,6 +320,8 @@ def test_metrics_count_requests_and_tokens(server: Server) -> None:
 def test_a_failing_step_fails_its_requests_and_the_loop_keeps_serving(
     server: Server, monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    if not isinstance(server.engine, AsyncEngine):
+        pytest.skip("patches the engine, which must run in this process")
     runner = server.engine.engine.runner
     real_execute = runner.execute
     calls = {"n": 0}

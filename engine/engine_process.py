@@ -1,0 +1,275 @@
+"""The engine loop in a process of its own, as vLLM runs its EngineCore.
+
+In one process the step loop and the HTTP side share one GIL: every SSE chunk the
+event loop writes is time the step's Python waits, and on a small model a step
+is mostly Python. Here the engine process owns the LLMEngine and runs the same
+loop as AsyncEngine's thread; the gateway process keeps the tokenizer (chat
+templates), its own grammar cache (a bad schema is a 400 before anything is
+queued) and the last stats snapshot (/metrics).
+
+One pipe each way carries pickled messages: `Add` / `Abort` / `UnloadLoRA` (and
+None: stop) in; per step one message with the step's updates, the requests now
+finished and, at most every STATS_INTERVAL, an `EngineStats` out. A reader thread
+in the gateway process hands the updates to asyncio (`EngineClient._deliver`).
+If the engine process dies, every open request fails with EngineDead and
+/health turns 503.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import multiprocessing as mp
+import pickle
+import threading
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from multiprocessing.connection import Connection
+from typing import Any
+
+from transformers import AutoTokenizer
+
+from engine.async_engine import (
+    EngineClient,
+    EngineDead,
+    EngineStats,
+    Message,
+    apply_message,
+    engine_stats,
+    finished_parents,
+)
+from engine.config import EngineConfig
+from engine.guided import GrammarCache, GuidedSpec
+from engine.llm_engine import LLMEngine, grammar_cache
+from engine.lora import LoRALoader, LoRARequest
+
+logger = logging.getLogger(__name__)
+
+# Seconds between stats snapshots sent with step results (and one whenever the engine idles).
+STATS_INTERVAL = 0.05
+
+
+@dataclass(frozen=True, slots=True)
+class EngineInfo:
+    """What the gateway learns once the engine is up."""
+
+    max_model_len: int
+    vocab_size: int
+    eos_token_ids: tuple[int, ...]
+
+
+class EngineProcess(EngineClient):
+    def __init__(
+        self,
+        config: EngineConfig,
+        *,
+        lora_loader: LoRALoader | None = None,
+        preload: Sequence[LoRARequest] = (),
+        max_waiting: int = 1024,
+    ) -> None:
+        super().__init__(max_waiting, config.max_num_seqs)
+        self.config = config
+        self._lora_loader = lora_loader
+        self._preload = list(preload)
+        self._process: Any = None
+        self._conn: Connection | None = None
+        self._send_lock = threading.Lock()
+        self._reader: threading.Thread | None = None
+        self._info: EngineInfo | None = None
+        self._stats = EngineStats()
+        self._tokenizer: Any = None
+        self._grammars: GrammarCache | None = None
+
+    # -- lifecycle ----------------------------------------------------------------------------
+
+    def start(self, progress: Callable[[int, int], None] | None = None) -> None:
+        """Spawn the engine process and wait until its model is loaded (`progress` gets
+        (tensors loaded, total) as it goes). Raises RuntimeError if it cannot start."""
+        context = mp.get_context("spawn")  # fork would copy this process's torch threads
+        self._conn, child = context.Pipe()
+        self._process = context.Process(
+            target=run_engine,
+            args=(child, self.config, self._lora_loader, self._preload),
+            name="loragate-engine",
+            daemon=True,
+        )
+        self._process.start()
+        child.close()
+        self._tokenizer = AutoTokenizer.from_pretrained(self.config.tokenizer or self.config.model)
+        while True:
+            try:
+                message = self._conn.recv()
+            except EOFError:
+                raise RuntimeError("the engine process exited while starting") from None
+            if message[0] == "progress" and progress is not None:
+                progress(message[1], message[2])
+            elif message[0] == "fatal":
+                self._process.join(5)
+                raise RuntimeError(f"the engine failed to start: {message[1]}")
+            elif message[0] == "ready":
+                self._info, self._stats = message[1], message[2]
+                break
+        info = self._info
+        self._grammars = grammar_cache(
+            self.config, self._tokenizer, info.vocab_size, info.eos_token_ids
+        )
+        self._reader = threading.Thread(target=self._read, name="engine-reader", daemon=True)
+        self._reader.start()
+
+    @property
+    def is_alive(self) -> bool:
+        return (
+            self._reader is not None
+            and self._reader.is_alive()
+            and self._process.is_alive()
+            and not self._stopping.is_set()
+        )
+
+    async def shutdown(self, grace_period: float = 10.0) -> None:
+        await self._drain_pending(grace_period)
+        with contextlib.suppress(OSError, ValueError):
+            self._send(None)  # the engine aborts what is left and exits
+        if self._process is not None:
+            await asyncio.to_thread(self._process.join, 10.0)
+            if self._process.is_alive():
+                self._process.terminate()
+        if self._reader is not None:
+            await asyncio.to_thread(self._reader.join, 5.0)
+
+    # -- what the gateway reads -----------------------------------------------------------
+
+    @property
+    def tokenizer(self) -> Any:
+        return self._tokenizer
+
+    @property
+    def max_model_len(self) -> int:
+        assert self._info is not None, "start() first"
+        return self._info.max_model_len
+
+    async def compile_grammar(self, spec: GuidedSpec) -> None:
+        assert self._grammars is not None, "start() first"
+        await self._grammars.compile(spec)
+
+    def stats(self) -> EngineStats:
+        return self._stats
+
+    # -- the pipe -------------------------------------------------------------------------------
+
+    def _submit(self, message: Message) -> None:
+        try:
+            self._send(message)
+        except (OSError, ValueError):  # the engine process is gone
+            if hasattr(message, "request_id"):
+                self._refuse(message.request_id, EngineDead("the engine process exited"))
+
+    def _send(self, message: Message | None) -> None:
+        assert self._conn is not None, "start() first"
+        with self._send_lock:
+            self._conn.send(message)
+
+    def _read(self) -> None:
+        """The reader thread: engine results to the event loops, until the pipe closes."""
+        assert self._conn is not None
+        try:
+            while True:
+                message = self._conn.recv()
+                kind = message[0]
+                if kind == "step":
+                    _, updates, finished, stats = message
+                    self._deliver(updates, finished)
+                    if stats is not None:
+                        self._stats = stats
+                elif kind == "refused":
+                    self._refuse(message[1], message[2])
+                elif kind == "failed":
+                    for request_id in message[1]:
+                        self._refuse(request_id, RuntimeError(message[2]))
+                elif kind == "stopped":
+                    break
+        except (EOFError, OSError):
+            logger.error("the engine process exited")
+        self._refuse_all(EngineDead("the engine process exited"))
+
+
+# -- the engine process ---------------------------------------------------------------------
+
+
+def run_engine(
+    conn: Connection,
+    config: EngineConfig,
+    lora_loader: LoRALoader | None,
+    preload: Sequence[LoRARequest],
+) -> None:
+    """The engine process's main: load, report ready, then step until told to stop."""
+    logging.basicConfig(level=logging.INFO, format="%(levelname)s [engine] %(message)s")
+    try:
+        engine = LLMEngine(
+            config, lambda done, total: conn.send(("progress", done, total)), lora_loader
+        )
+        if engine.lora is not None:
+            for lora in preload[: config.max_loras]:
+                engine.lora.load_now(lora)
+    except Exception as exc:  # noqa: BLE001 - reported to the gateway, which exits
+        conn.send(("fatal", f"{type(exc).__name__}: {exc}"))
+        return
+    info = EngineInfo(engine.max_model_len, engine.vocab_size, tuple(sorted(engine.eos_token_ids)))
+    conn.send(("ready", info, engine_stats(engine)))
+    with contextlib.suppress(EOFError, OSError, KeyboardInterrupt):  # the gateway is gone
+        _EngineLoop(engine, conn).run()
+
+
+class _EngineLoop:
+    def __init__(self, engine: LLMEngine, conn: Connection) -> None:
+        self.engine = engine
+        self.conn = conn
+        self.last_stats = 0.0
+
+    def run(self) -> None:
+        engine, conn = self.engine, self.conn
+        while True:
+            busy = engine.has_unfinished_requests()
+            if conn.poll(0 if busy else 0.5):
+                if not self._drain():
+                    for request_id in list(engine.parents):
+                        engine.abort(request_id)
+                    conn.send(("stopped",))
+                    return
+                if not engine.has_unfinished_requests():
+                    self._send_step([], force_stats=True)  # aborts: the gateway sees them gone
+            if not engine.has_unfinished_requests():
+                continue
+            try:
+                updates = engine.step()
+            except Exception as exc:  # noqa: BLE001 - contain it: fail the step's requests, keep serving
+                logger.exception("engine step failed")
+                failed = engine.fail_running()
+                conn.send(("failed", failed, f"engine step failed: {type(exc).__name__}: {exc}"))
+                continue
+            self._send_step(updates, force_stats=not engine.has_unfinished_requests())
+
+    def _drain(self) -> bool:
+        """Apply every queued message; False when told to stop."""
+        while self.conn.poll(0):
+            message = self.conn.recv()
+            if message is None:
+                return False
+            apply_message(self.engine, message, self._refuse)
+        return True
+
+    def _refuse(self, request_id: str, error: BaseException) -> None:
+        try:
+            pickle.dumps(error)
+        except Exception:  # noqa: BLE001 - an exception that cannot cross: keep its message
+            error = ValueError(str(error))
+        self.conn.send(("refused", request_id, error))
+
+    def _send_step(self, updates: list[Any], force_stats: bool) -> None:
+        now = time.monotonic()
+        stats = None
+        if force_stats or now - self.last_stats >= STATS_INTERVAL:
+            stats, self.last_stats = engine_stats(self.engine), now
+        if updates or stats is not None:
+            self.conn.send(("step", updates, finished_parents(self.engine, updates), stats))

@@ -1,0 +1,150 @@
+"""EngineProcess: the step loop in its own process, behind the same EngineClient as the thread.
+
+One engine process serves the module (spawning one loads torch and the model again);
+the test that kills its process starts its own.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import pytest
+import pytest_asyncio
+
+from adapters.peft import describe_base
+from adapters.registry import AdapterRegistry
+from engine import LLM, EngineConfig, SamplingParams
+from engine.async_engine import EngineDead, EngineOverloaded
+from engine.engine_process import EngineProcess
+from engine.guided import GuidedSpecError
+from engine.request import GuidedSpec
+
+GREEDY = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+PROMPTS = [[5, 77, 301, 1200, 42], [9, 640, 18], list(range(100, 160)), [2200, 31, 7, 7, 7, 7]]
+
+
+def _config(model_dir: Path, **overrides: object) -> EngineConfig:
+    base: dict[str, object] = {
+        "model": str(model_dir),
+        "kv_cache_memory": 32 << 20,
+        "max_model_len": 256,
+        "max_num_seqs": 4,
+        "num_threads": 1,
+    }
+    return EngineConfig(**(base | overrides))  # type: ignore[arg-type]
+
+
+@pytest.fixture(scope="module")
+def registry(demo_model_dir: Path, demo_adapters: dict[str, Path]) -> AdapterRegistry:
+    registry = AdapterRegistry(describe_base(demo_model_dir), max_lora_rank=16)
+    registry.register("r8-all", demo_adapters["r8-all"])
+    return registry
+
+
+@pytest_asyncio.fixture(loop_scope="module", scope="module")
+async def engine(demo_model_dir: Path, registry: AdapterRegistry) -> AsyncIterator[EngineProcess]:
+    progress: list[tuple[int, int]] = []
+    engine = EngineProcess(
+        _config(demo_model_dir),
+        lora_loader=registry.loader,
+        preload=[registry.get("r8-all")],  # type: ignore[list-item]
+        max_waiting=2,
+    )
+    engine.start(progress=lambda done, total: progress.append((done, total)))
+    assert progress and progress[-1][0] == progress[-1][1], "model loading reports progress"
+    yield engine
+    await engine.shutdown(0)
+
+
+async def _tokens(
+    engine: EngineProcess, request_id: str, prompt: list[int], **kw: object
+) -> list[int]:
+    tokens: list[int] = []
+    async for update in engine.generate(request_id, prompt, kw.pop("params", GREEDY), **kw):  # type: ignore[arg-type]
+        tokens.extend(update.new_token_ids)
+    return tokens
+
+
+async def _idle(engine: EngineProcess) -> bool:
+    for _ in range(200):
+        stats = engine.stats()
+        if stats.num_running == stats.num_waiting == 0 and stats.kv_cache_usage == 0:
+            return True
+        await asyncio.sleep(0.02)
+    return False
+
+
+pytestmark = pytest.mark.asyncio(loop_scope="module")
+
+
+async def test_outputs_equal_the_offline_engine(
+    engine: EngineProcess, demo_model_dir: Path, registry: AdapterRegistry
+) -> None:
+    offline = LLM(
+        str(demo_model_dir), kv_cache_memory=32 << 20, max_model_len=256, lora_loader=registry.load
+    )
+    lora = registry.get("r8-all")
+    expected = [o.outputs[0].token_ids for o in offline.generate(PROMPTS, GREEDY)]
+    expected_lora = offline.generate(PROMPTS[:1], GREEDY, lora_request=lora)[0].outputs[0].token_ids
+    got = await asyncio.gather(
+        *(_tokens(engine, f"p{i}", p) for i, p in enumerate(PROMPTS)),
+        _tokens(engine, "lora", PROMPTS[0], lora=lora),
+    )
+    assert list(got[:-1]) == expected
+    assert got[-1] == expected_lora != expected[0]
+    assert await _idle(engine)
+    assert engine.stats().lora_slots_used == 1 and engine.stats().max_loras == 4
+
+
+async def test_a_refused_request_raises_and_the_engine_keeps_serving(engine: EngineProcess) -> None:
+    with pytest.raises(ValueError, match="context length"):
+        await _tokens(engine, "too-long", list(range(1, 300)))
+    assert len(await _tokens(engine, "after", PROMPTS[1])) == GREEDY.max_tokens
+
+
+async def test_leaving_early_aborts_in_the_engine(engine: EngineProcess) -> None:
+    endless = SamplingParams(temperature=0, max_tokens=200, ignore_eos=True)
+    stream = engine.generate("early", PROMPTS[0], endless)
+    async for _ in stream:
+        break
+    await stream.aclose()
+    assert await _idle(engine)
+
+
+async def test_full_queue_is_refused(engine: EngineProcess) -> None:
+    long = SamplingParams(temperature=0, max_tokens=60, ignore_eos=True)
+    tasks = [
+        asyncio.create_task(_tokens(engine, f"q{i}", PROMPTS[1], params=long)) for i in range(6)
+    ]
+    await asyncio.sleep(0)
+    with pytest.raises(EngineOverloaded):
+        await _tokens(engine, "one-too-many", PROMPTS[1])
+    assert [len(t) for t in await asyncio.gather(*tasks)] == [60] * 6
+    assert await _idle(engine)
+
+
+async def test_grammars_compile_on_the_gateway_side(engine: EngineProcess) -> None:
+    await engine.compile_grammar(GuidedSpec(choice=("yes", "no")))
+    with pytest.raises(GuidedSpecError):
+        await engine.compile_grammar(GuidedSpec(regex="(unclosed"))
+    assert engine.max_model_len == 256
+    assert engine.tokenizer.decode([5, 77])
+
+
+async def test_a_dead_engine_fails_open_requests(demo_model_dir: Path) -> None:
+    engine = EngineProcess(_config(demo_model_dir))
+    engine.start()
+    endless = SamplingParams(temperature=0, max_tokens=250, ignore_eos=True)
+    task = asyncio.create_task(_tokens(engine, "doomed", PROMPTS[0], params=endless))
+    await asyncio.sleep(0.3)
+    os.kill(engine._process.pid, signal.SIGKILL)
+    with pytest.raises(EngineDead):
+        await asyncio.wait_for(task, 30)
+    assert not engine.is_alive
+    with pytest.raises(EngineDead):
+        await _tokens(engine, "after", PROMPTS[0])
+    await engine.shutdown(0)
