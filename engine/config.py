@@ -28,8 +28,9 @@ class EngineConfig:
     max_lora_rank: int = 16
     max_cpu_loras: int = 16  # adapters kept in CPU memory (LRU) beyond the device slots
     num_threads: int | None = None  # torch intra-op threads; None: torch's default
-    # Threads for steps of at least LARGE_STEP_TOKENS (prompt prefills): while a big prefill
-    # runs, streams wait on it, so the cores the HTTP side keeps are free. None: num_threads.
+    # Threads for steps of at least LARGE_STEP_TOKENS (prompt prefills) and for every step's
+    # vocabulary projection: GEMMs large enough to pay for waking the cores the HTTP side
+    # keeps (idle while a prefill runs, as the streams wait on it). None: num_threads.
     prefill_threads: int | None = None
     cpu_kernels: bool = True  # C++ decode attention on CPU float32 (kernels.native)
     # Guided decoding (engine/guided.py): limits on what a request may ask to compile.

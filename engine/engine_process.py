@@ -21,10 +21,11 @@ import asyncio
 import contextlib
 import logging
 import multiprocessing as mp
+import os
 import pickle
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from multiprocessing.connection import Connection
 from typing import Any
@@ -95,7 +96,11 @@ class EngineProcess(EngineClient):
             name="loragate-engine",
             daemon=True,
         )
-        self._process.start()
+        # OpenMP reads its settings when the child loads torch: threads that sleep between
+        # parallel regions rather than spin, so that a prefill's second thread gives its
+        # core back to the HTTP side at once. An explicit setting is kept.
+        with _environ(OMP_WAIT_POLICY=os.environ.get("OMP_WAIT_POLICY", "PASSIVE")):
+            self._process.start()
         child.close()
         self._tokenizer = AutoTokenizer.from_pretrained(self.config.tokenizer or self.config.model)
         while True:
@@ -194,6 +199,20 @@ class EngineProcess(EngineClient):
         self._refuse_all(EngineDead("the engine process exited"))
 
 
+@contextlib.contextmanager
+def _environ(**values: str) -> Iterator[None]:
+    saved = {name: os.environ.get(name) for name in values}
+    os.environ.update(values)
+    try:
+        yield
+    finally:
+        for name, value in saved.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
+
+
 # -- the engine process ---------------------------------------------------------------------
 
 
@@ -205,6 +224,7 @@ def run_engine(
 ) -> None:
     """The engine process's main: load, report ready, then step until told to stop."""
     logging.basicConfig(level=logging.INFO, format="%(levelname)s [engine] %(message)s")
+    retain_freed_memory()
     try:
         engine = LLMEngine(
             config, lambda done, total: conn.send(("progress", done, total)), lora_loader
@@ -219,6 +239,28 @@ def run_engine(
     conn.send(("ready", info, engine_stats(engine)))
     with contextlib.suppress(EOFError, OSError, KeyboardInterrupt):  # the gateway is gone
         _EngineLoop(engine, conn).run()
+
+
+def retain_freed_memory() -> None:
+    """Keep freed heap memory in the process instead of returning it to the kernel.
+
+    glibc serves allocations from 128 KiB up (adaptively, up to 32 MiB) with fresh
+    mmaps and gives them back when freed, so every prefill's activations fault in new
+    zeroed pages, which costs as much as the arithmetic on a small model (more in a VM).
+    Serving everything up to 32 MiB from the heap, and never trimming it, makes a
+    step's buffers the previous step's, already faulted in. (vLLM-CPU asks for tcmalloc
+    preloaded for the same reason.)
+    """
+    import ctypes
+    import ctypes.util
+
+    m_trim_threshold, m_mmap_threshold = -1, -3
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c"))
+        libc.mallopt(m_mmap_threshold, 32 << 20)
+        libc.mallopt(m_trim_threshold, 1 << 30)
+    except (OSError, AttributeError):  # not glibc: nothing to tune
+        pass
 
 
 class _EngineLoop:

@@ -36,7 +36,7 @@ logger = logging.getLogger(__name__)
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 CPU_DEFAULT_KV_CACHE_MEMORY = 2 << 30
 # Steps of at least this many tokens run on config.prefill_threads (GEMM-bound prefills);
-# smaller ones (decode, a few short prompts) on config.num_threads.
+# smaller ones (decode, a few short prompts) on config.num_threads, but for the logits.
 LARGE_STEP_TOKENS = 256
 
 ProgressFn = Callable[[int, int], None]
@@ -168,6 +168,11 @@ class ModelRunner:
             for _ in range(self.num_layers)
         ]
 
+    @staticmethod
+    def _set_threads(threads: int) -> None:
+        if threads != torch.get_num_threads():
+            torch.set_num_threads(threads)
+
     @torch.inference_mode()
     def execute(
         self, sched: SchedulerOutput, kv: KVCacheManager
@@ -208,9 +213,8 @@ class ModelRunner:
                 sample_rows.append(request)
                 sample_index.append(t - 1)
 
-        threads = self.prefill_threads if num_tokens >= LARGE_STEP_TOKENS else self.decode_threads
-        if threads != torch.get_num_threads():
-            torch.set_num_threads(threads)
+        large = num_tokens >= LARGE_STEP_TOKENS
+        self._set_threads(self.prefill_threads if large else self.decode_threads)
         plan = build_plan(
             query_lens,
             seq_lens,
@@ -228,5 +232,7 @@ class ModelRunner:
         if not sample_rows:
             return [], None
         index = torch.tensor(sample_index, device=self.device)
+        # The vocabulary projection is the step's one large GEMM: it runs on prefill_threads.
+        self._set_threads(self.prefill_threads)
         logits = self.model.compute_logits(hidden[index])
         return sample_rows, self.sampler(logits, sample_rows)

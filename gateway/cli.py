@@ -365,7 +365,7 @@ def serve(
     from adapters.registry import AdapterRegistry
     from engine import EngineConfig, LLMEngine
     from engine.async_engine import AsyncEngine, EngineClient
-    from engine.engine_process import EngineProcess
+    from engine.engine_process import EngineProcess, retain_freed_memory
     from gateway.app import build_app
 
     # vLLM's form `--lora-modules a=path b=path` leaves the later pairs as extra args.
@@ -422,6 +422,7 @@ def serve(
         _with_load_progress(process.start)
         async_engine = process
     else:
+        retain_freed_memory()
         engine = _with_load_progress(lambda progress: LLMEngine(config, progress, registry.load))
         if engine.lora is not None:
             # Start-up adapters fill the slots before the first request, not on it.
