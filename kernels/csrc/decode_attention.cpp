@@ -21,6 +21,13 @@
 
 namespace {
 
+// 8 floats, one AVX register (GCC/Clang vector extension; SSE pairs where there is no AVX).
+typedef float vec8 __attribute__((vector_size(32), aligned(4)));
+
+inline float hsum(vec8 v) {
+  return ((v[0] + v[1]) + (v[2] + v[3])) + ((v[4] + v[5]) + (v[6] + v[7]));
+}
+
 inline float dot(const float* a, const float* b, int64_t n) {
   float acc = 0.f;
 #pragma omp simd reduction(+ : acc)
@@ -31,6 +38,54 @@ inline float dot(const float* a, const float* b, int64_t n) {
 inline void axpy(float* y, const float* x, float a, int64_t n) {
 #pragma omp simd
   for (int64_t i = 0; i < n; ++i) y[i] += a * x[i];
+}
+
+// head_dim 64 (Llama-style models up to 8B use 64 or 128): q and o live in registers for a
+// whole block; each key's dot product is a tree of independent FMAs, not one long chain.
+template <int kDim>
+inline void block_scores(const float* q, const float* keys, int64_t n, float* s) {
+  constexpr int kVecs = kDim / 8;
+  vec8 qv[kVecs];
+  for (int i = 0; i < kVecs; ++i) __builtin_memcpy(&qv[i], q + 8 * i, sizeof(vec8));
+  for (int64_t j = 0; j < n; ++j) {
+    const float* k = keys + j * kDim;
+    vec8 acc[4] = {};
+    for (int i = 0; i < kVecs; ++i) {
+      vec8 kv;
+      __builtin_memcpy(&kv, k + 8 * i, sizeof(vec8));
+      acc[i % 4] += qv[i] * kv;
+    }
+    s[j] = hsum((acc[0] + acc[1]) + (acc[2] + acc[3]));
+  }
+}
+
+template <int kDim>
+inline void block_values(float* o, const float* values, const float* p, int64_t n) {
+  constexpr int kVecs = kDim / 8;
+  vec8 ov[kVecs];
+  for (int i = 0; i < kVecs; ++i) __builtin_memcpy(&ov[i], o + 8 * i, sizeof(vec8));
+  for (int64_t j = 0; j < n; ++j) {
+    const float* v = values + j * kDim;
+    const float w = p[j];
+    for (int i = 0; i < kVecs; ++i) {
+      vec8 vv;
+      __builtin_memcpy(&vv, v + 8 * i, sizeof(vec8));
+      ov[i] += w * vv;
+    }
+  }
+  for (int i = 0; i < kVecs; ++i) __builtin_memcpy(o + 8 * i, &ov[i], sizeof(vec8));
+}
+
+inline void scores_of(const float* q, const float* keys, int64_t n, int64_t dim, float* s) {
+  if (dim == 64) return block_scores<64>(q, keys, n, s);
+  if (dim == 128) return block_scores<128>(q, keys, n, s);
+  for (int64_t j = 0; j < n; ++j) s[j] = dot(q, keys + j * dim, dim);
+}
+
+inline void values_of(float* o, const float* values, const float* p, int64_t n, int64_t dim) {
+  if (dim == 64) return block_values<64>(o, values, p, n);
+  if (dim == 128) return block_values<128>(o, values, p, n);
+  for (int64_t j = 0; j < n; ++j) axpy(o, values + j * dim, p[j], dim);
 }
 
 void decode_attention(const at::Tensor& query, const at::Tensor& key_cache,
@@ -120,15 +175,13 @@ void decode_attention(const at::Tensor& query, const at::Tensor& key_cache,
       auto score = [&](const float* keys, int64_t r, int64_t pos, int64_t n) {
         for (int64_t h = 0; h < per_kv; ++h) {
           const float* qh = q.data() + (r * per_kv + h) * dim;
-          float* s = scores.data() + (r * per_kv + h) * max_len + pos;
-          for (int64_t j = 0; j < n; ++j) s[j] = dot(qh, keys + j * dim, dim);
+          scores_of(qh, keys, n, dim, scores.data() + (r * per_kv + h) * max_len + pos);
         }
       };
       auto accumulate = [&](const float* values, int64_t r, int64_t pos, int64_t n) {
         for (int64_t h = 0; h < per_kv; ++h) {
           const float* p = scores.data() + (r * per_kv + h) * max_len + pos;
-          float* o = o_base + r * o_row + (g * per_kv + h) * o_head;
-          for (int64_t j = 0; j < n; ++j) axpy(o, values + j * dim, p[j], dim);
+          values_of(o_base + r * o_row + (g * per_kv + h) * o_head, values, p, n, dim);
         }
       };
       if (num_shared) {

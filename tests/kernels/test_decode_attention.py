@@ -72,20 +72,22 @@ def _attend(query, key_cache, value_cache, tables, lens, native_path):  # type: 
 
 
 @pytest.mark.parametrize(
-    ("lens", "shared_tokens", "heads", "kv_heads"),
+    ("lens", "shared_tokens", "heads", "kv_heads", "dim"),
     [
-        ([1], 0, 4, 2),
-        ([5, 16, 17, 33, 100], 0, 4, 2),
-        ([40] * 16, 32, 4, 2),  # a shared prefix: the cascade path of both
-        ([1030, 1045, 1100, 1300], 1024, 8, 2),
-        ([7, 64, 200], 0, 6, 6),  # no grouping of query heads
-        ([3, 300], 0, 8, 1),  # every query head on one kv head
+        ([1], 0, 4, 2, 64),
+        ([5, 16, 17, 33, 100], 0, 4, 2, 64),
+        ([40] * 16, 32, 4, 2, 64),  # a shared prefix: the cascade path of both
+        ([1030, 1045, 1100, 1300], 1024, 8, 2, 64),
+        ([7, 64, 200], 0, 6, 6, 64),  # no grouping of query heads
+        ([3, 300], 0, 8, 1, 64),  # every query head on one kv head
+        ([9, 50, 130], 16, 4, 2, 128),  # the other register-tiled head size
+        ([9, 50, 130], 0, 4, 2, 40),  # any other head size: the generic loops
     ],
 )
 def test_native_matches_torch_and_dense(
-    lens: list[int], shared_tokens: int, heads: int, kv_heads: int
+    lens: list[int], shared_tokens: int, heads: int, kv_heads: int, dim: int
 ) -> None:
-    query, key_cache, value_cache, tables = _case(0, lens, shared_tokens, heads, kv_heads)
+    query, key_cache, value_cache, tables = _case(0, lens, shared_tokens, heads, kv_heads, dim)
     ours = _attend(query, key_cache, value_cache, tables, lens, native_path=True)
     spec = _attend(query, key_cache, value_cache, tables, lens, native_path=False)
     dense = _dense(query, key_cache, value_cache, tables, lens, query.shape[2] ** -0.5)
