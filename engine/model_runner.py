@@ -113,6 +113,7 @@ class ModelRunner:
             and self.dtype == torch.float32
             and native.load()
         )
+        self.model.use_native_kernels(self.native_attention)
 
     @property
     def bytes_per_block(self) -> int:

@@ -22,7 +22,10 @@ import torch
 
 logger = logging.getLogger(__name__)
 
-SOURCES = [Path(__file__).parent / "csrc" / "decode_attention.cpp"]
+SOURCES = [
+    Path(__file__).parent / "csrc" / name for name in ("decode_attention.cpp", "rms_norm.cpp")
+]
+OPS = ("decode_attention", "rms_norm", "add_rms_norm")
 # Set to 0 to keep every kernel on its torch path (the engine's --no-cpu-kernels).
 ENV_DISABLE = "LORAGATE_CPU_KERNELS"
 
@@ -59,7 +62,7 @@ def _build_and_load() -> bool:
     except Exception as exc:  # noqa: BLE001 - any build failure means: use the torch path
         logger.warning("CPU kernels unavailable, using the torch path: %s", exc)
         return False
-    return hasattr(torch.ops.loragate, "decode_attention")
+    return all(hasattr(torch.ops.loragate, op) for op in OPS)
 
 
 def _build_dir() -> Path:

@@ -29,21 +29,38 @@ STATIC_ROPE_TYPES = {"default", "linear", "llama3", "yarn"}
 
 
 class RMSNorm(nn.Module):
-    """Computed in float32 exactly as HF does, so greedy outputs match token for token."""
+    """Computed in float32 exactly as HF does, so greedy outputs match token for token.
+
+    `native`: float32 rows go to the C++ kernels (kernels/csrc/rms_norm.cpp), which fuse
+    the residual add before the norm; only their sum of squares is ordered differently.
+    """
 
     def __init__(self, hidden_size: int, eps: float) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.ones(hidden_size))
         self.eps = eps
+        self.native = False
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.dtype == torch.float32:
+            if self.native:
+                out = torch.empty_like(x)
+                torch.ops.loragate.rms_norm(x, self.weight, self.eps, out)
+                return out
             # One fused op, bitwise equal to the formula below in float32.
             return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
         dtype = x.dtype
         x32 = x.to(torch.float32)
         x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * x32.to(dtype)
+
+    def add_forward(self, residual: torch.Tensor, delta: torch.Tensor) -> torch.Tensor:
+        """residual += delta (in place), then the norm of the sum."""
+        if self.native and residual.dtype == torch.float32:
+            out = torch.empty_like(residual)
+            torch.ops.loragate.add_rms_norm(residual, delta, self.weight, self.eps, out)
+            return out
+        return self(residual.add_(delta))
 
 
 class RotaryEmbedding(nn.Module):
@@ -164,13 +181,22 @@ class DecoderLayer(nn.Module):
     def forward(
         self,
         rope: Rope,
-        x: torch.Tensor,
+        residual: torch.Tensor,
+        delta: torch.Tensor | None,
         plan: AttentionPlan,
         kv_cache: tuple[torch.Tensor, torch.Tensor],
         lora: LoRAStep | None,
     ) -> torch.Tensor:
-        x = x + self.self_attn(rope, self.input_layernorm(x), plan, kv_cache, lora)
-        return x + self.mlp(self.post_attention_layernorm(x), lora)
+        """The residual stream is `residual + delta` (delta: the previous layer's MLP output,
+        None before the first layer) and is updated in place: each residual add happens in
+        the norm after it. Returns this layer's MLP output, the next delta."""
+        if delta is None:
+            h = self.input_layernorm(residual)
+        else:
+            h = self.input_layernorm.add_forward(residual, delta)
+        attn = self.self_attn(rope, h, plan, kv_cache, lora)
+        h = self.post_attention_layernorm.add_forward(residual, attn)
+        return self.mlp(h, lora)
 
 
 class LlamaForCausalLM(nn.Module):
@@ -201,11 +227,18 @@ class LlamaForCausalLM(nn.Module):
         kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
         lora: LoRAStep | None = None,
     ) -> torch.Tensor:
-        x = self.embed_tokens(input_ids)
-        rope = self.rotary(positions, x.dtype)
+        residual = self.embed_tokens(input_ids)
+        rope = self.rotary(positions, residual.dtype)
+        delta = None
         for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
-            x = layer(rope, x, plan, kv_cache, lora)
-        return self.norm(x)
+            delta = layer(rope, residual, delta, plan, kv_cache, lora)
+        return self.norm(residual) if delta is None else self.norm.add_forward(residual, delta)
+
+    def use_native_kernels(self, enabled: bool) -> None:
+        """Route the norms to kernels.native's C++ ops (loaded by the caller)."""
+        for module in self.modules():
+            if isinstance(module, RMSNorm):
+                module.native = enabled
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden).float()
