@@ -236,4 +236,5 @@ class ModelRunner:
         # The vocabulary projection is the step's one large GEMM: it runs on prefill_threads.
         self._set_threads(self.prefill_threads)
         logits = self.model.compute_logits(hidden[index])
+        self._set_threads(self.decode_threads)
         return sample_rows, self.sampler(logits, sample_rows)

