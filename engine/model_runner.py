@@ -28,7 +28,7 @@ from engine.models.llama import (
 from engine.request import Request
 from engine.sampler import Sampler, SamplerOutput
 from engine.scheduler import SchedulerOutput
-from kernels import native
+from kernels import linear, native
 from kernels.attention import build_plan
 
 logger = logging.getLogger(__name__)
@@ -114,6 +114,8 @@ class ModelRunner:
             and native.load()
         )
         self.model.use_native_kernels(self.native_attention)
+        if config.cpu_kernels and self.device.type == "cpu" and linear.available():
+            linear.prepack(self.model)
 
     @property
     def bytes_per_block(self) -> int:
