@@ -27,7 +27,7 @@ def test_prepack_swaps_float32_linears_and_keeps_tied_weights() -> None:
         {
             "embed": nn.Embedding(50, 16),
             "block": nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 16)),
-            "half": nn.Linear(16, 16).to(torch.bfloat16),
+            "bf16": nn.Linear(16, 16).to(torch.bfloat16),
             "head": nn.Linear(16, 50, bias=False),
         }
     )
@@ -37,6 +37,6 @@ def test_prepack_swaps_float32_linears_and_keeps_tied_weights() -> None:
         expected = model["head"](model["block"](x))
         assert linear.prepack(model) == 3
         assert isinstance(model["head"], linear.PrepackedLinear)
-        assert isinstance(model["half"], nn.Linear)  # not float32: left alone
+        assert isinstance(model["bf16"], nn.Linear)  # not float32: left alone
         assert model["embed"].weight.shape == (50, 16)
         torch.testing.assert_close(model["head"](model["block"](x)), expected)
