@@ -71,6 +71,7 @@ class LLMEngine:
                 dtype=self.runner.dtype,
             )
             self.runner.lora = self.lora
+            self.lora.native = self.runner.native_kernels
         self.scheduler = Scheduler(
             self.kv,
             max_num_seqs=config.max_num_seqs,

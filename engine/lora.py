@@ -99,6 +99,9 @@ class FusedTarget:
 # Steps of at most this many tokens with more than one adapter (or base rows) take
 # the masked dense path: its cost grows with tokens x max_loras, its op count not at all.
 MASKED_MAX_TOKENS = 256
+# Steps whose adapted tokens form at most this many runs of one slot take the grouped path
+# (two ops per run, each at its adapter's own rank), whatever their size.
+MAX_GROUPED_RUNS = 8
 
 # Indices of llama_fused_targets' entries, as the model passes them to LoRAStep.apply.
 QKV, O_PROJ, GATE_UP, DOWN = range(4)
@@ -133,26 +136,43 @@ class LoRAStep:
     ops per linear), large ones the grouped path (work proportional to tokens).
     """
 
-    __slots__ = ("manager", "groups", "masks")
+    __slots__ = ("manager", "groups", "masks", "runs")
 
     def __init__(
         self,
         manager: LoRAManager,
         groups: list[LoRAGroup],
         masks: list[torch.Tensor] | None,
+        runs: tuple[list[int], list[int], list[int]] | None = None,
     ) -> None:
         self.manager = manager
         self.groups = groups
         self.masks = masks  # per target, for the dense path; None: grouped
+        self.runs = runs  # (slots, starts, ends) for the C++ grouped path; None: torch
 
     def apply(self, layer: int, target: int, x: torch.Tensor, y: torch.Tensor) -> None:
         """y += the step's adapters' contribution for fused target `target` of `layer`."""
         m = self.manager
         a, b = m.lora_a[target][layer], m.lora_b[target][layer]
-        if self.masks is not None:
+        if self.runs is not None:
+            slots, starts, ends = self.runs
+            torch.ops.loragate.add_lora_runs(
+                y, x, a, b, slots, starts, ends, m.widths[target], m._flat_segments[target]
+            )
+        elif self.masks is not None:
             add_lora_masked(y, x, a, b, self.masks[target])
         else:
             add_lora(y, x, a, b, self.groups, m.widths[target])
+
+
+def _flatten(per_slot: list[list[tuple[int, int, int, int]]]) -> list[int]:
+    """[count, then 4 ints per segment] for each slot in turn."""
+    flat: list[int] = []
+    for segments in per_slot:
+        flat.append(len(segments))
+        for segment in segments:
+            flat.extend(segment)
+    return flat
 
 
 class _Slot:
@@ -209,6 +229,12 @@ class LoRAManager:
         # _written: rows that may be non-zero (an evicted adapter's stay until overwritten).
         self.widths = [[0] * max_loras for _ in targets]
         self._written = [[0] * max_loras for _ in targets]
+        # segments[target][slot]: (first row, last row + 1, first column, last column + 1) of
+        # each module's block of B (the rest of B is zero); flat for the C++ op.
+        self.segments: list[list[list[tuple[int, int, int, int]]]] = [
+            [[] for _ in range(max_loras)] for _ in targets
+        ]
+        self._flat_segments = [_flatten(t) for t in self.segments]
         self.slots = [_Slot() for _ in range(max_loras)]
         self.slot_of: dict[str, int] = {}
         self.cpu_cache: OrderedDict[str, PackedLoRA] = OrderedDict()
@@ -217,6 +243,7 @@ class LoRAManager:
         self._pending_unload: set[str] = set()
         self._clock = 0
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="lora-loader")
+        self.native = False  # the C++ grouped op (kernels.native), set by the model runner
         self.num_loads = 0  # installs into a slot
         self.num_disk_loads = 0
 
@@ -404,9 +431,11 @@ class LoRAManager:
         for t, target in enumerate(self.targets):
             a_slot, b_slot = self.lora_a[t][:, slot], self.lora_b[t][:, slot]
             columns = {name: (start, end) for name, start, end in target.modules}
+            segments = []
             for i, (name, a, b) in enumerate(packed.modules[t]):
                 rows = slice(i * r, (i + 1) * r)
                 start, end = columns[name]
+                segments.append((i * r, (i + 1) * r, start, end))
                 a_slot[:, rows].copy_(a, non_blocking=True)
                 b_slot[:, rows, start:end].copy_(b, non_blocking=True)
                 b_slot[:, rows, :start].zero_()  # B's other modules' columns
@@ -417,6 +446,8 @@ class LoRAManager:
                 a_slot[:, width:written].zero_()
                 b_slot[:, width:written].zero_()
             self.widths[t][slot] = self._written[t][slot] = width
+            self.segments[t][slot] = segments
+            self._flat_segments[t] = _flatten(self.segments[t])
         self.slots[slot].adapter_id = packed.adapter_id
         self.slot_of[packed.adapter_id] = slot
         self.num_loads += 1
@@ -427,25 +458,31 @@ class LoRAManager:
         """Group the step's tokens by slot (-1: base model only)."""
         if len(token_slots) == 0 or token_slots.max() < 0:  # the common all-base step
             return None
-        slots = np.unique(token_slots)
-        slots = slots[slots >= 0]
-        if len(slots) == 0:
-            return None
-        mixed = len(slots) > 1 or bool((token_slots < 0).any())
-        if mixed and len(token_slots) <= MASKED_MAX_TOKENS:
+        # Runs of equal slots: the model runner orders rows by slot when it can, and then
+        # each adapter's tokens are a slice or two, which the grouped path takes at the
+        # cost of its own rank alone.
+        starts = np.flatnonzero(np.diff(token_slots, prepend=token_slots[0] - 1))
+        runs = [
+            (int(token_slots[start]), int(start), int(end))
+            for start, end in zip(starts, [*starts[1:], len(token_slots)], strict=True)
+            if token_slots[start] >= 0
+        ]
+        if len(runs) <= MAX_GROUPED_RUNS:
+            groups = [LoRAGroup(slot, slice(a, b)) for slot, a, b in runs]
+            if not self.native:
+                return LoRAStep(self, groups, None)
+            slots, starts, ends = (list(column) for column in zip(*runs, strict=True))
+            return LoRAStep(self, groups, None, (slots, starts, ends))
+        if len(token_slots) <= MASKED_MAX_TOKENS:
             index = torch.from_numpy(token_slots).to(self.device)
             masks = [
                 slot_mask(index, self.max_loras, a.shape[2]).to(self.dtype) for a in self.lora_a
             ]
             return LoRAStep(self, [], masks)
         groups = []
-        for slot in slots.tolist():
-            rows = np.flatnonzero(token_slots == slot)
-            if rows[-1] - rows[0] + 1 == len(rows):
-                groups.append(LoRAGroup(slot, slice(int(rows[0]), int(rows[-1]) + 1)))
-            else:
-                index = torch.from_numpy(rows).to(self.device)
-                groups.append(LoRAGroup(slot, index))
+        for slot in np.unique(token_slots[token_slots >= 0]).tolist():
+            rows = torch.from_numpy(np.flatnonzero(token_slots == slot)).to(self.device)
+            groups.append(LoRAGroup(slot, rows))
         return LoRAStep(self, groups, None)
 
     @property

@@ -107,13 +107,13 @@ class ModelRunner:
         self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
         self.lora: LoRAManager | None = None  # set by the engine when LoRA is enabled
         self.sampler = Sampler(self.device, config.seed)
-        self.native_attention = (
+        self.native_kernels = (
             config.cpu_kernels
             and self.device.type == "cpu"
             and self.dtype == torch.float32
             and native.load()
         )
-        self.model.use_native_kernels(self.native_attention)
+        self.model.use_native_kernels(self.native_kernels)
         if config.cpu_kernels and self.device.type == "cpu" and linear.available():
             linear.prepack(self.model)
 
@@ -180,8 +180,15 @@ class ModelRunner:
     def execute(
         self, sched: SchedulerOutput, kv: KVCacheManager
     ) -> tuple[list[Request], SamplerOutput | None]:
-        # Decode rows first, shortest first (attention groups rows of similar length).
-        rows = sorted(sched.scheduled, key=lambda item: (item[1] != 1, item[0].num_computed_tokens))
+        # Decode rows first. The torch attention groups decode rows of similar length, so
+        # they go shortest first; the C++ kernel pads nothing, so there rows go by LoRA
+        # slot: each adapter's tokens are then one run of rows (two with prefills).
+        if self.native_kernels:
+            rows = sorted(sched.scheduled, key=lambda item: (item[1] != 1, item[0].lora_slot))
+        else:
+            rows = sorted(
+                sched.scheduled, key=lambda item: (item[1] != 1, item[0].num_computed_tokens)
+            )
         num_decode = sum(1 for _, n in rows if n == 1)
         bs = self.block_size
         num_tokens = sched.num_batched_tokens
@@ -226,7 +233,7 @@ class ModelRunner:
             num_decode,
             bs,
             self.device,
-            self.native_attention,
+            self.native_kernels,
         )
         ids_t = torch.from_numpy(input_ids).to(self.device)
         pos_t = torch.from_numpy(positions).to(self.device)

@@ -22,10 +22,9 @@ import torch
 
 logger = logging.getLogger(__name__)
 
-SOURCES = [
-    Path(__file__).parent / "csrc" / name for name in ("decode_attention.cpp", "rms_norm.cpp")
-]
-OPS = ("decode_attention", "rms_norm", "add_rms_norm")
+_CSRC = Path(__file__).parent / "csrc"
+SOURCES = [_CSRC / "decode_attention.cpp", _CSRC / "rms_norm.cpp", _CSRC / "lora.cpp"]
+OPS = ("decode_attention", "rms_norm", "add_rms_norm", "add_lora_runs")
 # Set to 0 to keep every kernel on its torch path (the engine's --no-cpu-kernels).
 ENV_DISABLE = "LORAGATE_CPU_KERNELS"
 
