@@ -461,18 +461,18 @@ class LoRAManager:
         # Runs of equal slots: the model runner orders rows by slot when it can, and then
         # each adapter's tokens are a slice or two, which the grouped path takes at the
         # cost of its own rank alone.
-        starts = np.flatnonzero(np.diff(token_slots, prepend=token_slots[0] - 1))
+        changes = np.flatnonzero(np.diff(token_slots, prepend=token_slots[0] - 1)).tolist()
         runs = [
-            (int(token_slots[start]), int(start), int(end))
-            for start, end in zip(starts, [*starts[1:], len(token_slots)], strict=True)
+            (int(token_slots[start]), start, end)
+            for start, end in zip(changes, [*changes[1:], len(token_slots)], strict=True)
             if token_slots[start] >= 0
         ]
         if len(runs) <= MAX_GROUPED_RUNS:
             groups = [LoRAGroup(slot, slice(a, b)) for slot, a, b in runs]
             if not self.native:
                 return LoRAStep(self, groups, None)
-            slots, starts, ends = (list(column) for column in zip(*runs, strict=True))
-            return LoRAStep(self, groups, None, (slots, starts, ends))
+            slots, firsts, ends = (list(column) for column in zip(*runs, strict=True))
+            return LoRAStep(self, groups, None, (slots, firsts, ends))
         if len(token_slots) <= MASKED_MAX_TOKENS:
             index = torch.from_numpy(token_slots).to(self.device)
             masks = [
