@@ -42,8 +42,14 @@ def registry(demo_model_dir: Path, demo_adapters: dict[str, Path]) -> AdapterReg
     return registry
 
 
+# cpu_kernels: the C++ op over each slot's run of rows; off: kernels/lora.py's torch paths
+# (masked dense for these small steps, grouped for the rest).
+@pytest.mark.parametrize("cpu_kernels", [True, False], ids=["native", "torch"])
 def test_a_mixed_batch_of_five_adapters_and_the_base_model_matches_peft(
-    demo_model_dir: Path, demo_adapters: dict[str, Path], registry: AdapterRegistry
+    demo_model_dir: Path,
+    demo_adapters: dict[str, Path],
+    registry: AdapterRegistry,
+    cpu_kernels: bool,
 ) -> None:
     names = [*demo_adapters, None]
     # Two prompts per adapter; the second shares the first's 48-token prefix (cache hits).
@@ -54,7 +60,7 @@ def test_a_mixed_batch_of_five_adapters_and_the_base_model_matches_peft(
         prompts += [first, first[:48] + tail]
         loras += [None if name is None else registry.get(name)] * 2
     # Five adapters, four slots: the fifth waits for a slot to drain, in the same run.
-    llm = make_llm(demo_model_dir, registry, max_loras=4)
+    llm = make_llm(demo_model_dir, registry, max_loras=4, cpu_kernels=cpu_kernels)
     outputs = llm.generate(prompts, GREEDY, lora_request=loras)
 
     for name in names:
