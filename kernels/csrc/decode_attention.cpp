@@ -14,6 +14,7 @@
 #include <torch/library.h>
 
 #include <algorithm>
+#include <cstdint>
 #include <cmath>
 #include <limits>
 #include <optional>
@@ -26,6 +27,59 @@ typedef float vec8 __attribute__((vector_size(32), aligned(4)));
 
 inline float hsum(vec8 v) {
   return ((v[0] + v[1]) + (v[2] + v[3])) + ((v[4] + v[5]) + (v[6] + v[7]));
+}
+
+typedef int32_t ivec8 __attribute__((vector_size(32), aligned(4)));
+
+// e^x for 8 lanes: Cephes' expf (range reduction by ln 2 in two parts, a degree-6
+// polynomial, the exponent put back into the float's bits); within 2 ulp of expf over the
+// range softmax uses (x <= 0). Scalar expf was most of a long row's attention.
+inline vec8 exp8(vec8 x) {
+  const vec8 lo = x < -87.33654f;  // e^x underflows: the result is forced to 0 below
+  x = x < -87.33654f ? -87.33654f : x;
+  x = x > 88.3762626647949f ? 88.3762626647949f : x;
+  const vec8 fx = x * 1.44269504088896341f + 0.5f;
+  ivec8 n = __builtin_convertvector(fx, ivec8);  // toward zero; floor below
+  n -= (ivec8)(__builtin_convertvector(n, vec8) > fx) & 1;
+  const vec8 nf = __builtin_convertvector(n, vec8);
+  const vec8 r = x - nf * 0.693359375f + nf * 2.12194440e-4f;
+  vec8 p = r * 1.9875691500E-4f + 1.3981999507E-3f;
+  p = p * r + 8.3334519073E-3f;
+  p = p * r + 4.1665795894E-2f;
+  p = p * r + 1.6666665459E-1f;
+  p = p * r + 5.0000001201E-1f;
+  p = p * r * r + r + 1.0f;
+  const ivec8 bits = (n + 127) << 23;
+  vec8 scale;
+  __builtin_memcpy(&scale, &bits, sizeof(scale));
+  const vec8 result = p * scale;
+  return (vec8)((ivec8)result & ~(ivec8)lo);
+}
+
+// s[t] = e^(s[t] - m) for t < n; returns their sum.
+inline float exp_shifted(float* s, int64_t n, float m) {
+  vec8 acc = {};
+  int64_t t = 0;
+  for (; t + 8 <= n; t += 8) {
+    vec8 v;
+    __builtin_memcpy(&v, s + t, sizeof(vec8));
+    v = exp8(v - m);
+    __builtin_memcpy(s + t, &v, sizeof(vec8));
+    acc += v;
+  }
+  float sum = ((acc[0] + acc[1]) + (acc[2] + acc[3])) + ((acc[4] + acc[5]) + (acc[6] + acc[7]));
+  for (; t < n; ++t) {
+    s[t] = std::exp(s[t] - m);
+    sum += s[t];
+  }
+  return sum;
+}
+
+inline float max_of(const float* s, int64_t n) {
+  float m = -std::numeric_limits<float>::infinity();
+#pragma omp simd reduction(max : m)
+  for (int64_t t = 0; t < n; ++t) m = std::max(m, s[t]);
+  return m;
 }
 
 inline float dot(const float* a, const float* b, int64_t n) {
@@ -204,14 +258,7 @@ void decode_attention(const at::Tensor& query, const at::Tensor& key_cache,
       for (int64_t r = 0; r < rows; ++r)
         for (int64_t h = 0; h < per_kv; ++h) {
           float* s = scores.data() + (r * per_kv + h) * max_len;
-          float m = -std::numeric_limits<float>::infinity();
-          for (int64_t t = 0; t < lens[r]; ++t) m = std::max(m, s[t]);
-          float sum = 0.f;
-          for (int64_t t = 0; t < lens[r]; ++t) {
-            s[t] = std::exp(s[t] - m);
-            sum += s[t];
-          }
-          inv_sum[r * per_kv + h] = sum;
+          inv_sum[r * per_kv + h] = exp_shifted(s, lens[r], max_of(s, lens[r]));
           float* o = o_base + r * o_row + (g * per_kv + h) * o_head;
           std::fill(o, o + dim, 0.f);
         }
