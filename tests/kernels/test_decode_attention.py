@@ -95,6 +95,17 @@ def test_native_matches_torch_and_dense(
     torch.testing.assert_close(ours, spec, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("sharpness", [0.01, 8.0, 40.0])
+def test_flat_and_peaked_softmax(sharpness: float) -> None:
+    """Scores spread over hundreds (exp underflows to 0 for most keys) or nearly equal."""
+    lens = [37, 300, 1100]
+    query, key_cache, value_cache, tables = _case(2, lens, 0)
+    query = query * sharpness
+    ours = _attend(query, key_cache, value_cache, tables, lens, native_path=True)
+    dense = _dense(query, key_cache, value_cache, tables, lens, query.shape[2] ** -0.5)
+    torch.testing.assert_close(ours, dense, rtol=1e-5, atol=1e-5)
+
+
 def test_strided_query_and_output_slices() -> None:
     """The model passes q as a slice of the fused q|k projection and writes into a slice."""
     lens = [9, 20, 33]
