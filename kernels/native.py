@@ -24,6 +24,7 @@ logger = logging.getLogger(__name__)
 
 _CSRC = Path(__file__).parent / "csrc"
 SOURCES = [_CSRC / "decode_attention.cpp", _CSRC / "rms_norm.cpp", _CSRC / "lora.cpp"]
+HEADERS = [_CSRC / "simd.h"]
 OPS = ("decode_attention", "rms_norm", "add_rms_norm", "add_lora_runs")
 # Set to 0 to keep every kernel on its torch path (the engine's --no-cpu-kernels).
 ENV_DISABLE = "LORAGATE_CPU_KERNELS"
@@ -66,7 +67,7 @@ def _build_and_load() -> bool:
 
 def _build_dir() -> Path:
     digest = hashlib.sha256()
-    for source in SOURCES:
+    for source in [*SOURCES, *HEADERS]:
         digest.update(source.read_bytes())
     digest.update(torch.__version__.encode())
     digest.update(platform.machine().encode())

@@ -20,16 +20,11 @@
 #include <optional>
 #include <vector>
 
+#include "simd.h"
+
 namespace {
 
-// 8 floats, one AVX register (GCC/Clang vector extension; SSE pairs where there is no AVX).
-typedef float vec8 __attribute__((vector_size(32), aligned(4)));
-
-inline float hsum(vec8 v) {
-  return ((v[0] + v[1]) + (v[2] + v[3])) + ((v[4] + v[5]) + (v[6] + v[7]));
-}
-
-typedef int32_t ivec8 __attribute__((vector_size(32), aligned(4)));
+using namespace loragate;
 
 // e^x for 8 lanes: Cephes' expf (range reduction by ln 2 in two parts, a degree-6
 // polynomial, the exponent put back into the float's bits); within 2 ulp of expf over the
@@ -61,13 +56,11 @@ inline float exp_shifted(float* s, int64_t n, float m) {
   vec8 acc = {};
   int64_t t = 0;
   for (; t + 8 <= n; t += 8) {
-    vec8 v;
-    __builtin_memcpy(&v, s + t, sizeof(vec8));
-    v = exp8(v - m);
-    __builtin_memcpy(s + t, &v, sizeof(vec8));
+    const vec8 v = exp8(load8(s + t) - m);
+    store8(s + t, v);
     acc += v;
   }
-  float sum = ((acc[0] + acc[1]) + (acc[2] + acc[3])) + ((acc[4] + acc[5]) + (acc[6] + acc[7]));
+  float sum = hsum(acc);
   for (; t < n; ++t) {
     s[t] = std::exp(s[t] - m);
     sum += s[t];
@@ -82,33 +75,17 @@ inline float max_of(const float* s, int64_t n) {
   return m;
 }
 
-inline float dot(const float* a, const float* b, int64_t n) {
-  float acc = 0.f;
-#pragma omp simd reduction(+ : acc)
-  for (int64_t i = 0; i < n; ++i) acc += a[i] * b[i];
-  return acc;
-}
-
-inline void axpy(float* y, const float* x, float a, int64_t n) {
-#pragma omp simd
-  for (int64_t i = 0; i < n; ++i) y[i] += a * x[i];
-}
-
 // head_dim 64 (Llama-style models up to 8B use 64 or 128): q and o live in registers for a
 // whole block; each key's dot product is a tree of independent FMAs, not one long chain.
 template <int kDim>
 inline void block_scores(const float* q, const float* keys, int64_t n, float* s) {
   constexpr int kVecs = kDim / 8;
   vec8 qv[kVecs];
-  for (int i = 0; i < kVecs; ++i) __builtin_memcpy(&qv[i], q + 8 * i, sizeof(vec8));
+  for (int i = 0; i < kVecs; ++i) qv[i] = load8(q + 8 * i);
   for (int64_t j = 0; j < n; ++j) {
     const float* k = keys + j * kDim;
     vec8 acc[4] = {};
-    for (int i = 0; i < kVecs; ++i) {
-      vec8 kv;
-      __builtin_memcpy(&kv, k + 8 * i, sizeof(vec8));
-      acc[i % 4] += qv[i] * kv;
-    }
+    for (int i = 0; i < kVecs; ++i) acc[i % 4] += qv[i] * load8(k + 8 * i);
     s[j] = hsum((acc[0] + acc[1]) + (acc[2] + acc[3]));
   }
 }
@@ -117,17 +94,13 @@ template <int kDim>
 inline void block_values(float* o, const float* values, const float* p, int64_t n) {
   constexpr int kVecs = kDim / 8;
   vec8 ov[kVecs];
-  for (int i = 0; i < kVecs; ++i) __builtin_memcpy(&ov[i], o + 8 * i, sizeof(vec8));
+  for (int i = 0; i < kVecs; ++i) ov[i] = load8(o + 8 * i);
   for (int64_t j = 0; j < n; ++j) {
     const float* v = values + j * kDim;
     const float w = p[j];
-    for (int i = 0; i < kVecs; ++i) {
-      vec8 vv;
-      __builtin_memcpy(&vv, v + 8 * i, sizeof(vec8));
-      ov[i] += w * vv;
-    }
+    for (int i = 0; i < kVecs; ++i) ov[i] += w * load8(v + 8 * i);
   }
-  for (int i = 0; i < kVecs; ++i) __builtin_memcpy(o + 8 * i, &ov[i], sizeof(vec8));
+  for (int i = 0; i < kVecs; ++i) store8(o + 8 * i, ov[i]);
 }
 
 inline void scores_of(const float* q, const float* keys, int64_t n, int64_t dim, float* s) {

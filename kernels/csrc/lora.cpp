@@ -11,30 +11,11 @@
 
 #include <vector>
 
+#include "simd.h"
+
 namespace {
 
-typedef float vec8 __attribute__((vector_size(32), aligned(4)));
-
-inline float dot(const float* a, const float* b, int64_t n) {
-  vec8 acc[4] = {};
-  int64_t i = 0;
-  for (; i + 32 <= n; i += 32)
-    for (int k = 0; k < 4; ++k) {
-      vec8 va, vb;
-      __builtin_memcpy(&va, a + i + 8 * k, sizeof(vec8));
-      __builtin_memcpy(&vb, b + i + 8 * k, sizeof(vec8));
-      acc[k] += va * vb;
-    }
-  const vec8 sum = (acc[0] + acc[1]) + (acc[2] + acc[3]);
-  float total = ((sum[0] + sum[1]) + (sum[2] + sum[3])) + ((sum[4] + sum[5]) + (sum[6] + sum[7]));
-  for (; i < n; ++i) total += a[i] * b[i];
-  return total;
-}
-
-inline void axpy(float* y, const float* x, float a, int64_t n) {
-#pragma omp simd
-  for (int64_t i = 0; i < n; ++i) y[i] += a * x[i];
-}
+using namespace loragate;
 
 // A module's block of B: rows [k0, k1) are non-zero only in columns [c0, c1).
 struct Segment {
@@ -47,17 +28,13 @@ inline void expand(float* y, const float* b, const float* shrunk, int64_t out, S
   int64_t c = s.c0;
   for (; c + 64 <= s.c1; c += 64) {
     vec8 acc[8];
-    __builtin_memcpy(acc, y + c, sizeof(acc));
+    for (int v = 0; v < 8; ++v) acc[v] = load8(y + c + 8 * v);
     for (int64_t k = s.k0; k < s.k1; ++k) {
       const float w = shrunk[k];
       const float* bk = b + k * out + c;
-      for (int v = 0; v < 8; ++v) {
-        vec8 bv;
-        __builtin_memcpy(&bv, bk + 8 * v, sizeof(vec8));
-        acc[v] += w * bv;
-      }
+      for (int v = 0; v < 8; ++v) acc[v] += w * load8(bk + 8 * v);
     }
-    __builtin_memcpy(y + c, acc, sizeof(acc));
+    for (int v = 0; v < 8; ++v) store8(y + c + 8 * v, acc[v]);
   }
   for (int64_t k = s.k0; k < s.k1; ++k) axpy(y + c, b + k * out + c, shrunk[k], s.c1 - c);
 }

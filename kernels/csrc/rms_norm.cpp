@@ -11,9 +11,11 @@
 
 #include <cmath>
 
+#include "simd.h"
+
 namespace {
 
-typedef float vec8 __attribute__((vector_size(32), aligned(4)));
+using namespace loragate;
 
 void check(const at::Tensor& t, const at::Tensor& weight, const char* what) {
   TORCH_CHECK(t.scalar_type() == at::kFloat && t.dim() == 2 && t.is_contiguous(), what,
@@ -24,18 +26,7 @@ void check(const at::Tensor& t, const at::Tensor& weight, const char* what) {
 }
 
 inline float sum_of_squares(const float* x, int64_t n) {
-  vec8 acc[4] = {};
-  int64_t i = 0;
-  for (; i + 32 <= n; i += 32)
-    for (int k = 0; k < 4; ++k) {
-      vec8 v;
-      __builtin_memcpy(&v, x + i + 8 * k, sizeof(vec8));
-      acc[k] += v * v;
-    }
-  const vec8 sum = (acc[0] + acc[1]) + (acc[2] + acc[3]);
-  float total = ((sum[0] + sum[1]) + (sum[2] + sum[3])) + ((sum[4] + sum[5]) + (sum[6] + sum[7]));
-  for (; i < n; ++i) total += x[i] * x[i];
-  return total;
+  return dot(x, x, n);
 }
 
 inline void normalize(const float* x, const float* weight, float eps, int64_t n, float* out) {
