@@ -18,9 +18,12 @@ per group and phase. When a group's rows share leading blocks (a common system
 prompt, n > 1 samples, a few-shot prefix) the shared blocks are gathered once
 and attended by every query in a single GEMM ("cascade" attention); each
 row's own tail is attended separately and the two parts are merged in one
-softmax. Prefill rows are
-attended one row at a time with SDPA: there are few of them and padding them
-together would waste more than the loop costs.
+softmax. Prefill rows with no cached context (a fresh prompt, or its first
+chunk) read their keys and values from the step itself, and consecutive ones
+of one length share one batched causal SDPA (a burst of same-length prompts is
+one call per layer). Rows with cached context are attended one at a time with
+SDPA over their gathered blocks: padding them together would waste more than
+the loop costs.
 
 This torch version is the specification; a triton kernel with the same
 signatures must match it.
@@ -41,7 +44,7 @@ class PrefillRow:
     query_len: int
     seq_len: int
     block_ids: torch.Tensor  # [ceil(seq_len / block_size)]
-    mask: torch.Tensor | None  # [query_len, seq_len] bool; None: plain causal (no cached context)
+    mask: torch.Tensor  # [query_len, seq_len] bool: causal, shifted by the cached context
 
 
 @dataclass(slots=True)
@@ -57,11 +60,23 @@ class DecodeGroup:
 
 
 @dataclass(slots=True)
+class FreshPrefills:
+    """Consecutive prefill rows with no cached context and one query length: their keys and
+    values are the step's own, so they are attended together, straight from the step's
+    K/V (nothing gathered from the cache), in one batched causal SDPA."""
+
+    query_start: int
+    num_rows: int
+    query_len: int
+
+
+@dataclass(slots=True)
 class AttentionPlan:
     slot_mapping: torch.Tensor  # [num_tokens] int64
     num_decode: int
     decode_groups: list[DecodeGroup]
-    prefill_rows: list[PrefillRow]
+    prefill_rows: list[PrefillRow]  # rows attending to cached context, one at a time
+    fresh_prefills: list[FreshPrefills]
     # Decode groups go to the C++ kernel (kernels.native), which reads blocks in place.
     native: bool = False
 
@@ -92,17 +107,24 @@ def build_plan(
         lens = seq_lens[:num_decode]
         for start, end in [(0, num_decode)] if native else _split_by_length(lens):
             groups.append(_decode_group(bt[start:end], lens[start:end], start, block_size, device))
-    prefill_rows = []
+    prefill_rows: list[PrefillRow] = []
+    fresh: list[FreshPrefills] = []
     query_start = int(query_lens[:num_decode].sum())
     for i in range(num_decode, len(query_lens)):
         q_len, s_len = int(query_lens[i]), int(seq_lens[i])
+        if s_len == q_len:  # no cached context
+            last = fresh[-1] if fresh else None
+            if last and last.query_len == q_len and last_end(last) == query_start:
+                last.num_rows += 1
+            else:
+                fresh.append(FreshPrefills(query_start, 1, q_len))
+            query_start += q_len
+            continue
         num_blocks = -(-s_len // block_size)
         ids = torch.tensor(block_tables[i][:num_blocks], dtype=torch.long, device=device)
-        mask = None
-        if s_len > q_len:
-            ctx = s_len - q_len
-            rows = torch.arange(q_len, device=device)[:, None]
-            mask = torch.arange(s_len, device=device)[None, :] <= rows + ctx
+        ctx = s_len - q_len
+        rows = torch.arange(q_len, device=device)[:, None]
+        mask = torch.arange(s_len, device=device)[None, :] <= rows + ctx
         prefill_rows.append(PrefillRow(query_start, q_len, s_len, ids, mask))
         query_start += q_len
     return AttentionPlan(
@@ -110,8 +132,13 @@ def build_plan(
         num_decode=num_decode,
         decode_groups=groups,
         prefill_rows=prefill_rows,
+        fresh_prefills=fresh,
         native=native,
     )
+
+
+def last_end(batch: FreshPrefills) -> int:
+    return batch.query_start + batch.num_rows * batch.query_len
 
 
 def _split_by_length(lens: np.ndarray) -> list[tuple[int, int]]:
@@ -181,11 +208,14 @@ def paged_attention(
     value_cache: torch.Tensor,
     plan: AttentionPlan,
     scale: float,
+    key: torch.Tensor,
+    value: torch.Tensor,
 ) -> torch.Tensor:
     """Causal attention of each query token over its sequence's cached K/V.
 
-    query: [num_tokens, num_heads, head_dim]; returns the same shape. The
-    step's own K/V must already be in the cache (`write_kv`).
+    query: [num_tokens, num_heads, head_dim]; returns the same shape. key/value: the step's
+    own [num_tokens, num_kv_heads, head_dim], which must also be in the cache already
+    (`write_kv`): fresh prefills read them directly, everything else from the cache.
     """
     out = torch.empty_like(query)
     for group in plan.decode_groups:
@@ -204,12 +234,24 @@ def paged_attention(
         out[group.row_start : group.row_end] = _decode_attention(
             query[group.row_start : group.row_end], key_cache, value_cache, group, scale
         )
+    for batch in plan.fresh_prefills:
+        rows = slice(batch.query_start, last_end(batch))
+        shape = (batch.num_rows, batch.query_len, -1, query.shape[-1])
+        o = F.scaled_dot_product_attention(
+            query[rows].reshape(shape).transpose(1, 2),
+            key[rows].reshape(shape).transpose(1, 2),
+            value[rows].reshape(shape).transpose(1, 2),
+            is_causal=True,
+            scale=scale,
+            enable_gqa=True,
+        )
+        out[rows] = o.transpose(1, 2).reshape(-1, *query.shape[1:])
     for row in plan.prefill_rows:
         q = query[row.query_start : row.query_start + row.query_len].transpose(0, 1).unsqueeze(0)
         k = _gather(key_cache, row.block_ids)[:, : row.seq_len].unsqueeze(0)
         v = _gather(value_cache, row.block_ids)[:, : row.seq_len].unsqueeze(0)
         o = F.scaled_dot_product_attention(
-            q, k, v, attn_mask=row.mask, is_causal=row.mask is None, scale=scale, enable_gqa=True
+            q, k, v, attn_mask=row.mask, scale=scale, enable_gqa=True
         )
         out[row.query_start : row.query_start + row.query_len] = o[0].transpose(0, 1)
     return out

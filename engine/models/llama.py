@@ -141,7 +141,9 @@ class Attention(nn.Module):
         v = qkv[:, self.q_size + self.kv_size :].view(n, self.num_kv_heads, self.head_dim)
         key_cache, value_cache = kv_cache
         write_kv(k, v, key_cache, value_cache, plan.slot_mapping)
-        out = paged_attention(q, key_cache, value_cache, plan, self.scale).view(n, self.q_size)
+        out = paged_attention(q, key_cache, value_cache, plan, self.scale, k, v).view(
+            n, self.q_size
+        )
         y = self.o_proj(out)
         if lora is not None:
             lora.apply(self.layer, O_PROJ, out, y)

@@ -67,7 +67,8 @@ def _attend(query, key_cache, value_cache, tables, lens, native_path):  # type: 
         native=native_path,
     )
     scale = query.shape[2] ** -0.5
-    out = paged_attention(query[order], key_cache, value_cache, plan, scale)
+    unused = torch.empty(0, key_cache.shape[0], key_cache.shape[3])  # no prefill rows
+    out = paged_attention(query[order], key_cache, value_cache, plan, scale, unused, unused)
     return out[np.argsort(order)]
 
 
