@@ -102,7 +102,6 @@ class EngineProcess(EngineClient):
         with _environ(OMP_WAIT_POLICY=os.environ.get("OMP_WAIT_POLICY", "PASSIVE")):
             self._process.start()
         child.close()
-        self._tokenizer = AutoTokenizer.from_pretrained(self.config.tokenizer or self.config.model)
         while True:
             try:
                 message = self._conn.recv()
@@ -117,6 +116,7 @@ class EngineProcess(EngineClient):
                 self._info, self._stats = message[1], message[2]
                 break
         info = self._info
+        self._tokenizer = AutoTokenizer.from_pretrained(self.config.tokenizer or self.config.model)
         self._grammars = grammar_cache(
             self.config, self._tokenizer, info.vocab_size, info.eos_token_ids
         )

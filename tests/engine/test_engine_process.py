@@ -148,3 +148,10 @@ async def test_a_dead_engine_fails_open_requests(demo_model_dir: Path) -> None:
     with pytest.raises(EngineDead):
         await _tokens(engine, "after", PROMPTS[0])
     await engine.shutdown(0)
+
+
+async def test_an_engine_that_cannot_start_says_why(tmp_path: Path) -> None:
+    engine = EngineProcess(EngineConfig(model=str(tmp_path / "no-model-here")))
+    with pytest.raises(RuntimeError, match="engine failed to start|exited while starting"):
+        engine.start()
+    assert not engine.is_alive
