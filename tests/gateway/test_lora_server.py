@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import asyncio
 import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import replace
 from pathlib import Path
 
 import httpx
@@ -14,7 +16,8 @@ from live_server import Server, live_server
 from adapters.peft import describe_base
 from adapters.registry import AdapterRegistry
 from engine import LLM, EngineConfig, LLMEngine, SamplingParams
-from engine.async_engine import AsyncEngine
+from engine.async_engine import AsyncEngine, EngineClient
+from engine.engine_process import EngineProcess
 from gateway.app import build_app
 
 MODEL = "demo"
@@ -29,16 +32,26 @@ def registry(demo_model_dir: Path, demo_adapters: dict[str, Path]) -> AdapterReg
     return registry
 
 
-@pytest.fixture(scope="module")
-def server(demo_model_dir: Path, registry: AdapterRegistry) -> Iterator[Server]:
+@pytest.fixture(scope="module", params=["thread", "process"])
+def server(
+    request: pytest.FixtureRequest, demo_model_dir: Path, registry: AdapterRegistry
+) -> Iterator[Server]:
+    """Both engine loops: adapters cross into the engine process as paths and identities."""
     config = EngineConfig(
         model=str(demo_model_dir), kv_cache_memory=64 << 20, max_model_len=512, max_loras=2
     )
-    engine = AsyncEngine(LLMEngine(config, lora_loader=registry.load), max_waiting=256)
+    engine: EngineClient
+    if request.param == "thread":
+        engine = AsyncEngine(LLMEngine(config, lora_loader=registry.load), max_waiting=256)
+    else:
+        engine = EngineProcess(
+            replace(config, num_threads=1), lora_loader=registry.loader, max_waiting=256
+        )
     engine.start()
     app = build_app(engine, MODEL, adapters=registry, allow_runtime_lora_updating=True)
     with live_server(app, engine) as server:
         yield server
+    asyncio.run(engine.shutdown(0))
 
 
 @pytest.fixture(scope="module")
@@ -155,6 +168,8 @@ def test_adapters_load_replace_and_unload_at_runtime(
     resp = httpx.post(f"{url}/v1/unload_lora_adapter", json={"lora_name": "runtime"})
     assert resp.status_code == 404
     assert server.wait_all_blocks_free()
+    if not isinstance(server.engine, AsyncEngine):
+        return  # what follows reads the engine's memory, in this process only
     lora = server.engine.engine.lora
     deadline = time.monotonic() + 5
     while time.monotonic() < deadline and {first_id, second_id} & (
