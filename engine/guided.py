@@ -445,46 +445,89 @@ def grammar_ready(request: Request) -> bool:
 # -- per step ------------------------------------------------------------------------------
 
 
+@dataclass(slots=True)
+class _GuidedRows:
+    rows: list[int]
+    matchers: list[Any]
+    filtered_rows: list[int]
+    token_filter: torch.Tensor | None  # an engine has one (JSON's), shared by every JSON row
+
+
 class GrammarBitmask:
     """The step's one token bitmask: every guided row filled in one call, then applied to
-    those rows of the logits in place. Unguided rows are never read or written."""
+    those rows of the logits in place. Unguided rows are never read or written.
+
+    The model runner calls `prefetch` before the forward pass: the rows' matchers already
+    hold every token sampled so far, so xgrammar fills the masks on a helper thread while
+    the forward runs (its ops release the GIL), and `apply` only waits for it."""
 
     def __init__(self) -> None:
         self._host: torch.Tensor | None = None  # [rows, ceil(vocab / 32)] int32, reused
         self._filler: xgr.BatchGrammarMatcher | None = None
+        self._executor: ThreadPoolExecutor | None = None
+        # (the step's requests, their guided rows, the host buffer, the fill in flight)
+        self._pending: tuple[Sequence[Request], _GuidedRows, torch.Tensor, Future[None]] | None
+        self._pending = None
+
+    def prefetch(self, requests: Sequence[Request], vocab: int, device: torch.device) -> None:
+        self._pending = None
+        guided = self._guided_rows(requests)
+        if guided is None:
+            return
+        host = self._host_rows(len(requests), (vocab + 31) // 32, device)
+        if self._executor is None:
+            self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="bitmask")
+        future = self._executor.submit(self._fill, guided, host)
+        self._pending = (requests, guided, host, future)
 
     def apply(self, logits: torch.Tensor, requests: Sequence[Request]) -> None:
-        rows: list[int] = []
-        matchers: list[xgr.GrammarMatcher] = []
-        filtered_rows: list[int] = []
-        token_filter = None  # an engine has one (JSON's), shared by every JSON row
+        pending, self._pending = self._pending, None
+        if pending is not None and pending[0] is requests:
+            _, guided, host, future = pending
+            future.result()
+        else:
+            found = self._guided_rows(requests)
+            if found is None:
+                return
+            guided = found
+            host = self._host_rows(len(requests), (logits.shape[-1] + 31) // 32, logits.device)
+            self._fill(guided, host)
+        mask = host[: len(requests)]
+        vocab = logits.shape[-1]
+        if logits.device.type == "cpu":
+            mask_logits_cpu(logits, mask, guided.rows)
+        else:
+            import xgrammar as xgr
+
+            mask = mask.to(logits.device, non_blocking=True)
+            xgr.apply_token_bitmask_inplace(logits, mask, vocab_size=vocab, indices=guided.rows)
+
+    @staticmethod
+    def _guided_rows(requests: Sequence[Request]) -> _GuidedRows | None:
+        guided = _GuidedRows([], [], [], None)
         for row, request in enumerate(requests):
             grammar = request.grammar
             if grammar is None:
                 continue
             assert grammar.matcher is not None  # admitted, so the gate saw it compiled
-            rows.append(row)
-            matchers.append(grammar.matcher)
+            guided.rows.append(row)
+            guided.matchers.append(grammar.matcher)
             if grammar.token_filter is not None:
-                filtered_rows.append(row)
-                token_filter = grammar.token_filter
-        if not rows:
-            return
+                guided.filtered_rows.append(row)
+                guided.token_filter = grammar.token_filter
+        return guided if guided.rows else None
+
+    def _fill(self, guided: _GuidedRows, host: torch.Tensor) -> None:
         import xgrammar as xgr
 
-        vocab = logits.shape[-1]
-        host = self._host_rows(len(requests), (vocab + 31) // 32, logits.device)
         if self._filler is None:
             self._filler = xgr.BatchGrammarMatcher()
-        self._filler.batch_fill_next_token_bitmask(matchers, host, rows)
-        if token_filter is not None:
-            host[filtered_rows] &= token_filter
-        mask = host[: len(requests)]
-        if logits.device.type == "cpu":
-            mask_logits_cpu(logits, mask, rows)
-        else:
-            mask = mask.to(logits.device, non_blocking=True)
-            xgr.apply_token_bitmask_inplace(logits, mask, vocab_size=vocab, indices=rows)
+        # The buffer may be an inference tensor (made in the step's inference mode, which is
+        # per thread): writing it in place needs that mode here too.
+        with torch.inference_mode():
+            self._filler.batch_fill_next_token_bitmask(guided.matchers, host, guided.rows)
+            if guided.token_filter is not None:
+                host[guided.filtered_rows] &= guided.token_filter
 
     def _host_rows(self, num_rows: int, words: int, device: torch.device) -> torch.Tensor:
         host = self._host

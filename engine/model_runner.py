@@ -107,6 +107,7 @@ class ModelRunner:
         self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
         self.lora: LoRAManager | None = None  # set by the engine when LoRA is enabled
         self.sampler = Sampler(self.device, config.seed)
+        self.vocab_size = int(hf_config.vocab_size)
         self.native_kernels = (
             config.cpu_kernels
             and self.device.type == "cpu"
@@ -238,6 +239,8 @@ class ModelRunner:
         ids_t = torch.from_numpy(input_ids).to(self.device)
         pos_t = torch.from_numpy(positions).to(self.device)
         lora = None if self.lora is None else self.lora.step_context(token_lora_slots)
+        if sample_rows:  # guided rows' masks fill on a helper thread beside the forward
+            self.sampler.grammar_bitmask.prefetch(sample_rows, self.vocab_size, self.device)
         hidden = self.model(ids_t, pos_t, plan, self.kv_caches, lora)
         if not sample_rows:
             return [], None
