@@ -105,6 +105,18 @@ def engine_stats(engine: LLMEngine) -> EngineStats:
     return stats
 
 
+def contained_step(
+    engine: LLMEngine,
+) -> tuple[list[SequenceUpdate], tuple[list[str], str] | None]:
+    """One step, its failure contained: (updates, None), or ([], (the failed requests' ids,
+    the error message)) after an exception, with their blocks freed; the loop goes on."""
+    try:
+        return engine.step(), None
+    except Exception as exc:  # noqa: BLE001 - fail the step's requests, keep serving
+        logger.exception("engine step failed")
+        return [], (engine.fail_running(), f"engine step failed: {type(exc).__name__}: {exc}")
+
+
 def finished_parents(engine: LLMEngine, updates: list[SequenceUpdate]) -> list[str]:
     """Caller requests whose every sequence has finished (n > 1 samples of one request
     may finish in the same step)."""
@@ -313,13 +325,11 @@ class AsyncEngine(EngineClient):
                 break
             if not engine.has_unfinished_requests():
                 continue
-            try:
-                updates = engine.step()
-            except Exception as exc:  # noqa: BLE001 - contain it: fail the step's requests, keep serving
-                logger.exception("engine step failed")
-                error = RuntimeError(f"engine step failed: {type(exc).__name__}: {exc}")
-                for request_id in engine.fail_running():
-                    self._refuse(request_id, error)
+            updates, failure = contained_step(engine)
+            if failure is not None:
+                failed, message = failure
+                for request_id in failed:
+                    self._refuse(request_id, RuntimeError(message))
                 continue
             self._deliver(updates, finished_parents(engine, updates))
 

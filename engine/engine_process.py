@@ -38,6 +38,7 @@ from engine.async_engine import (
     EngineStats,
     Message,
     apply_message,
+    contained_step,
     engine_stats,
     finished_parents,
 )
@@ -283,12 +284,9 @@ class _EngineLoop:
                     self._send_step([], force_stats=True)  # aborts: the gateway sees them gone
             if not engine.has_unfinished_requests():
                 continue
-            try:
-                updates = engine.step()
-            except Exception as exc:  # noqa: BLE001 - contain it: fail the step's requests, keep serving
-                logger.exception("engine step failed")
-                failed = engine.fail_running()
-                conn.send(("failed", failed, f"engine step failed: {type(exc).__name__}: {exc}"))
+            updates, failure = contained_step(engine)
+            if failure is not None:
+                conn.send(("failed", *failure))
                 continue
             self._send_step(updates, force_stats=not engine.has_unfinished_requests())
 

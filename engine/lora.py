@@ -157,7 +157,7 @@ class LoRAStep:
         if self.runs is not None:
             slots, starts, ends = self.runs
             torch.ops.loragate.add_lora_runs(
-                y, x, a, b, slots, starts, ends, m.widths[target], m._flat_segments[target]
+                y, x, a, b, slots, starts, ends, m.widths[target], m.flat_segments[target]
             )
         elif self.masks is not None:
             add_lora_masked(y, x, a, b, self.masks[target])
@@ -234,7 +234,7 @@ class LoRAManager:
         self.segments: list[list[list[tuple[int, int, int, int]]]] = [
             [[] for _ in range(max_loras)] for _ in targets
         ]
-        self._flat_segments = [_flatten(t) for t in self.segments]
+        self.flat_segments = [_flatten(t) for t in self.segments]
         self.slots = [_Slot() for _ in range(max_loras)]
         self.slot_of: dict[str, int] = {}
         self.cpu_cache: OrderedDict[str, PackedLoRA] = OrderedDict()
@@ -447,7 +447,7 @@ class LoRAManager:
                 b_slot[:, width:written].zero_()
             self.widths[t][slot] = self._written[t][slot] = width
             self.segments[t][slot] = segments
-            self._flat_segments[t] = _flatten(self.segments[t])
+            self.flat_segments[t] = _flatten(self.segments[t])
         self.slots[slot].adapter_id = packed.adapter_id
         self.slot_of[packed.adapter_id] = slot
         self.num_loads += 1

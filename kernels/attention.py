@@ -55,8 +55,10 @@ class DecodeGroup:
     row_end: int
     shared_block_ids: torch.Tensor | None  # [num_shared] blocks every row of the group starts with
     block_tables: torch.Tensor  # [rows, max_tail_blocks]: each row's blocks after the shared ones
-    mask: torch.Tensor  # [1, rows, 1, max_tail_blocks * block_size] bool: key within the row
-    seq_lens: torch.Tensor  # [rows] int64, shared blocks included
+    # The torch path's [1, rows, 1, max_tail_blocks * block_size] bool (key within the row);
+    # the C++ kernel's [rows] int64 lengths, shared blocks included. Each only for its path.
+    mask: torch.Tensor | None
+    seq_lens: torch.Tensor | None
 
 
 @dataclass(slots=True)
@@ -68,6 +70,10 @@ class FreshPrefills:
     query_start: int
     num_rows: int
     query_len: int
+
+    @property
+    def end(self) -> int:
+        return self.query_start + self.num_rows * self.query_len
 
 
 @dataclass(slots=True)
@@ -106,7 +112,9 @@ def build_plan(
             bt[i, : len(table)] = table
         lens = seq_lens[:num_decode]
         for start, end in [(0, num_decode)] if native else _split_by_length(lens):
-            groups.append(_decode_group(bt[start:end], lens[start:end], start, block_size, device))
+            groups.append(
+                _decode_group(bt[start:end], lens[start:end], start, block_size, device, native)
+            )
     prefill_rows: list[PrefillRow] = []
     fresh: list[FreshPrefills] = []
     query_start = int(query_lens[:num_decode].sum())
@@ -114,7 +122,7 @@ def build_plan(
         q_len, s_len = int(query_lens[i]), int(seq_lens[i])
         if s_len == q_len:  # no cached context
             last = fresh[-1] if fresh else None
-            if last and last.query_len == q_len and last_end(last) == query_start:
+            if last and last.query_len == q_len and last.end == query_start:
                 last.num_rows += 1
             else:
                 fresh.append(FreshPrefills(query_start, 1, q_len))
@@ -137,10 +145,6 @@ def build_plan(
     )
 
 
-def last_end(batch: FreshPrefills) -> int:
-    return batch.query_start + batch.num_rows * batch.query_len
-
-
 def _split_by_length(lens: np.ndarray) -> list[tuple[int, int]]:
     """Split length-sorted rows into 1, 2 or 4 even groups, whichever pads least."""
     n = len(lens)
@@ -158,7 +162,12 @@ def _split_by_length(lens: np.ndarray) -> list[tuple[int, int]]:
 
 
 def _decode_group(
-    bt: np.ndarray, lens: np.ndarray, row_start: int, block_size: int, device: torch.device
+    bt: np.ndarray,
+    lens: np.ndarray,
+    row_start: int,
+    block_size: int,
+    device: torch.device,
+    native: bool,
 ) -> DecodeGroup:
     rows = len(lens)
     num_shared = 0
@@ -170,10 +179,12 @@ def _decode_group(
     shared = torch.from_numpy(bt[0, :num_shared].copy()).to(device) if num_shared else None
     tail_blocks = int(-(-lens.max() // block_size)) - num_shared
     tables = torch.from_numpy(bt[:, num_shared : num_shared + tail_blocks].copy()).to(device)
+    if native:
+        seq_lens = torch.from_numpy(lens.astype(np.int64, copy=True)).to(device)
+        return DecodeGroup(row_start, row_start + rows, shared, tables, None, seq_lens)
     key_pos = np.arange(tail_blocks * block_size) + num_shared * block_size
     mask = torch.from_numpy(key_pos[None, :] < lens[:, None]).view(1, rows, 1, -1).to(device)
-    seq_lens = torch.from_numpy(lens.astype(np.int64, copy=True)).to(device)
-    return DecodeGroup(row_start, row_start + rows, shared, tables, mask, seq_lens)
+    return DecodeGroup(row_start, row_start + rows, shared, tables, mask, None)
 
 
 def write_kv(
@@ -235,7 +246,7 @@ def paged_attention(
             query[group.row_start : group.row_end], key_cache, value_cache, group, scale
         )
     for batch in plan.fresh_prefills:
-        rows = slice(batch.query_start, last_end(batch))
+        rows = slice(batch.query_start, batch.end)
         shape = (batch.num_rows, batch.query_len, -1, query.shape[-1])
         o = F.scaled_dot_product_attention(
             query[rows].reshape(shape).transpose(1, 2),
@@ -276,6 +287,7 @@ def _decode_attention(
     k_tail = _gather(key_cache, group.block_tables)  # [kvh, D, L, d]
     v_tail = _gather(value_cache, group.block_tables)
     s_tail = torch.matmul(q, k_tail.transpose(-1, -2))  # [kvh, D, G, L]
+    assert group.mask is not None, "a plan built for the C++ kernel"
     s_tail = s_tail.masked_fill_(~group.mask, float("-inf"))
     m = s_tail.amax(dim=-1, keepdim=True)
 

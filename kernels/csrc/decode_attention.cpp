@@ -172,6 +172,15 @@ void decode_attention(const at::Tensor& query, const at::Tensor& key_cache,
   const float fscale = static_cast<float>(scale);
 
   const int64_t shared_len = num_shared * block_size;
+  // Each row's own blocks after the shared ones: fn(row, the block's offset in a head's
+  // cache, its first position in the row, its tokens in use).
+  auto for_each_tail_block = [&](auto&& fn) {
+    for (int64_t r = 0; r < rows; ++r)
+      for (int64_t pos = shared_len; pos < lens[r]; pos += block_size) {
+        const int64_t id = tails[r * tail_width + pos / block_size - num_shared];
+        fn(r, id * block_elems, pos, std::min(block_size, lens[r] - pos));
+      }
+  };
   at::parallel_for(0, kv_heads, 1, [&](int64_t g_begin, int64_t g_end) {
     // scores[(r * per_kv + h) * max_len + t]; the scaled queries of this kv head's heads.
     std::vector<float> scores(rows * per_kv * max_len);
@@ -223,11 +232,9 @@ void decode_attention(const at::Tensor& query, const at::Tensor& key_cache,
         for (int64_t i = 0; i < rows * per_kv; ++i)
           std::copy_n(ss + i * shared_len, shared_len, scores.data() + i * max_len);
       }
-      for (int64_t r = 0; r < rows; ++r)
-        for (int64_t pos = shared_len; pos < lens[r]; pos += block_size) {
-          const int64_t id = tails[r * tail_width + pos / block_size - num_shared];
-          score(K + id * block_elems, r, pos, std::min(block_size, lens[r] - pos));
-        }
+      for_each_tail_block([&](int64_t r, int64_t offset, int64_t pos, int64_t n) {
+        score(K + offset, r, pos, n);
+      });
       for (int64_t r = 0; r < rows; ++r)
         for (int64_t h = 0; h < per_kv; ++h) {
           float* s = scores.data() + (r * per_kv + h) * max_len;
@@ -245,11 +252,9 @@ void decode_attention(const at::Tensor& query, const at::Tensor& key_cache,
             std::copy_n(so + (r * per_kv + h) * dim, dim,
                         o_base + r * o_row + (g * per_kv + h) * o_head);
       }
-      for (int64_t r = 0; r < rows; ++r)
-        for (int64_t pos = shared_len; pos < lens[r]; pos += block_size) {
-          const int64_t id = tails[r * tail_width + pos / block_size - num_shared];
-          accumulate(V + id * block_elems, r, pos, std::min(block_size, lens[r] - pos));
-        }
+      for_each_tail_block([&](int64_t r, int64_t offset, int64_t pos, int64_t n) {
+        accumulate(V + offset, r, pos, n);
+      });
       for (int64_t r = 0; r < rows; ++r)
         for (int64_t h = 0; h < per_kv; ++h) {
           float* o = o_base + r * o_row + (g * per_kv + h) * o_head;
