@@ -48,6 +48,8 @@ def _build_and_load() -> bool:
     try:
         from torch.utils import cpp_extension
 
+        _put_pinned_ninja_on_path()
+
         build_dir = _build_dir()
         build_dir.mkdir(parents=True, exist_ok=True)
         logger.info("loading CPU kernels (compiled once per machine into %s)", build_dir)
@@ -63,6 +65,18 @@ def _build_and_load() -> bool:
         logger.warning("CPU kernels unavailable, using the torch path: %s", exc)
         return False
     return all(hasattr(torch.ops.loragate, op) for op in OPS)
+
+
+def _put_pinned_ninja_on_path() -> None:
+    """torch runs `ninja` from PATH: prefer the pinned one of this environment (pyproject's
+    ninja wheel), which a bare `.venv/bin/python` does not have on its PATH."""
+    try:
+        import ninja
+    except ImportError:
+        return  # a system ninja, if any
+    path = os.environ.get("PATH", "")
+    if ninja.BIN_DIR not in path.split(os.pathsep):
+        os.environ["PATH"] = os.pathsep.join([ninja.BIN_DIR, path])
 
 
 def _build_dir() -> Path:
