@@ -40,14 +40,17 @@ def _stacks(
 def test_runs_match_the_grouped_specification(dtype: torch.dtype) -> None:
     a, b, widths, flat = _stacks([8, 4, 16, 2], [[0, 1, 2], [0, 2], [1], []], dtype)
     runs = [(0, 0, 5), (2, 5, 6), (1, 6, 20), (3, 20, 22), (0, 22, 23)]  # slot 3: nothing
-    x = torch.randn(25, 96, dtype=dtype)
-    base = torch.randn(25, 128, dtype=dtype)
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(25, 96, dtype=dtype, generator=g)
+    base = torch.randn(25, 128, dtype=dtype, generator=g)
     expected = base.clone()
     add_lora(expected, x, a, b, [LoRAGroup(s, slice(i, j)) for s, i, j in runs], widths)
     got = base.clone()
     slots, starts, ends = (list(c) for c in zip(*runs, strict=True))
     torch.ops.loragate.add_lora_runs(got, x, a, b, slots, starts, ends, widths, flat)
-    torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
+    # Outputs reach ~100 here: float32 sums in another order differ by ~1e-7 of that scale.
+    scale = float(expected.abs().max())
+    torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5 * scale)
     assert torch.equal(got[23:], base[23:])  # rows in no run are untouched
 
 
