@@ -11,8 +11,10 @@ runs `step()` back to back while there is work (torch releases the GIL inside it
 ops, so the event loop keeps serving HTTP). Messages reach it through a
 thread-safe queue that the loop drains between steps.
 
-Failure containment: an exception inside a step fails the requests of that
-step with an error update, frees their blocks, and the loop keeps serving.
+Failure containment: an exception inside a forward pass fails only the requests
+that cause it (LLMEngine.step pins it on them); anything else the loop raises
+fails the requests that were running, frees their blocks, and the loop keeps
+serving.
 """
 
 from __future__ import annotations
@@ -77,6 +79,7 @@ class EngineStats:
     prefix_cache_queries: int = 0
     prefix_cache_hits: int = 0
     num_preemptions: int = 0
+    num_failed_requests: int = 0  # sequences that alone failed an engine step
     max_loras: int | None = None  # None: LoRA disabled
     running_adapters: list[str] = field(default_factory=list)
     waiting_adapters: list[str] = field(default_factory=list)
@@ -95,6 +98,7 @@ def engine_stats(engine: LLMEngine) -> EngineStats:
         prefix_cache_queries=engine.kv.num_queried_tokens,
         prefix_cache_hits=engine.kv.num_hit_tokens,
         num_preemptions=scheduler.num_preemptions,
+        num_failed_requests=engine.num_failed_requests,
     )
     if lora is not None:
         stats.max_loras = lora.max_loras
@@ -157,6 +161,13 @@ class EngineClient(ABC):
     @abstractmethod
     def is_alive(self) -> bool: ...
 
+    @property
+    def health(self) -> str:
+        """What /health reports: ok, stopping, restarting or dead."""
+        if self._stopping.is_set():
+            return "stopping"
+        return "ok" if self.is_alive else "dead"
+
     @abstractmethod
     async def shutdown(self, grace_period: float = 10.0) -> None:
         """Stop admitting, let running requests finish for `grace_period`, abort the rest."""
@@ -168,6 +179,10 @@ class EngineClient(ABC):
     @property
     @abstractmethod
     def max_model_len(self) -> int: ...
+
+    @property
+    @abstractmethod
+    def vocab_size(self) -> int: ...
 
     @abstractmethod
     async def compile_grammar(self, spec: GuidedSpec) -> None:
@@ -198,7 +213,7 @@ class EngineClient(ABC):
         the queue is full. Leaving the iteration early (client gone) aborts it.
         """
         if not self.is_alive:
-            raise EngineDead("the engine is not running")
+            raise EngineDead(f"the engine is not serving ({self.health})")
         with self._lock:
             if self._num_pending >= self.max_waiting + self.max_num_seqs:
                 raise EngineOverloaded("too many requests are waiting")
@@ -303,6 +318,10 @@ class AsyncEngine(EngineClient):
     def max_model_len(self) -> int:
         return self.engine.max_model_len
 
+    @property
+    def vocab_size(self) -> int:
+        return self.engine.vocab_size
+
     async def compile_grammar(self, spec: GuidedSpec) -> None:
         await self.engine.grammars.compile(spec)
 
@@ -315,23 +334,34 @@ class AsyncEngine(EngineClient):
     # -- the loop thread ----------------------------------------------------------------------
 
     def _run(self) -> None:
-        engine = self.engine
         while True:
-            block = not engine.has_unfinished_requests()
-            if not self._drain(block):
-                for request_id in list(self._streams):
-                    engine.abort(request_id)
-                self._refuse_all(EngineDead("the server is shutting down"))
-                break
-            if not engine.has_unfinished_requests():
-                continue
-            updates, failure = contained_step(engine)
-            if failure is not None:
-                failed, message = failure
-                for request_id in failed:
-                    self._refuse(request_id, RuntimeError(message))
-                continue
-            self._deliver(updates, finished_parents(engine, updates))
+            try:
+                if not self._iterate():
+                    return
+            except Exception:  # noqa: BLE001 - a bug in the loop must not end it
+                logger.exception("the engine loop failed; failing its running requests")
+                for request_id in self.engine.fail_running():
+                    self._refuse(request_id, RuntimeError("the engine loop failed"))
+
+    def _iterate(self) -> bool:
+        """Apply queued messages, run one step; False when told to exit."""
+        engine = self.engine
+        block = not engine.has_unfinished_requests()
+        if not self._drain(block):
+            for request_id in list(self._streams):
+                engine.abort(request_id)
+            self._refuse_all(EngineDead("the server is shutting down"))
+            return False
+        if not engine.has_unfinished_requests():
+            return True
+        updates, failure = contained_step(engine)
+        if failure is not None:
+            failed, message = failure
+            for request_id in failed:
+                self._refuse(request_id, RuntimeError(message))
+            return True
+        self._deliver(updates, finished_parents(engine, updates))
+        return True
 
     def _drain(self, block: bool) -> bool:
         """Apply queued messages; False when told to exit."""

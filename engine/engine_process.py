@@ -9,10 +9,13 @@ queued) and the last stats snapshot (/metrics).
 
 One pipe each way carries pickled messages: `Add` / `Abort` / `UnloadLoRA` (and
 None: stop) in; per step one message with the step's updates, the requests now
-finished and, at most every STATS_INTERVAL, an `EngineStats` out. A reader thread
-in the gateway process hands the updates to asyncio (`EngineClient._deliver`).
-If the engine process dies, every open request fails with EngineDead and
-/health turns 503.
+finished and, at most every STATS_INTERVAL, an `EngineStats` out. A supervisor
+thread in the gateway process hands the updates to asyncio (`EngineClient._deliver`).
+If the engine process dies, every open request fails with EngineDead (503), /health
+says "restarting", and the supervisor starts a new engine process with back-off
+(`restart=False`: it stays dead). The engine process ignores SIGINT and SIGTERM:
+a signal to the whole process group (Ctrl-C, a container stop) reaches the gateway,
+which drains and stops it in order.
 """
 
 from __future__ import annotations
@@ -23,6 +26,7 @@ import logging
 import multiprocessing as mp
 import os
 import pickle
+import signal
 import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
@@ -51,6 +55,9 @@ logger = logging.getLogger(__name__)
 
 # Seconds between stats snapshots sent with step results (and one whenever the engine idles).
 STATS_INTERVAL = 0.05
+# Restarting a dead engine: the wait doubles after each death or failed start, from MIN up to
+# MAX, and falls back to MIN once an engine has run for RESET seconds.
+RESTART_DELAY_MIN, RESTART_DELAY_MAX, RESTART_DELAY_RESET = 1.0, 30.0, 60.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -70,28 +77,52 @@ class EngineProcess(EngineClient):
         lora_loader: LoRALoader | None = None,
         preload: Sequence[LoRARequest] = (),
         max_waiting: int = 1024,
+        restart: bool = True,
     ) -> None:
         super().__init__(max_waiting, config.max_num_seqs)
         self.config = config
+        self.restart = restart
         self._lora_loader = lora_loader
         self._preload = list(preload)
         self._process: Any = None
         self._conn: Connection | None = None
         self._send_lock = threading.Lock()
-        self._reader: threading.Thread | None = None
+        self._supervisor: threading.Thread | None = None
         self._info: EngineInfo | None = None
         self._stats = EngineStats()
         self._tokenizer: Any = None
         self._grammars: GrammarCache | None = None
+        self._state = "stopped"
+        self._started_at = 0.0
+        self._restart_delay = RESTART_DELAY_MIN
 
     # -- lifecycle ----------------------------------------------------------------------------
 
     def start(self, progress: Callable[[int, int], None] | None = None) -> None:
         """Spawn the engine process and wait until its model is loaded (`progress` gets
         (tensors loaded, total) as it goes). Raises RuntimeError if it cannot start."""
+        self._state = "starting"
+        try:
+            self._spawn(progress)
+        except RuntimeError:
+            self._state = "dead"
+            raise
+        info = self._info
+        assert info is not None
+        self._tokenizer = AutoTokenizer.from_pretrained(self.config.tokenizer or self.config.model)
+        self._grammars = grammar_cache(
+            self.config, self._tokenizer, info.vocab_size, info.eos_token_ids
+        )
+        self._state = "ok"
+        self._supervisor = threading.Thread(
+            target=self._supervise, name="engine-supervisor", daemon=True
+        )
+        self._supervisor.start()
+
+    def _spawn(self, progress: Callable[[int, int], None] | None) -> None:
         context = mp.get_context("spawn")  # fork would copy this process's torch threads
-        self._conn, child = context.Pipe()
-        self._process = context.Process(
+        conn, child = context.Pipe()
+        process = context.Process(
             target=run_engine,
             args=(child, self.config, self._lora_loader, self._preload),
             name="loragate-engine",
@@ -101,48 +132,55 @@ class EngineProcess(EngineClient):
         # parallel regions rather than spin, so that a prefill's second thread gives its
         # core back to the HTTP side at once. An explicit setting is kept.
         with _environ(OMP_WAIT_POLICY=os.environ.get("OMP_WAIT_POLICY", "PASSIVE")):
-            self._process.start()
+            process.start()
         child.close()
         while True:
             try:
-                message = self._conn.recv()
+                message = conn.recv()
             except EOFError:
+                process.join(5)
                 raise RuntimeError("the engine process exited while starting") from None
             if message[0] == "progress" and progress is not None:
                 progress(message[1], message[2])
             elif message[0] == "fatal":
-                self._process.join(5)
+                process.join(5)
                 raise RuntimeError(f"the engine failed to start: {message[1]}")
             elif message[0] == "ready":
                 self._info, self._stats = message[1], message[2]
                 break
-        info = self._info
-        self._tokenizer = AutoTokenizer.from_pretrained(self.config.tokenizer or self.config.model)
-        self._grammars = grammar_cache(
-            self.config, self._tokenizer, info.vocab_size, info.eos_token_ids
-        )
-        self._reader = threading.Thread(target=self._read, name="engine-reader", daemon=True)
-        self._reader.start()
+        with self._send_lock:
+            if self._conn is not None:
+                self._conn.close()  # a dead engine's end of the pipe
+            self._process, self._conn = process, conn
+        self._started_at = time.monotonic()
 
     @property
     def is_alive(self) -> bool:
         return (
-            self._reader is not None
-            and self._reader.is_alive()
+            self._state == "ok"
+            and self._process is not None
             and self._process.is_alive()
             and not self._stopping.is_set()
         )
 
+    @property
+    def health(self) -> str:
+        if self._stopping.is_set():
+            return "stopping"
+        if self._state == "ok" and not (self._process is not None and self._process.is_alive()):
+            return "restarting" if self.restart else "dead"
+        return self._state
+
     async def shutdown(self, grace_period: float = 10.0) -> None:
         await self._drain_pending(grace_period)
-        with contextlib.suppress(OSError, ValueError):
+        with contextlib.suppress(OSError, ValueError, AssertionError):
             self._send(None)  # the engine aborts what is left and exits
         if self._process is not None:
             await asyncio.to_thread(self._process.join, 10.0)
             if self._process.is_alive():
                 self._process.terminate()
-        if self._reader is not None:
-            await asyncio.to_thread(self._reader.join, 5.0)
+        if self._supervisor is not None:
+            await asyncio.to_thread(self._supervisor.join, 5.0)
 
     # -- what the gateway reads -----------------------------------------------------------
 
@@ -154,6 +192,11 @@ class EngineProcess(EngineClient):
     def max_model_len(self) -> int:
         assert self._info is not None, "start() first"
         return self._info.max_model_len
+
+    @property
+    def vocab_size(self) -> int:
+        assert self._info is not None, "start() first"
+        return self._info.vocab_size
 
     async def compile_grammar(self, spec: GuidedSpec) -> None:
         assert self._grammars is not None, "start() first"
@@ -176,8 +219,50 @@ class EngineProcess(EngineClient):
         with self._send_lock:
             self._conn.send(message)
 
-    def _read(self) -> None:
-        """The reader thread: engine results to the event loops, until the pipe closes."""
+    def _supervise(self) -> None:
+        """The supervisor thread: reads the engine's results, and restarts an engine process
+        that died (with back-off) unless told not to."""
+        while True:
+            if self._read():
+                logger.info("the engine process stopped")
+                return
+            self._process.join(1.0)
+            if self._stopping.is_set():
+                logger.info("the engine process stopped (exit code %s)", self._process.exitcode)
+                self._refuse_all(EngineDead("the server is shutting down"))
+                return
+            logger.error(
+                "the engine process exited unexpectedly (exit code %s); its requests failed",
+                self._process.exitcode,
+            )
+            self._refuse_all(EngineDead("the engine process exited; this request was lost"))
+            if not self.restart or not self._respawn():
+                self._state = "dead"
+                return
+
+    def _respawn(self) -> bool:
+        """Start a new engine process, waiting longer after each quick death; False when the
+        server stops first."""
+        self._state = "restarting"
+        if time.monotonic() - self._started_at > RESTART_DELAY_RESET:
+            self._restart_delay = RESTART_DELAY_MIN
+        while True:
+            logger.warning("restarting the engine in %.0f s", self._restart_delay)
+            if self._stopping.wait(self._restart_delay):
+                return False
+            self._restart_delay = min(2 * self._restart_delay, RESTART_DELAY_MAX)
+            try:
+                self._spawn(None)
+            except RuntimeError as exc:
+                logger.error("the engine did not restart: %s", exc)
+                continue
+            self._state = "ok"
+            logger.info("the engine process is back")
+            return True
+
+    def _read(self) -> bool:
+        """Engine results to the event loops until the pipe closes; True when the engine
+        said it stopped, False when it died."""
         assert self._conn is not None
         try:
             while True:
@@ -194,10 +279,10 @@ class EngineProcess(EngineClient):
                     for request_id in message[1]:
                         self._refuse(request_id, RuntimeError(message[2]))
                 elif kind == "stopped":
-                    break
+                    self._refuse_all(EngineDead("the server is shutting down"))
+                    return True
         except (EOFError, OSError):
-            logger.error("the engine process exited")
-        self._refuse_all(EngineDead("the engine process exited"))
+            return False
 
 
 @contextlib.contextmanager
@@ -225,6 +310,9 @@ def run_engine(
 ) -> None:
     """The engine process's main: load, report ready, then step until told to stop."""
     logging.basicConfig(level=logging.INFO, format="%(levelname)s [engine] %(message)s")
+    # The gateway process decides when this one stops (it sends None, or its pipe closes).
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
     retain_freed_memory()
     try:
         engine = LLMEngine(

@@ -13,14 +13,18 @@ from transformers import AutoConfig, AutoTokenizer
 from engine.config import EngineConfig
 from engine.detokenizer import IncrementalDetokenizer
 from engine.guided import GrammarCache, GuidedSpecError, grammar_ready
-from engine.kv_cache.manager import KVCacheManager
+from engine.kv_cache.manager import KVCacheManager, cdiv
 from engine.lora import LoRALoader, LoRAManager, LoRARequest, llama_fused_targets
 from engine.model_runner import ModelRunner, ProgressFn
 from engine.outputs import CompletionOutput, RequestOutput, SequenceUpdate
 from engine.request import Request, RequestStatus, SamplingParams
-from engine.scheduler import Scheduler
+from engine.scheduler import Scheduler, SchedulerOutput
+from engine.step_failure import Rows, isolate_failures
 
 logger = logging.getLogger(__name__)
+
+# Failed steps in a row that no single request explains before their requests fail.
+MAX_UNEXPLAINED_FAILURES = 8
 
 
 @dataclass(slots=True)
@@ -85,6 +89,8 @@ class LLMEngine:
         self.scheduler.admission_gates.append(grammar_ready)
         # Guided sequences whose matcher does not exist yet (compiling, or not looked at).
         self._awaiting_grammar: dict[str, _Sequence] = {}
+        self.num_failed_requests = 0  # sequences a failed step was pinned on
+        self._num_unexplained_failures = 0
         logger.info(
             "KV cache: %d blocks x %d tokens = %d tokens (%.1f MiB, %s); max concurrency at "
             "max_model_len=%d: %.1fx",
@@ -130,7 +136,7 @@ class LLMEngine:
         for index in range(params.n):
             child_params = params
             if params.n > 1:
-                seed = None if params.seed is None else params.seed + index
+                seed = None if params.seed is None else (params.seed + index) & (2**64 - 1)
                 child_params = replace(params, n=1, seed=seed)
             child_id = request_id if params.n == 1 else f"{request_id}#{index}"
             request = Request(
@@ -160,11 +166,26 @@ class LLMEngine:
             raise ValueError("the prompt is empty")
         if min(prompt_ids) < 0 or max(prompt_ids) >= self.vocab_size:
             raise ValueError(f"prompt token ids must be in [0, {self.vocab_size})")
-        max_tokens = params.max_tokens or 1
-        if len(prompt_ids) + max_tokens > self.max_model_len:
+        out_of_vocab = [t for t in params.stop_token_ids if t >= self.vocab_size]
+        out_of_vocab += [t for t in params.logit_bias or () if t >= self.vocab_size]
+        if out_of_vocab:
+            raise ValueError(
+                f"token id {out_of_vocab[0]} is outside the vocabulary [0, {self.vocab_size})"
+            )
+        max_tokens = params.max_tokens or self.max_model_len - len(prompt_ids)
+        if len(prompt_ids) + max(1, max_tokens) > self.max_model_len:
             raise ValueError(
                 f"this model's maximum context length is {self.max_model_len} tokens; the "
                 f"request asks for {len(prompt_ids)} prompt tokens plus {max_tokens} output tokens"
+            )
+        # Every sample may need its whole length at once; a request that could never
+        # hold them all is refused, not left to preempt itself forever.
+        blocks = params.n * cdiv(len(prompt_ids) + max_tokens, self.config.block_size)
+        if blocks > self.kv.pool.num_blocks:
+            raise ValueError(
+                f"n={params.n} samples of up to {len(prompt_ids) + max_tokens} tokens need "
+                f"{blocks} KV blocks; the cache holds {self.kv.pool.num_blocks}: lower n or "
+                "max_tokens"
             )
 
     def abort(self, request_id: str) -> None:
@@ -175,10 +196,10 @@ class LLMEngine:
             self.scheduler.finish(seq.request, RequestStatus.FINISHED_ABORTED)
 
     def fail_running(self) -> list[str]:
-        """After a step raised: the running requests' new KV may be half-written.
-
-        Drops their blocks from the prefix cache, aborts every request that had a
-        sequence running, and returns those request ids.
+        """The last resort, after the step loop raised outside the forward pass (whose
+        failures `step` pins on their requests): the running requests' new KV may be
+        half-written. Drops their blocks from the prefix cache, aborts every request that
+        had a sequence running, and returns those request ids.
         """
         parents = {self.sequences[r.request_id].parent_id for r in self.scheduler.running}
         for request in self.scheduler.running:
@@ -202,7 +223,11 @@ class LLMEngine:
                 # grammar compile): give those threads the GIL instead of spinning.
                 time.sleep(0.001)
             return updates
-        sampled, sampler_out = self.runner.execute(sched, self.kv)
+        try:
+            sampled, sampler_out = self.runner.execute(sched, self.kv)
+        except Exception as exc:  # noqa: BLE001 - fail the requests that cause it, alone
+            return updates + self._contain_step_failure(sched.scheduled, exc)
+        self._num_unexplained_failures = 0
         for request, num_new in sched.scheduled:
             request.num_computed_tokens += num_new
         if sampler_out is None:
@@ -212,16 +237,69 @@ class LLMEngine:
             sampled, sampler_out.token_ids, sampler_out.logprobs, strict=True
         ):
             seq = self.sequences[request.request_id]
-            request.all_token_ids.append(token_id)
-            if request.first_token_time is None:
-                request.first_token_time = now
-            if logprobs is not None and request.logprobs is not None:
-                request.logprobs.append(logprobs)
-            status = self._check_stop(seq, token_id)
-            if status is not None:
-                self._finish(seq, status)
-            updates.append(self._update(seq, token_id, logprobs))
+            try:
+                updates.append(self._append_token(seq, token_id, logprobs, now))
+            except Exception as exc:  # noqa: BLE001 - a stop check or detokenizer failure
+                logger.exception("request %s failed after its step", seq.parent_id)
+                self.num_failed_requests += 1
+                updates.append(self._fail(request, _failure_message(exc)))
         return updates
+
+    def _append_token(
+        self, seq: _Sequence, token_id: int, logprobs: dict[int, float] | None, now: float
+    ) -> SequenceUpdate:
+        request = seq.request
+        request.all_token_ids.append(token_id)
+        if request.first_token_time is None:
+            request.first_token_time = now
+        if logprobs is not None and request.logprobs is not None:
+            request.logprobs.append(logprobs)
+        status = self._check_stop(seq, token_id)
+        if status is not None:
+            self._finish(seq, status)
+        return self._update(seq, token_id, logprobs)
+
+    def _contain_step_failure(self, scheduled: Rows, error: Exception) -> list[SequenceUpdate]:
+        """A step raised: fail only the requests that make it fail, roll the step back for
+        every other, and let those continue from where they were (their tokens unchanged)."""
+        logger.warning(
+            "a step of %d requests failed (%s: %s); re-running it in parts to find the "
+            "requests that fail it",
+            len(scheduled),
+            type(error).__name__,
+            error,
+        )
+        culprits = isolate_failures(scheduled, self._run_rows, error)
+        failing = {id(request) for request, _ in culprits}
+        for request in self.kv.roll_back_step(scheduled):
+            if id(request) not in failing:
+                self.scheduler.preempt(request)  # it hit KV the failed step never wrote
+        if not culprits:
+            # Every part runs alone: the batch fails only as a whole (memory, say). Shrink it
+            # by preempting the newest request, as when KV blocks run out; give up on the
+            # step's requests only if that keeps failing.
+            self._num_unexplained_failures += 1
+            if self._num_unexplained_failures <= MAX_UNEXPLAINED_FAILURES:
+                if self.scheduler.running:
+                    self.scheduler.preempt(self.scheduler.running[-1])
+                return []
+            culprits = [(r, error) for r, _ in scheduled if r.status == RequestStatus.RUNNING]
+        self._num_unexplained_failures = 0
+        updates = []
+        for request, exc in culprits:
+            logger.error(
+                "request %s failed the engine step; it alone fails",
+                self.sequences[request.request_id].parent_id,
+                exc_info=exc,
+            )
+            updates.append(self._fail(request, _failure_message(exc)))
+        self.num_failed_requests += len(culprits)
+        return updates
+
+    def _run_rows(self, rows: Rows) -> None:
+        """A diagnostic forward of some of a failed step's rows; raises as they do."""
+        num_tokens = sum(n for _, n in rows)
+        self.runner.execute(SchedulerOutput(scheduled=rows, num_batched_tokens=num_tokens), self.kv)
 
     def _start_grammars(self) -> list[SequenceUpdate]:
         """Give each guided sequence whose grammar compiled its matcher (the admission gate
@@ -271,7 +349,7 @@ class LLMEngine:
         return None
 
     def _fail(self, request: Request, error: str) -> SequenceUpdate:
-        """A waiting request that can never run: finish it with an error update."""
+        """A request that can never run, or that failed: finish it with an error update."""
         seq = self.sequences[request.request_id]
         request.error = error
         self._finish(seq, RequestStatus.FINISHED_ERROR)
@@ -306,6 +384,10 @@ class LLMEngine:
             stop_reason=request.stop_reason,
             error=request.error,
         )
+
+
+def _failure_message(exc: BaseException) -> str:
+    return f"the engine failed on this request: {type(exc).__name__}: {exc}"
 
 
 def grammar_cache(

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import enum
+import math
 import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -95,6 +96,16 @@ class GuidedSpec:
         return "choice" if self.choice is not None else "grammar"
 
 
+_FLOAT_FIELDS = (
+    "temperature",
+    "top_p",
+    "min_p",
+    "presence_penalty",
+    "frequency_penalty",
+    "repetition_penalty",
+)
+
+
 @dataclass(slots=True)
 class SamplingParams:
     """What to generate and when to stop. Names and defaults follow vLLM's."""
@@ -107,7 +118,8 @@ class SamplingParams:
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
-    seed: int | None = None
+    seed: int | None = None  # any 64-bit integer, signed or not
+    logit_bias: dict[int, float] | None = None  # token id -> added to its logit, in [-100, 100]
     max_tokens: int | None = 16  # None: up to max_model_len
     min_tokens: int = 0
     stop: list[str] = field(default_factory=list)
@@ -126,6 +138,18 @@ class SamplingParams:
         """Raise ValueError naming the first bad field; the gateway maps it to HTTP 400."""
         if self.n < 1:
             raise ValueError(f"n must be at least 1, got {self.n}")
+        for name in _FLOAT_FIELDS:
+            if not math.isfinite(getattr(self, name)):
+                raise ValueError(f"{name} must be a finite number")
+        if self.seed is not None and not -(2**63) <= self.seed < 2**64:
+            raise ValueError("seed must be a 64-bit integer")
+        if self.logit_bias:
+            if any(not isinstance(t, int) or t < 0 for t in self.logit_bias):
+                raise ValueError("logit_bias keys must be non-negative token ids")
+            if any(not -100.0 <= b <= 100.0 for b in self.logit_bias.values()):
+                raise ValueError("logit_bias values must be in [-100, 100]")
+        if any(t < 0 for t in self.stop_token_ids):
+            raise ValueError("stop_token_ids must be non-negative token ids")
         if self.temperature < 0:
             raise ValueError(f"temperature must be non-negative, got {self.temperature}")
         if not 0.0 < self.top_p <= 1.0:

@@ -4,9 +4,9 @@ Batched over the step's rows: guided rows are masked to the tokens their
 grammar allows (engine.guided); greedy rows take the argmax; random rows go
 through penalties, temperature, min-p, top-k and top-p, then sample with the
 exponential race (argmax of p / Exp(1) noise), which draws a categorical
-sample with one noise vector per row. Seeded requests draw their noise from
-their own generator, so a seed reproduces the same tokens whatever else shares
-the batch.
+sample with one noise vector per row. A seeded request draws each token's noise
+from a generator seeded by (seed, output position), so a seed reproduces the same
+tokens whatever else shares the batch and however often a step is re-run.
 """
 
 from __future__ import annotations
@@ -48,10 +48,14 @@ class Sampler:
             torch.log_softmax(logits, dim=-1) if any(n is not None for n in want_logprobs) else None
         )
         logits = self._apply_min_tokens(logits, requests)
+        if any(p.logit_bias for p in params):
+            logits = self._apply_logit_bias(logits, requests)
         if any(p.needs_penalties for p in params):
             logits = self._apply_penalties(logits, requests)
-        # Guided rows only, in place. min_tokens never leaves such a row without a token: the
-        # engine ends a sequence as soon as its grammar allows nothing but a stop token.
+        # Guided rows only, in place, after the biases: a token the grammar forbids stays
+        # forbidden whatever its bias, and the grammar never lifts a bias. min_tokens never
+        # leaves such a row without a token: the engine ends a sequence as soon as its grammar
+        # allows nothing but a stop token.
         self.grammar_bitmask.apply(logits, requests)
 
         greedy = [p.greedy for p in params]
@@ -87,6 +91,20 @@ class Sampler:
                 banned.append(r.eos_token_id)
             if banned:
                 logits[i, banned] = float("-inf")
+        return logits
+
+    @staticmethod
+    def _apply_logit_bias(logits: torch.Tensor, requests: list[Request]) -> torch.Tensor:
+        """OpenAI's logit_bias: each listed token's logit plus its bias (token ids were
+        checked against the vocabulary at admission)."""
+        logits = logits.clone()
+        for i, r in enumerate(requests):
+            bias = r.sampling_params.logit_bias
+            if not bias:
+                continue
+            ids = torch.tensor(list(bias), dtype=torch.long, device=logits.device)
+            values = torch.tensor(list(bias.values()), dtype=logits.dtype, device=logits.device)
+            logits[i].index_add_(0, ids, values)
         return logits
 
     @staticmethod
@@ -145,16 +163,31 @@ class Sampler:
         for i, r in enumerate(requests):
             if greedy[i]:
                 noise[i].fill_(1.0)
-            elif r.sampling_params.seed is not None:
+            elif (seed := r.sampling_params.seed) is not None:
                 if r.generator is None:
                     r.generator = torch.Generator(device=device)
-                    r.generator.manual_seed(r.sampling_params.seed)
+                r.generator.manual_seed(step_seed(seed, r.num_output_tokens))
                 noise[i].exponential_(generator=r.generator)
             else:
                 noise[i].exponential_(generator=self.generator)
         sampled = argmax(probs / noise)
         is_greedy = torch.tensor(greedy, device=device)
         return torch.where(is_greedy, greedy_ids, sampled)
+
+
+_MASK64 = (1 << 64) - 1
+
+
+def step_seed(seed: int, step: int) -> int:
+    """The generator seed of a seeded row's `step`-th output token (splitmix64 of both).
+
+    A seeded sample is then a function of (seed, step, logits) alone: re-running a step
+    (a failed step's retry, recompute after preemption) or sharing the batch with other
+    requests never changes it."""
+    z = (seed + (step + 1) * 0x9E3779B97F4A7C15) & _MASK64
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _MASK64
+    return z ^ (z >> 31)
 
 
 def _top_k_top_p(logits: torch.Tensor, top_ks: list[int], top_ps: list[float]) -> torch.Tensor:

@@ -154,6 +154,11 @@ class Scheduler:
         if not any(r.adapter_id == adapter_id for r in self.waiting):
             self.lora.abandon(adapter_id)
 
+    def preempt(self, request: Request) -> None:
+        """Send a running request back to recompute (its blocks freed)."""
+        self.running.remove(request)
+        self._preempt(request)
+
     def _preempt(self, request: Request) -> None:
         self._release_lora(request)
         self.kv.free(request)

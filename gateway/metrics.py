@@ -72,6 +72,11 @@ class _EngineCollector(Collector):
         yield CounterMetricFamily(
             "loragate:num_preemptions", "Sequences preempted.", value=stats.num_preemptions
         )
+        yield CounterMetricFamily(
+            "loragate:engine_failed_requests",
+            "Sequences that alone made an engine step fail (failed; the others went on).",
+            value=stats.num_failed_requests,
+        )
         if stats.max_loras is not None:
             yield from self._lora(stats)
 

@@ -138,6 +138,34 @@ class KVCacheManager:
         for block in self.req_blocks.get(request.request_id, []):
             self.pool.uncache_block(block)
 
+    def roll_back_step(self, scheduled: list[tuple[Request, int]]) -> list[Request]:
+        """Undo what a step that raised published: its KV was never (or half) written.
+
+        Every block the step was to write leaves the prefix cache (its request publishes it
+        again when it recomputes), so nobody can hit it before then. Returns the requests
+        that had already hit such a block in the same step: their context was never computed
+        and they must recompute it (preempt them)."""
+        bs = self.block_size
+        written: set[int] = set()
+        for request, num_new in scheduled:
+            first = request.num_computed_tokens // bs
+            blocks = self.req_blocks.get(request.request_id, [])
+            for block in blocks[first : cdiv(request.num_computed_tokens + num_new, bs)]:
+                self.pool.uncache_block(block)
+                written.add(block.block_id)
+            num_cached = self._num_cached_blocks.get(request.request_id, 0)
+            self._num_cached_blocks[request.request_id] = min(num_cached, first)
+        return [
+            request
+            for request, _ in scheduled
+            if any(
+                block.block_id in written
+                for block in self.req_blocks.get(request.request_id, [])[
+                    : request.num_computed_tokens // bs
+                ]
+            )
+        ]
+
     def block_ids(self, request_id: str) -> list[int]:
         """The request's block table (do not mutate)."""
         return self._req_block_ids[request_id]

@@ -6,8 +6,9 @@ import asyncio
 from pathlib import Path
 
 import pytest
+from poison import poisoned, victims
 
-from engine import EngineConfig, LLMEngine, SamplingParams
+from engine import LLM, EngineConfig, LLMEngine, SamplingParams
 from engine.async_engine import AsyncEngine, EngineDead, EngineOverloaded
 
 LONG = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
@@ -60,11 +61,26 @@ async def test_leaving_early_aborts_and_frees(core: LLMEngine) -> None:
     await engine.shutdown(0)
 
 
+async def _running(engine: AsyncEngine, request_id: str, params: SamplingParams) -> asyncio.Task:
+    """A task collecting a request's tokens, returned once the request has its first one."""
+    started = asyncio.Event()
+
+    async def run() -> list[int]:
+        tokens: list[int] = []
+        async for update in engine.generate(request_id, "Once upon a time", params):
+            tokens.extend(update.new_token_ids)
+            started.set()
+        return tokens
+
+    task = asyncio.create_task(run())
+    await started.wait()
+    return task
+
+
 async def test_shutdown_lets_running_requests_finish(core: LLMEngine) -> None:
     engine = AsyncEngine(core)
     engine.start()
-    task = asyncio.create_task(collect(engine, "graceful", LONG))
-    await asyncio.sleep(0.05)
+    task = await _running(engine, "graceful", LONG)
     await engine.shutdown(grace_period=30)
     assert len(await task) == 40
     assert not engine.is_alive
@@ -76,10 +92,34 @@ async def test_shutdown_lets_running_requests_finish(core: LLMEngine) -> None:
 async def test_shutdown_past_the_grace_period_aborts(core: LLMEngine) -> None:
     engine = AsyncEngine(core)
     engine.start()
-    endless = SamplingParams(temperature=0, max_tokens=200, ignore_eos=True)
-    task = asyncio.create_task(collect(engine, "cut", endless))
-    await asyncio.sleep(0.05)
+    endless = SamplingParams(temperature=0, max_tokens=240, ignore_eos=True)
+    task = await _running(engine, "cut", endless)
     await engine.shutdown(grace_period=0)
     with pytest.raises(EngineDead, match="shutting down"):
         await task
     assert all_free(core)
+
+
+async def test_a_poisoned_request_fails_alone(core: LLMEngine, demo_model_dir: Path) -> None:
+    """One of sixteen makes the step raise in the loop thread: it alone fails."""
+    requests = victims()
+    requests.insert(9, poisoned(fail_from=2))
+    offline = LLM(str(demo_model_dir), kv_cache_memory=32 << 20, max_model_len=256)
+    clean = [o.outputs[0].token_ids for o in offline.generate(*zip(*victims(), strict=True))]
+    engine = AsyncEngine(core)
+    engine.start()
+
+    async def run(request_id: str, prompt: list[int], params: SamplingParams) -> list[int] | str:
+        tokens: list[int] = []
+        async for update in engine.generate(request_id, prompt, params):
+            if update.error:
+                return update.error
+            tokens.extend(update.new_token_ids)
+        return tokens
+
+    got = await asyncio.gather(*(run(f"v{i}", p, s) for i, (p, s) in enumerate(requests)))
+    error = got.pop(9)
+    assert isinstance(error, str) and "Poison" in error
+    assert got == clean
+    assert all_free(core) and engine.is_alive
+    await engine.shutdown(0)

@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 import pytest_asyncio
+from poison import poisoned, victims
 
 from adapters.peft import describe_base
 from adapters.registry import AdapterRegistry
@@ -135,18 +136,70 @@ async def test_grammars_compile_on_the_gateway_side(engine: EngineProcess) -> No
     assert engine.tokenizer.decode([5, 77])
 
 
-async def test_a_dead_engine_fails_open_requests(demo_model_dir: Path) -> None:
-    engine = EngineProcess(_config(demo_model_dir))
-    engine.start()
-    endless = SamplingParams(temperature=0, max_tokens=250, ignore_eos=True)
-    task = asyncio.create_task(_tokens(engine, "doomed", PROMPTS[0], params=endless))
-    await asyncio.sleep(0.3)
+async def test_a_poisoned_request_fails_alone(engine: EngineProcess, demo_model_dir: Path) -> None:
+    """One of sixteen makes the step raise in the engine process: it alone fails."""
+    requests = victims()
+    requests.insert(4, poisoned(fail_from=3))
+    offline = LLM(str(demo_model_dir), kv_cache_memory=32 << 20, max_model_len=256)
+    clean = [o.outputs[0].token_ids for o in offline.generate(*zip(*victims(), strict=True))]
+
+    async def run(request_id: str, prompt: list[int], params: SamplingParams) -> list[int] | str:
+        tokens: list[int] = []
+        async for update in engine.generate(request_id, prompt, params):
+            if update.error:
+                return update.error
+            tokens.extend(update.new_token_ids)
+        return tokens
+
+    engine.max_waiting = len(requests)  # the module's engine queues two; these all queue
+    try:
+        got = await asyncio.gather(*(run(f"v{i}", p, s) for i, (p, s) in enumerate(requests)))
+    finally:
+        engine.max_waiting = 2
+    error = got.pop(4)
+    assert isinstance(error, str) and "Poison" in error
+    assert got == clean
+    assert await _idle(engine)
+    assert engine.stats().num_failed_requests >= 1 and engine.is_alive
+
+
+async def _kill_while_running(engine: EngineProcess, request_id: str) -> None:
+    """SIGKILL the engine while a request runs: after its first token, with 249 to go
+    (the prompt and max_tokens fill max_model_len), so it cannot finish first."""
+    long = SamplingParams(temperature=0, max_tokens=251, ignore_eos=True)
+    stream = engine.generate(request_id, PROMPTS[0], long)
+    await anext(stream)
     os.kill(engine._process.pid, signal.SIGKILL)
-    with pytest.raises(EngineDead):
-        await asyncio.wait_for(task, 30)
-    assert not engine.is_alive
+    with pytest.raises(EngineDead, match="exited"):
+        async for _ in stream:
+            pass
+
+
+async def test_a_dead_engine_fails_open_requests(demo_model_dir: Path) -> None:
+    engine = EngineProcess(_config(demo_model_dir), restart=False)
+    engine.start()
+    await _kill_while_running(engine, "doomed")
+    assert not engine.is_alive and engine.health == "dead"
     with pytest.raises(EngineDead):
         await _tokens(engine, "after", PROMPTS[0])
+    await engine.shutdown(0)
+
+
+async def test_a_dead_engine_restarts(demo_model_dir: Path) -> None:
+    engine = EngineProcess(_config(demo_model_dir))
+    engine.start()
+    first_pid = engine._process.pid
+    await _kill_while_running(engine, "doomed")
+    assert engine.health in ("restarting", "ok")
+    for _ in range(1200):  # the new process loads the model (seconds)
+        if engine.is_alive:
+            break
+        if engine.health == "restarting":
+            with pytest.raises(EngineDead, match="restarting"):
+                await _tokens(engine, "during", PROMPTS[0])
+        await asyncio.sleep(0.05)
+    assert engine.is_alive and engine.health == "ok" and engine._process.pid != first_pid
+    assert len(await _tokens(engine, "after", PROMPTS[1])) == GREEDY.max_tokens
     await engine.shutdown(0)
 
 
