@@ -302,7 +302,28 @@ def serve(
             help="C++ decode attention on CPU (compiled once per machine); off: the torch path.",
         ),
     ] = True,
-    max_body_bytes: Annotated[int, typer.Option(envvar=_env("MAX_BODY_BYTES"))] = 4 << 20,
+    max_body_bytes: Annotated[
+        int,
+        typer.Option(envvar=_env("MAX_BODY_BYTES"), help="Largest request body (413 past it)."),
+    ] = 4 << 20,
+    max_n: Annotated[
+        int, typer.Option(envvar=_env("MAX_N"), min=1, help="Largest n (choices per prompt).")
+    ] = 16,
+    max_prompt_chars: Annotated[
+        int | None,
+        typer.Option(
+            envvar=_env("MAX_PROMPT_CHARS"),
+            min=1,
+            help="Longest prompt text, refused before tokenizing. Default: 32 x max-model-len.",
+        ),
+    ] = None,
+    restart_engine: Annotated[
+        bool,
+        typer.Option(
+            envvar=_env("RESTART_ENGINE"),
+            help="Restart an engine process that dies, with back-off (/health: restarting).",
+        ),
+    ] = True,
     shutdown_grace: Annotated[
         float,
         typer.Option(
@@ -367,6 +388,7 @@ def serve(
     from engine.async_engine import AsyncEngine, EngineClient
     from engine.engine_process import EngineProcess, retain_freed_memory
     from gateway.app import build_app
+    from gateway.serving import RequestLimits
 
     # vLLM's form `--lora-modules a=path b=path` leaves the later pairs as extra args.
     modules = list(lora_modules or []) + list(ctx.args)
@@ -417,7 +439,11 @@ def serve(
     async_engine: EngineClient
     if engine_process:
         process = EngineProcess(
-            config, lora_loader=registry.loader, preload=preload, max_waiting=max_waiting
+            config,
+            lora_loader=registry.loader,
+            preload=preload,
+            max_waiting=max_waiting,
+            restart=restart_engine,
         )
         _with_load_progress(process.start)
         async_engine = process
@@ -436,6 +462,7 @@ def serve(
         max_body_bytes=max_body_bytes,
         adapters=registry if enable_lora else None,
         allow_runtime_lora_updating=allow_runtime_lora_updating and enable_lora,
+        limits=RequestLimits(max_n=max_n, max_prompt_chars=max_prompt_chars),
     )
 
     @contextlib.asynccontextmanager

@@ -1,15 +1,28 @@
-"""Errors in OpenAI's shape, {"error": {"message", "type", "param", "code"}}, with their status."""
+"""Errors in OpenAI's shape, {"error": {"message", "type", "param", "code"}}, with their status.
+
+Every answer the gateway gives is in this shape: APIError and the framework's own errors
+through handlers, and anything else that escapes a request through `ErrorBoundary`, which
+also gives every request an id (`x-request-id`) to find it in the log by.
+"""
 
 from __future__ import annotations
+
+import logging
+import uuid
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
+from starlette.datastructures import MutableHeaders
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from engine.async_engine import EngineDead, EngineOverloaded
 
+logger = logging.getLogger(__name__)
+
 RETRY_AFTER_SECONDS = 1
+REQUEST_ID_HEADER = "x-request-id"
 
 
 class APIError(Exception):
@@ -31,59 +44,122 @@ class APIError(Exception):
         self.code = code
         self.headers = headers
 
+    def body(self) -> dict:
+        return error_body(self.message, self.type, self.param, self.code)
+
 
 def error_body(message: str, type: str, param: str | None = None, code: str | None = None) -> dict:
     return {"error": {"message": message, "type": type, "param": param, "code": code}}
 
 
+def api_error(exc: Exception) -> APIError | None:
+    """The APIError an engine-side exception answers with; None for an unexpected one."""
+    if isinstance(exc, APIError):
+        return exc
+    if isinstance(exc, EngineOverloaded):
+        retry = {"Retry-After": str(RETRY_AFTER_SECONDS)}
+        return APIError(503, str(exc), type="server_overloaded", code="queue_full", headers=retry)
+    if isinstance(exc, EngineDead):
+        retry = {"Retry-After": str(RETRY_AFTER_SECONDS)}
+        return APIError(503, str(exc), type="service_unavailable", headers=retry)
+    if isinstance(exc, RuntimeError):
+        return APIError(500, str(exc), type="internal_error")
+    return None
+
+
+def _http_error(exc: StarletteHTTPException) -> APIError:
+    kind = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
+    headers = dict(exc.headers) if exc.headers else None
+    return APIError(exc.status_code, str(exc.detail), type=kind, headers=headers)
+
+
 def _response(err: APIError) -> JSONResponse:
-    return JSONResponse(
-        error_body(err.message, err.type, err.param, err.code), err.status, headers=err.headers
-    )
+    return JSONResponse(err.body(), err.status, headers=err.headers)
 
 
 def install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(APIError)
-    async def api_error(_: Request, exc: APIError) -> JSONResponse:
+    async def on_api_error(_: Request, exc: APIError) -> JSONResponse:
         return _response(exc)
 
     @app.exception_handler(RequestValidationError)
-    async def validation_error(_: Request, exc: RequestValidationError) -> JSONResponse:
+    async def on_validation_error(_: Request, exc: RequestValidationError) -> JSONResponse:
         # OpenAI answers malformed bodies with 400, not FastAPI's 422.
         first = exc.errors()[0] if exc.errors() else {}
-        loc = [str(p) for p in first.get("loc", ()) if p != "body"]
-        param = ".".join(loc) or None
+        param = _param(first.get("loc", ()))
         message = f"{param}: {first.get('msg', 'invalid value')}" if param else "invalid request"
         return _response(APIError(400, message, param=param))
 
     @app.exception_handler(StarletteHTTPException)
-    async def http_error(_: Request, exc: StarletteHTTPException) -> JSONResponse:
-        kind = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
-        return _response(APIError(exc.status_code, str(exc.detail), type=kind))
+    async def on_http_error(_: Request, exc: StarletteHTTPException) -> JSONResponse:
+        return _response(_http_error(exc))
 
-    @app.exception_handler(EngineOverloaded)
-    async def overloaded(_: Request, exc: EngineOverloaded) -> JSONResponse:
-        return _response(
-            APIError(
-                503,
-                str(exc),
-                type="server_overloaded",
-                code="queue_full",
-                headers={"Retry-After": str(RETRY_AFTER_SECONDS)},
-            )
-        )
+    for kind in (EngineOverloaded, EngineDead, RuntimeError):
 
-    @app.exception_handler(RuntimeError)
-    async def engine_failure(_: Request, exc: RuntimeError) -> JSONResponse:
-        return _response(APIError(500, str(exc), type="internal_error"))
+        async def on_engine_error(_: Request, exc: Exception) -> JSONResponse:
+            err = api_error(exc)
+            assert err is not None
+            return _response(err)
 
-    @app.exception_handler(EngineDead)
-    async def dead(_: Request, exc: EngineDead) -> JSONResponse:
-        return _response(
-            APIError(
-                503,
-                str(exc),
-                type="service_unavailable",
-                headers={"Retry-After": str(RETRY_AFTER_SECONDS)},
-            )
-        )
+        app.add_exception_handler(kind, on_engine_error)
+
+
+def _param(loc: tuple | list) -> str | None:
+    """A validation error's location as OpenAI's `param` ("messages.0.content"): the body's
+    field path, without pydantic's union-branch tags ("str", "list[int]")."""
+    parts = [str(p) for p in loc if isinstance(p, int) or p.isdigit() or p.isidentifier()]
+    parts = [p for p in parts if p != "body"]
+    parts = [p for p in parts if p not in _TYPE_TAGS]
+    return ".".join(parts) or None
+
+
+_TYPE_TAGS = {"str", "int", "float", "bool", "list", "dict", "none"}
+
+
+class ErrorBoundary:
+    """Outermost middleware. Gives each request an id (its `x-request-id` header); turns an
+    exception that no handler took into an OpenAI-shaped 500 naming that id (logged with
+    its traceback), so the client gets JSON and its keep-alive connection stays usable."""
+
+    def __init__(self, app: ASGIApp) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        request_id = f"req_{uuid.uuid4().hex}"
+        scope.setdefault("state", {})["request_id"] = request_id
+        started = ended = False
+
+        async def send_with_id(message: Message) -> None:
+            nonlocal started, ended
+            if message["type"] == "http.response.start":
+                started = True
+                MutableHeaders(scope=message).append(REQUEST_ID_HEADER, request_id)
+            elif message["type"] == "http.response.body" and not message.get("more_body"):
+                ended = True
+            await send(message)
+
+        try:
+            await self.app(scope, receive, send_with_id)
+        except StarletteHTTPException as exc:  # raised by a middleware (BodySizeLimit)
+            if not started:
+                err = _http_error(exc)
+                await self._respond(err, request_id, scope, receive, send)
+        except Exception:  # noqa: BLE001 - the last resort: logged, answered in JSON
+            logger.exception("request %s failed", request_id)
+            if started:  # a response under way can only be ended
+                if not ended:
+                    await send({"type": "http.response.body", "body": b"", "more_body": False})
+                return
+            message = f"internal server error (request id {request_id})"
+            err = APIError(500, message, type="internal_error")
+            await self._respond(err, request_id, scope, receive, send)
+
+    @staticmethod
+    async def _respond(
+        err: APIError, request_id: str, scope: Scope, receive: Receive, send: Send
+    ) -> None:
+        headers = {REQUEST_ID_HEADER: request_id} | (err.headers or {})
+        await JSONResponse(err.body(), err.status, headers=headers)(scope, receive, send)

@@ -5,12 +5,18 @@ vLLM's sampling extras (top_k, min_p, repetition_penalty, ignore_eos,
 min_tokens) and guided-decoding extras (guided_json, guided_regex,
 guided_choice, guided_grammar) are accepted on both routes, as is
 response_format.
+
+Every field is bounded here, so that no request can ask the engine for what it
+cannot represent or afford (README, "Request bounds"). Bounds that depend on the
+model or the server's settings (the vocabulary, `--max-n`, `--max-prompt-chars`,
+the context length) are checked by gateway.serving; JSON itself (non-finite
+numbers, nesting, lone surrogates) by gateway.body.
 """
 
 from __future__ import annotations
 
 import json
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -24,6 +30,35 @@ GUIDED_FIELDS = (
     "guided_grammar",
 )
 
+INT32_MAX = 2**31 - 1
+# A seed is a 64-bit signed integer, as in vLLM.
+SEED_MIN, SEED_MAX = -(2**63), 2**63 - 1
+MAX_STOP_STRINGS = 16
+MAX_STOP_CHARS = 256
+MAX_STOP_TOKEN_IDS = 64
+MAX_LOGIT_BIAS = 1024  # entries
+MAX_LOGIT_BIAS_VALUE = 100.0
+MAX_PROMPTS = 128  # prompts in one completion request
+MAX_CHOICES = 256  # prompts x n
+MAX_MESSAGES = 1024
+MAX_CONTENT_PARTS = 256
+MAX_NAME_CHARS = 256
+MAX_GUIDED_CHOICES = 1024
+MAX_LOGPROBS = 20
+
+TokenId = Annotated[int, Field(ge=0, le=INT32_MAX)]
+StopString = Annotated[str, Field(min_length=1, max_length=MAX_STOP_CHARS)]
+Bias = Annotated[float, Field(ge=-MAX_LOGIT_BIAS_VALUE, le=MAX_LOGIT_BIAS_VALUE)]
+Count = Annotated[int, Field(ge=0, le=INT32_MAX)]
+TokenIds = Annotated[list[TokenId], Field(min_length=1)]
+_PROMPTS = Field(min_length=1, max_length=MAX_PROMPTS)
+
+
+class _Body(BaseModel):
+    # Non-finite floats are refused by the JSON parser too (gateway.body); this holds the
+    # line for bodies built in Python.
+    model_config = ConfigDict(extra="ignore", allow_inf_nan=False)
+
 
 class FieldError(ValueError):
     """A bad value in one named field (HTTP 400 with that `param`)."""
@@ -33,53 +68,52 @@ class FieldError(ValueError):
         self.param = param
 
 
-class StreamOptions(BaseModel):
+class StreamOptions(_Body):
     include_usage: bool = False
 
 
-class JSONSchemaFormat(BaseModel):
-    model_config = ConfigDict(extra="ignore", populate_by_name=True)
+class JSONSchemaFormat(_Body):
+    model_config = ConfigDict(populate_by_name=True)
 
     name: str = Field(min_length=1, max_length=64)
-    description: str | None = None
+    description: str | None = Field(None, max_length=4096)
     # `schema` would shadow a BaseModel attribute.
     json_schema: dict[str, Any] = Field(alias="schema")
     strict: bool | None = None
 
 
-class ResponseFormat(BaseModel):
-    model_config = ConfigDict(extra="ignore")
-
+class ResponseFormat(_Body):
     type: Literal["text", "json_object", "json_schema"]
     json_schema: JSONSchemaFormat | None = None
 
 
-class _SamplingFields(BaseModel):
-    model_config = ConfigDict(extra="ignore")
-
-    model: str
-    n: int = 1
-    temperature: float | None = None
-    top_p: float | None = None
-    stop: str | list[str] | None = None
-    seed: int | None = None
-    presence_penalty: float | None = None
-    frequency_penalty: float | None = None
+class _SamplingFields(_Body):
+    model: str = Field(min_length=1, max_length=MAX_NAME_CHARS)
+    # The server's --max-n is checked by gateway.serving.
+    n: int = Field(1, ge=1, le=INT32_MAX)
+    temperature: float | None = Field(None, ge=0.0)
+    top_p: float | None = Field(None, gt=0.0, le=1.0)
+    stop: StopString | list[StopString] | None = Field(None, max_length=MAX_STOP_STRINGS)
+    seed: int | None = Field(None, ge=SEED_MIN, le=SEED_MAX)
+    presence_penalty: float | None = Field(None, ge=-2.0, le=2.0)
+    frequency_penalty: float | None = Field(None, ge=-2.0, le=2.0)
+    # Token id (a JSON object's keys are strings) -> bias added to its logit.
+    logit_bias: dict[TokenId, Bias] | None = Field(None, max_length=MAX_LOGIT_BIAS)
     stream: bool = False
     stream_options: StreamOptions | None = None
-    user: str | None = None
+    user: str | None = Field(None, max_length=MAX_NAME_CHARS)
     response_format: ResponseFormat | None = None
     guided_json: dict[str, Any] | str | None = None
     guided_regex: str | None = None
-    guided_choice: list[str] | None = None
+    guided_choice: list[str] | None = Field(None, max_length=MAX_GUIDED_CHOICES)
     guided_grammar: str | None = None
     # vLLM's extras
-    top_k: int | None = None
-    min_p: float | None = None
-    repetition_penalty: float | None = None
+    top_k: int | None = Field(None, ge=-1, le=INT32_MAX)
+    min_p: float | None = Field(None, ge=0.0, le=1.0)
+    repetition_penalty: float | None = Field(None, gt=0.0)
     ignore_eos: bool = False
-    min_tokens: int = 0
-    stop_token_ids: list[int] | None = None
+    min_tokens: Count = 0
+    stop_token_ids: list[TokenId] | None = Field(None, max_length=MAX_STOP_TOKEN_IDS)
 
     def sampling_params(self, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
         """Raises ValueError naming a bad value (HTTP 400); FieldError names its field."""
@@ -95,6 +129,7 @@ class _SamplingFields(BaseModel):
             frequency_penalty=self.frequency_penalty or 0.0,
             repetition_penalty=self.repetition_penalty or 1.0,
             seed=self.seed,
+            logit_bias=dict(self.logit_bias) if self.logit_bias else None,
             max_tokens=max_tokens,
             min_tokens=self.min_tokens,
             stop=stop,
@@ -160,24 +195,21 @@ class _SamplingFields(BaseModel):
 
 
 class CompletionRequest(_SamplingFields):
-    prompt: str | list[int] | list[str] | list[list[int]]
-    max_tokens: int | None = 16
-    logprobs: int | None = None
+    # Lengths in characters and tokens are the server's (gateway.serving).
+    prompt: str | TokenIds | Annotated[list[str], _PROMPTS] | Annotated[list[TokenIds], _PROMPTS]
+    max_tokens: int | None = Field(16, ge=1, le=INT32_MAX)
+    logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
 
 
-class TextPart(BaseModel):
-    model_config = ConfigDict(extra="ignore")
-
+class TextPart(_Body):
     type: Literal["text"]
     text: str
 
 
-class ChatMessage(BaseModel):
-    model_config = ConfigDict(extra="ignore")
-
+class ChatMessage(_Body):
     role: Literal["system", "developer", "user", "assistant"]
-    content: str | list[TextPart] | None = None
-    name: str | None = None
+    content: str | Annotated[list[TextPart], Field(max_length=MAX_CONTENT_PARTS)] | None = None
+    name: str | None = Field(None, max_length=MAX_NAME_CHARS)
 
     def text(self) -> str:
         if self.content is None:
@@ -188,11 +220,11 @@ class ChatMessage(BaseModel):
 
 
 class ChatCompletionRequest(_SamplingFields):
-    messages: list[ChatMessage] = Field(min_length=1)
-    max_tokens: int | None = None
-    max_completion_tokens: int | None = None
+    messages: list[ChatMessage] = Field(min_length=1, max_length=MAX_MESSAGES)
+    max_tokens: int | None = Field(None, ge=1, le=INT32_MAX)
+    max_completion_tokens: int | None = Field(None, ge=1, le=INT32_MAX)
     logprobs: bool = False
-    top_logprobs: int | None = None
+    top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
 
     @property
     def requested_max_tokens(self) -> int | None:

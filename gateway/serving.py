@@ -7,7 +7,9 @@ them; the final usage counts prompt, cached and completion tokens.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
+import logging
 import time
 import uuid
 from collections.abc import AsyncGenerator, AsyncIterator
@@ -22,9 +24,11 @@ from engine.guided import GuidedSpecError
 from engine.lora import LoRARequest
 from engine.outputs import SequenceUpdate
 from engine.request import GuidedSpec, SamplingParams
-from gateway.errors import APIError
+from gateway.errors import APIError, api_error
 from gateway.metrics import Metrics
-from gateway.protocol import ChatCompletionRequest, CompletionRequest, FieldError
+from gateway.protocol import MAX_CHOICES, ChatCompletionRequest, CompletionRequest, FieldError
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass(slots=True)
@@ -88,6 +92,24 @@ class _Timer:
             m.request_success.labels(finish_reason=choice.finish_reason or "abort").inc()
 
 
+# A prompt's characters per token of max_model_len, past which it is refused untokenized.
+CHARS_PER_TOKEN = 32
+
+
+@dataclass(frozen=True, slots=True)
+class RequestLimits:
+    """The bounds that are the server's settings (README, "Request bounds")."""
+
+    max_n: int = 16
+    max_prompt_chars: int | None = None  # None: CHARS_PER_TOKEN x max_model_len
+
+    def __post_init__(self) -> None:
+        if self.max_n < 1:
+            raise ValueError("max_n must be at least 1")
+        if self.max_prompt_chars is not None and self.max_prompt_chars < 1:
+            raise ValueError("max_prompt_chars must be positive")
+
+
 class OpenAIServing:
     def __init__(
         self,
@@ -95,12 +117,17 @@ class OpenAIServing:
         served_model_name: str,
         metrics: Metrics,
         adapters: AdapterRegistry | None = None,
+        limits: RequestLimits | None = None,
     ) -> None:
         self.engine = engine
         self.model_name = served_model_name
         self.tokenizer: Any = engine.tokenizer
         self.metrics = metrics
         self.adapters = adapters
+        self.limits = limits or RequestLimits()
+        self.max_prompt_chars = self.limits.max_prompt_chars or (
+            CHARS_PER_TOKEN * engine.max_model_len
+        )
 
     def resolve_model(self, name: str) -> LoRARequest | None:
         """The adapter a `model` field names; None for the base model; 404 otherwise."""
@@ -118,19 +145,36 @@ class OpenAIServing:
     async def completions(self, body: CompletionRequest) -> JSONResponse | StreamingResponse:
         lora = self.resolve_model(body.model)
         prompts = self._completion_prompts(body.prompt)
+        self._check_bounds(body, len(prompts))
         params = self._params(body, body.max_tokens, body.logprobs)
-        return await self._respond(body, prompts, params, lora, chat=False)
+        for prompt in prompts:
+            if isinstance(prompt, str):
+                self._check_prompt_chars(len(prompt), "prompt")
+            elif max(prompt) >= self.engine.vocab_size:
+                raise APIError(400, self._out_of_vocab(max(prompt)), param="prompt")
+        # Tokenized here, off the event loop, so that a long prompt delays neither other
+        # clients nor the engine's steps.
+        token_ids = await asyncio.to_thread(self._tokenize, prompts)
+        if not all(token_ids):
+            raise APIError(400, "the prompt is empty", param="prompt")
+        return await self._respond(body, token_ids, params, lora, chat=False)
 
     async def chat(self, body: ChatCompletionRequest) -> JSONResponse | StreamingResponse:
         lora = self.resolve_model(body.model)
+        self._check_bounds(body, 1)
         messages = [{"role": m.role, "content": m.text()} for m in body.messages]
+        self._check_prompt_chars(sum(len(m["content"]) for m in messages), "messages")
+        params = self._params(body, body.requested_max_tokens, body.num_logprobs)
         try:
-            encoded = self.tokenizer.apply_chat_template(
-                messages, add_generation_prompt=True, tokenize=True, return_dict=True
+            encoded = await asyncio.to_thread(
+                self.tokenizer.apply_chat_template,
+                messages,
+                add_generation_prompt=True,
+                tokenize=True,
+                return_dict=True,
             )
         except Exception as exc:  # noqa: BLE001 - a template may reject a conversation
             raise APIError(400, f"chat template failed: {exc}", param="messages") from exc
-        params = self._params(body, body.requested_max_tokens, body.num_logprobs)
         prompt_ids = list(cast(list[int], encoded["input_ids"]))
         return await self._respond(body, [prompt_ids], params, lora, chat=True)
 
@@ -142,9 +186,44 @@ class OpenAIServing:
             return [prompt]
         if prompt and all(isinstance(t, int) for t in prompt):
             return [list(prompt)]
-        if not prompt:
-            raise APIError(400, "prompt must not be empty", param="prompt")
         return list(prompt)
+
+    def _tokenize(self, prompts: list[str | list[int]]) -> list[list[int]]:
+        return [
+            list(self.tokenizer(p, add_special_tokens=True)["input_ids"])
+            if isinstance(p, str)
+            else p
+            for p in prompts
+        ]
+
+    def _check_bounds(self, body: Any, num_prompts: int) -> None:
+        """The bounds that depend on this server: --max-n and the vocabulary."""
+        if body.n > self.limits.max_n:
+            raise APIError(400, f"n must be at most {self.limits.max_n} on this server", param="n")
+        if num_prompts * body.n > MAX_CHOICES:
+            raise APIError(
+                400,
+                f"{num_prompts} prompts x n={body.n} asks for more than {MAX_CHOICES} choices",
+                param="n",
+            )
+        vocab = self.engine.vocab_size
+        for param in ("stop_token_ids", "logit_bias"):
+            out_of_vocab = [t for t in getattr(body, param) or () if t >= vocab]
+            if out_of_vocab:
+                raise APIError(400, self._out_of_vocab(out_of_vocab[0]), param=param)
+
+    def _out_of_vocab(self, token_id: int) -> str:
+        return f"token id {token_id} is outside the vocabulary [0, {self.engine.vocab_size})"
+
+    def _check_prompt_chars(self, num_chars: int, param: str) -> None:
+        if num_chars > self.max_prompt_chars:
+            raise APIError(
+                400,
+                f"the prompt has {num_chars} characters; this server takes at most "
+                f"{self.max_prompt_chars} (--max-prompt-chars)",
+                param=param,
+                code="string_above_max_length",
+            )
 
     @staticmethod
     def _params(body: Any, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
@@ -165,7 +244,7 @@ class OpenAIServing:
     async def _respond(
         self,
         body: Any,
-        prompts: list[str | list[int]],
+        prompts: list[list[int]],
         params: SamplingParams,
         lora: LoRARequest | None,
         chat: bool,
@@ -184,13 +263,18 @@ class OpenAIServing:
         # Pull the first update before answering, so refusals become HTTP errors.
         try:
             first = await anext(updates)
-        except ValueError as exc:
-            await updates.aclose()
-            code = "context_length_exceeded" if "context length" in str(exc) else None
-            param = body.guided_param if isinstance(exc, GuidedSpecError) else None
-            raise APIError(400, str(exc), param=param, code=code) from exc
         except StopAsyncIteration:
             first = None
+        except BaseException as exc:
+            await updates.aclose()  # the other prompts' requests end too
+            if not isinstance(exc, ValueError):
+                raise
+            code, param = None, None
+            if isinstance(exc, GuidedSpecError):
+                param = body.guided_param
+            elif "context length" in str(exc):
+                code, param = "context_length_exceeded", "messages" if chat else "prompt"
+            raise APIError(400, str(exc), param=param, code=code) from exc
         choices = [_Choice(i) for i in range(len(prompts) * params.n)]
         usage = _Usage()
         created = int(time.time())
@@ -209,9 +293,11 @@ class OpenAIServing:
                 timer,
             )
             return StreamingResponse(chunks, media_type="text/event-stream")
-        async for prompt_index, update in _chain(first, updates):
-            timer.update(update)
-            self._apply(choices, usage, prompt_index, update, params.n)
+        # Closed however the loop ends, so that a failed choice aborts its siblings.
+        async with contextlib.aclosing(_chain(first, updates)) as chain:
+            async for prompt_index, update in chain:
+                timer.update(update)
+                self._apply(choices, usage, prompt_index, update, params.n)
         timer.finish(choices, usage)
         return JSONResponse(
             {
@@ -354,13 +440,12 @@ class OpenAIServing:
                 body["logprobs"] = logprobs
                 body["finish_reason"] = update.finish_reason
                 yield chunk([body])
-        except (APIError, RuntimeError) as exc:
-            if not isinstance(exc, APIError):
-                exc = APIError(500, str(exc), type="internal_error")
-            error = {
-                "error": {"message": exc.message, "type": exc.type, "param": None, "code": exc.code}
-            }
-            yield f"data: {json.dumps(error)}\n\n"
+        except Exception as exc:  # noqa: BLE001 - the stream has begun: report it in the stream
+            err = api_error(exc)
+            if err is None:
+                logger.exception("stream %s failed", request_id)
+                err = APIError(500, f"internal server error ({request_id})", type="internal_error")
+            yield f"data: {json.dumps(err.body())}\n\n"
         timer.finish(choices, usage)
         if include_usage:
             yield chunk([], usage.body(choices))
@@ -369,7 +454,7 @@ class OpenAIServing:
 
 async def _chain(
     first: tuple[int, SequenceUpdate] | None, rest: AsyncIterator[tuple[int, SequenceUpdate]]
-) -> AsyncIterator[tuple[int, SequenceUpdate]]:
+) -> AsyncGenerator[tuple[int, SequenceUpdate]]:
     try:
         if first is not None:
             yield first

@@ -11,9 +11,10 @@ from fastapi.responses import PlainTextResponse
 from pydantic import BaseModel
 
 from adapters.peft import AdapterError
+from gateway.body import StrictJSONRoute
 from gateway.errors import APIError
 
-router = APIRouter(prefix="/v1", tags=["lora"])
+router = APIRouter(prefix="/v1", tags=["lora"], route_class=StrictJSONRoute)
 
 
 class LoadLoRABody(BaseModel):

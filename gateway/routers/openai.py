@@ -8,10 +8,11 @@ from fastapi import APIRouter, Depends, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
+from gateway.body import StrictJSONRoute
 from gateway.protocol import ChatCompletionRequest, CompletionRequest
 from gateway.serving import OpenAIServing
 
-router = APIRouter(prefix="/v1", tags=["openai"])
+router = APIRouter(prefix="/v1", tags=["openai"], route_class=StrictJSONRoute)
 
 
 def get_serving(request: Request) -> OpenAIServing:
@@ -55,13 +56,15 @@ async def list_models(serving: ServingDep, request: Request) -> dict[str, Any]:
     return {"object": "list", "data": data}
 
 
-health_router = APIRouter(tags=["health"])
+health_router = APIRouter(tags=["health"], route_class=StrictJSONRoute)
 
 
 @health_router.get("/health")
 async def health(request: Request) -> JSONResponse:
-    alive = request.app.state.serving.engine.is_alive
-    return JSONResponse({"status": "ok" if alive else "dead"}, status_code=200 if alive else 503)
+    """200 {"status": "ok"} while the engine serves; else 503 with "restarting" (a dead
+    engine process being replaced), "stopping" or "dead"."""
+    status = request.app.state.serving.engine.health
+    return JSONResponse({"status": status}, status_code=200 if status == "ok" else 503)
 
 
 @health_router.get("/metrics")

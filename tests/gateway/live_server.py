@@ -16,9 +16,10 @@ from engine.async_engine import AsyncEngine, EngineClient
 
 
 class Server:
-    def __init__(self, base_url: str, engine: EngineClient) -> None:
+    def __init__(self, base_url: str, engine: EngineClient, app: FastAPI | None = None) -> None:
         self.base_url = base_url
         self.engine = engine
+        self.app = app
 
     def client(self) -> openai.OpenAI:
         return openai.OpenAI(
@@ -58,7 +59,7 @@ def live_server(app: FastAPI, engine: EngineClient) -> Iterator[Server]:
     while not uv.started:
         time.sleep(0.01)
     try:
-        yield Server(f"http://127.0.0.1:{port}", engine)
+        yield Server(f"http://127.0.0.1:{port}", engine, app)
     finally:
         uv.should_exit = True
         thread.join(10)

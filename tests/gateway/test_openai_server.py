@@ -200,7 +200,7 @@ def test_models_and_health(server: Server) -> None:
     [
         ({"prompt": "x"}, 400, "model"),
         ({"model": MODEL, "prompt": "x", "temperature": "hot"}, 400, "temperature"),
-        ({"model": MODEL, "prompt": "x", "temperature": -1}, 400, None),
+        ({"model": MODEL, "prompt": "x", "temperature": -1}, 400, "temperature"),
         ({"model": "nope", "prompt": "x"}, 404, "model"),
         ({"model": MODEL, "prompt": list(range(10, 600)), "max_tokens": 10}, 400, None),
         (

@@ -1,0 +1,111 @@
+"""`loragate serve` as users run it, in a process group of its own: an engine process that
+dies is an error, its requests end with 503 and it comes back (--restart-engine); a SIGTERM
+to the whole group (a container stop, Ctrl-C) is an orderly shutdown, logged as such."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import httpx
+from live_server import free_port
+
+MODEL = "demo"
+
+
+def _engine_pid(server_pid: int) -> int:
+    """The engine process: the server's child that multiprocessing spawned."""
+    children = Path(f"/proc/{server_pid}/task/{server_pid}/children").read_text().split()
+    for pid in children:
+        cmdline = Path(f"/proc/{pid}/cmdline").read_bytes()
+        if b"spawn_main" in cmdline:
+            return int(pid)
+    raise AssertionError(f"no engine process among {children}")
+
+
+def _wait_health(url: str, status: str, timeout: float = 120) -> None:
+    deadline = time.monotonic() + timeout
+    last = None
+    while time.monotonic() < deadline:
+        try:
+            last = httpx.get(f"{url}/health", timeout=5).json().get("status")
+        except httpx.HTTPError:
+            last = None
+        if last == status:
+            return
+        time.sleep(0.1)
+    raise AssertionError(f"/health never said {status!r} (last: {last!r})")
+
+
+def test_engine_death_restart_and_orderly_shutdown(demo_model_dir: Path, tmp_path: Path) -> None:
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    log_path = tmp_path / "serve.log"
+    command = [
+        str(Path(sys.executable).parent / "loragate"),
+        "serve",
+        "--model",
+        str(demo_model_dir),
+        "--served-model-name",
+        MODEL,
+        "--port",
+        str(port),
+        "--kv-cache-memory",
+        "64MiB",
+        "--max-model-len",
+        "256",
+    ]
+    with log_path.open("wb") as log:
+        server = subprocess.Popen(
+            command,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+            env=os.environ | {"PYTHONUNBUFFERED": "1", "COLUMNS": "400"},  # no wrapped lines
+        )
+    try:
+        _wait_health(url, "ok")
+        body = {"model": MODEL, "prompt": "Hello", "max_tokens": 4, "temperature": 0}
+        assert httpx.post(f"{url}/v1/completions", json=body, timeout=60).status_code == 200
+
+        # The engine dies under a running request: the request ends with a 503-type error.
+        events: list[dict] = []
+        first = threading.Event()
+
+        def stream() -> None:
+            long = body | {"max_tokens": 240, "ignore_eos": True, "stream": True}
+            with httpx.stream("POST", f"{url}/v1/completions", json=long, timeout=60) as resp:
+                for line in resp.iter_lines():
+                    if line.startswith("data: {"):
+                        events.append(json.loads(line[6:]))
+                        first.set()
+
+        reader = threading.Thread(target=stream)
+        reader.start()
+        assert first.wait(60)
+        os.kill(_engine_pid(server.pid), signal.SIGKILL)
+        reader.join(60)
+        assert events[-1]["error"]["type"] == "service_unavailable", events[-1]
+        resp = httpx.get(f"{url}/health")
+        assert resp.status_code == 503 or resp.json() == {"status": "ok"}
+        _wait_health(url, "ok")  # the supervisor started a new engine process
+        assert httpx.post(f"{url}/v1/completions", json=body, timeout=60).status_code == 200
+
+        before_stop = log_path.read_text()
+        os.killpg(server.pid, signal.SIGTERM)  # the whole group, engine process included
+        # uvicorn shuts down gracefully, then re-raises the signal it caught (exit -15).
+        assert server.wait(60) in (0, -signal.SIGTERM)
+    finally:
+        if server.poll() is None:
+            os.killpg(server.pid, signal.SIGKILL)
+    # Compare words: rich pads log lines.
+    assert "the engine process exited unexpectedly" in " ".join(before_stop.split())
+    shutdown_log = " ".join(log_path.read_text()[len(before_stop) :].split())
+    assert "the engine process stopped" in shutdown_log, shutdown_log
+    assert "ERROR" not in shutdown_log and "Traceback" not in shutdown_log, shutdown_log
