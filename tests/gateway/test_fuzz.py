@@ -5,9 +5,9 @@ KV block leaks.
 
 Each body takes some of the fields of CompletionRequest or ChatCompletionRequest with valid
 values and up to three with hostile ones (extreme integers, non-finite floats, huge and empty
-lists, deep nesting, random Unicode with lone surrogates and NUL, wrong types). CI runs a fixed, derandomized set of
-LORAGATE_FUZZ_EXAMPLES bodies (about a minute); set LORAGATE_FUZZ_LONG=1 for a random,
-longer run.
+lists, deep nesting, random Unicode with lone surrogates and NUL, wrong types). CI runs a
+fixed, derandomized set of LORAGATE_FUZZ_EXAMPLES bodies (about half a minute); set
+LORAGATE_FUZZ_LONG=1 for a random, longer run.
 """
 
 from __future__ import annotations
