@@ -176,6 +176,11 @@ _bench_command(
     "serve", "bench.serve", "Load-test any OpenAI-compatible server (`--help` lists the options)."
 )
 _bench_command(
+    "containment",
+    "bench.containment",
+    "W1 batches clean and with one request that fails its steps (`--help` lists the options).",
+)
+_bench_command(
     "guided",
     "bench.guided",
     "Guided vs unguided decode on W1, and grammar compile times (`--help` lists the options).",
