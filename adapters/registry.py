@@ -1,20 +1,44 @@
-"""The served adapters: names clients use, mapped to content-identified engine requests.
+"""Adapters by name for offline use (benchmarks, tests), and the engine's loader.
 
-In-memory for now (the tenancy issue moves it into the database). Registering
-validates the adapter fully against the base model before the name resolves,
-so a bad adapter is refused at the door and nothing half-registered remains.
-Re-registering a name with new files gives a new identity: the engine then
-never serves the old weights' KV blocks under that name.
+The server keeps its adapters in the database (gateway/adapter_catalog.py); this registry is
+the same idea in memory. Registering validates the adapter fully against the base model
+before the name resolves, so a bad adapter is refused at the door and nothing
+half-registered remains. Re-registering a name with new files gives a new identity: the
+engine then never serves the old weights' KV blocks under that name.
 """
 
 from __future__ import annotations
 
+import json
 import threading
 from dataclasses import dataclass
 from pathlib import Path
 
-from adapters.peft import AdapterError, BaseModelInfo, load_peft_adapter
+from adapters.peft import CONFIG_FILE, WEIGHTS_FILE, AdapterError, BaseModelInfo, load_peft_adapter
 from engine.lora import LoRARequest, LoRAWeights
+
+
+@dataclass(frozen=True, slots=True)
+class AdapterInfo:
+    """What a validated adapter directory holds, as the adapters table records it."""
+
+    adapter_id: str  # sha256 of its config and weights
+    rank: int
+    alpha: float
+    target_modules: list[str]
+    size_bytes: int
+
+
+def inspect_adapter(path: str | Path, base: BaseModelInfo, max_lora_rank: int) -> AdapterInfo:
+    """Validate an adapter directory against the base model (every check loading does) and
+    describe it. Raises AdapterError."""
+    directory = Path(path)
+    weights = load_peft_adapter(directory, base, max_lora_rank)
+    config = json.loads((directory / CONFIG_FILE).read_bytes())
+    targets = sorted({module for layer in weights.layers for module in layer})
+    size = sum((directory / name).stat().st_size for name in (CONFIG_FILE, WEIGHTS_FILE))
+    alpha = float(config.get("lora_alpha") or weights.rank)
+    return AdapterInfo(weights.adapter_id, weights.rank, alpha, targets, size)
 
 
 class AdapterRegistry:

@@ -1,4 +1,4 @@
-"""Build the FastAPI app around a running engine (EngineClient)."""
+"""Build the FastAPI app around a running engine (EngineClient) and the tenancy objects."""
 
 from __future__ import annotations
 
@@ -6,37 +6,57 @@ import time
 
 from fastapi import FastAPI
 
-from adapters.registry import AdapterRegistry
 from engine.async_engine import EngineClient
 from gateway.body import BodySizeLimit
 from gateway.errors import ErrorBoundary, install_error_handlers
 from gateway.metrics import Metrics
-from gateway.routers import lora
+from gateway.routers import admin, admin_adapters, lora
 from gateway.routers.openai import health_router, router
 from gateway.serving import OpenAIServing, RequestLimits
+from gateway.tenancy import Tenancy
+
+ADAPTER_UPLOADS = "/admin/adapters"
 
 
 def build_app(
     engine: EngineClient,
     served_model_name: str,
+    tenancy: Tenancy,
+    *,
     max_body_bytes: int = 4 << 20,
-    adapters: AdapterRegistry | None = None,
+    enable_lora: bool = True,
     allow_runtime_lora_updating: bool = False,
     limits: RequestLimits | None = None,
 ) -> FastAPI:
-    app = FastAPI(title="loragate", docs_url=None, redoc_url=None)
+    app = FastAPI(
+        title="loragate",
+        summary="Multi-tenant, OpenAI-compatible LoRA serving gateway",
+        docs_url=None,
+        redoc_url=None,
+    )
+    app.state.tenancy = tenancy
     app.state.metrics = Metrics(engine)
+    catalog = tenancy.catalog if enable_lora else None
+    if catalog is not None:
+        catalog.on_unreferenced = engine.unload_lora
     app.state.serving = OpenAIServing(
-        engine, served_model_name, app.state.metrics, adapters, limits or RequestLimits()
+        engine, served_model_name, app.state.metrics, catalog, limits or RequestLimits()
     )
     app.state.started_at = int(time.time())
     install_error_handlers(app)
-    # The last added runs first: every request passes the error boundary, then the size limit.
-    app.add_middleware(BodySizeLimit, max_bytes=max_body_bytes)
+    # The last added runs first: every request passes the error boundary, then the size limit
+    # (adapter uploads have a limit of their own).
+    app.add_middleware(
+        BodySizeLimit,
+        max_bytes=max_body_bytes,
+        overrides={ADAPTER_UPLOADS: tenancy.max_adapter_bytes},
+    )
     app.add_middleware(ErrorBoundary)
     app.include_router(router)
+    app.include_router(admin.router)
+    app.include_router(admin_adapters.router)
     if allow_runtime_lora_updating:
-        if adapters is None:
+        if catalog is None:
             raise ValueError("runtime LoRA updating needs LoRA enabled")
         app.include_router(lora.router)
     app.include_router(health_router)

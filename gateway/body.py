@@ -59,17 +59,21 @@ class BodySizeLimit:
     """413 once a body passes `max_bytes`: at once for a declared Content-Length, else as
     soon as the bytes read pass it (chunked bodies), with nothing buffered beyond it."""
 
-    def __init__(self, app: ASGIApp, max_bytes: int) -> None:
+    def __init__(
+        self, app: ASGIApp, max_bytes: int, overrides: dict[str, int] | None = None
+    ) -> None:
         self.app = app
         self.max_bytes = max_bytes
+        self.overrides = overrides or {}  # path -> its own limit (adapter uploads)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
+        limit = self.overrides.get(scope["path"], self.max_bytes)
         declared = _content_length(scope)
-        if declared is not None and declared > self.max_bytes:
-            raise BodyTooLarge(self.max_bytes)
+        if declared is not None and declared > limit:
+            raise BodyTooLarge(limit)
         num_read = 0
 
         async def limited_receive() -> Message:
@@ -77,8 +81,8 @@ class BodySizeLimit:
             message = await receive()
             if message["type"] == "http.request":
                 num_read += len(message.get("body", b""))
-                if num_read > self.max_bytes:
-                    raise BodyTooLarge(self.max_bytes)
+                if num_read > limit:
+                    raise BodyTooLarge(limit)
             return message
 
         await self.app(scope, limited_receive, send)

@@ -1,7 +1,9 @@
 """The `loragate` command line.
 
 One function per command. Heavy imports (torch, transformers, the engine) stay
-inside the commands so that `loragate --help` answers at once.
+inside the commands so that `loragate --help` answers at once. `serve` takes its options
+from the Settings fields (gateway/serve_command.py); `db`, `tenants`, `keys` and `admin`
+are the operator's commands (gateway/admin_cli.py).
 """
 
 from __future__ import annotations
@@ -11,7 +13,9 @@ from typing import Annotated
 
 import typer
 
-app = typer.Typer(no_args_is_help=True, help="loragate: multi-tenant LoRA serving gateway.")
+app = typer.Typer(
+    no_args_is_help=True, help="loragate: multi-tenant LoRA serving gateway.", rich_markup_mode=None
+)
 
 # `loragate model NAME`: checkpoints that are prepared locally, without a hub.
 model_app = typer.Typer(no_args_is_help=True, help="Prepare a model checkpoint locally.")
@@ -120,15 +124,6 @@ def generate(
         )
 
 
-def _usable_cores() -> int:
-    """The cores this process may use. With the engine in its own process, decode steps
-    leave one to the HTTP side (vLLM-CPU reserves one the same way: on two cores one torch
-    thread beats two that fight); prefills, which the streams wait on anyway, take all."""
-    import os
-
-    return len(os.sched_getaffinity(0))
-
-
 def _with_load_progress(build):  # type: ignore[no-untyped-def]
     """Run `build(progress)` under a progress bar fed with (tensors loaded, total)."""
     import logging
@@ -222,263 +217,20 @@ def _option_value(args: list[str], name: str) -> str | None:
     return None
 
 
-def _bytes(value: str) -> int:
-    """'2GiB', '512MiB', '1G' or a plain byte count."""
-    units = {"k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}
-    text = value.strip().lower().removesuffix("b").removesuffix("i")
-    if text and text[-1] in units:
-        return int(float(text[:-1]) * units[text[-1]])
-    return int(text)
+def _serve(settings: object) -> None:
+    from gateway.server import run_server
+    from gateway.settings import Settings
+
+    assert isinstance(settings, Settings)
+    run_server(settings, _with_load_progress)
 
 
-def _env(name: str) -> str:
-    return f"LORAGATE_{name}"
+def main() -> None:
+    """The console script: the commands above, `serve` (built from the settings) and the
+    operators' commands."""
+    from gateway.admin_cli import register
+    from gateway.serve_command import add_serve_command
 
-
-@app.command("serve", context_settings={"allow_extra_args": True})
-def serve(
-    ctx: typer.Context,
-    model: Annotated[str, typer.Option(envvar=_env("MODEL"), help="Model directory.")] = (
-        "models/smollm2"
-    ),
-    host: Annotated[str, typer.Option(envvar=_env("HOST"))] = "127.0.0.1",
-    port: Annotated[int, typer.Option(envvar=_env("PORT"))] = 8000,
-    served_model_name: Annotated[
-        str | None,
-        typer.Option(
-            envvar=_env("SERVED_MODEL_NAME"),
-            help="Name clients use; default: the model directory's name.",
-        ),
-    ] = None,
-    max_model_len: Annotated[int | None, typer.Option(envvar=_env("MAX_MODEL_LEN"))] = None,
-    block_size: Annotated[int, typer.Option(envvar=_env("BLOCK_SIZE"))] = 16,
-    kv_cache_memory: Annotated[
-        str | None,
-        typer.Option(
-            envvar=_env("KV_CACHE_MEMORY"), help="KV pool size, e.g. 2GiB (CPU default 2GiB)."
-        ),
-    ] = None,
-    memory_utilization: Annotated[
-        float, typer.Option(envvar=_env("MEMORY_UTILIZATION"), help="CUDA memory fraction.")
-    ] = 0.9,
-    max_num_seqs: Annotated[int, typer.Option(envvar=_env("MAX_NUM_SEQS"))] = 256,
-    max_num_batched_tokens: Annotated[
-        int, typer.Option(envvar=_env("MAX_NUM_BATCHED_TOKENS"))
-    ] = 2048,
-    enable_prefix_caching: Annotated[
-        bool, typer.Option(envvar=_env("ENABLE_PREFIX_CACHING"))
-    ] = True,
-    enable_chunked_prefill: Annotated[
-        bool, typer.Option(envvar=_env("ENABLE_CHUNKED_PREFILL"))
-    ] = True,
-    max_waiting: Annotated[
-        int, typer.Option(envvar=_env("MAX_WAITING"), help="Queued requests before 503.")
-    ] = 1024,
-    dtype: Annotated[str, typer.Option(envvar=_env("DTYPE"))] = "auto",
-    device: Annotated[str, typer.Option(envvar=_env("DEVICE"))] = "auto",
-    seed: Annotated[int, typer.Option(envvar=_env("SEED"))] = 0,
-    num_threads: Annotated[
-        int | None,
-        typer.Option(
-            envvar=_env("NUM_THREADS"),
-            help="Torch threads of the engine. Default: with --engine-process, one per core "
-            "but one (left to the HTTP side); in-process, torch's default.",
-        ),
-    ] = None,
-    prefill_threads: Annotated[
-        int | None,
-        typer.Option(
-            envvar=_env("PREFILL_THREADS"),
-            help="Torch threads for large steps (prompt prefills). Default: with "
-            "--engine-process, every core; in-process, --num-threads.",
-        ),
-    ] = None,
-    engine_process: Annotated[
-        bool,
-        typer.Option(
-            envvar=_env("ENGINE_PROCESS"),
-            help="Run the engine loop in its own process (no GIL shared with HTTP).",
-        ),
-    ] = True,
-    cpu_kernels: Annotated[
-        bool,
-        typer.Option(
-            envvar=_env("CPU_KERNELS"),
-            help="C++ decode attention on CPU (compiled once per machine); off: the torch path.",
-        ),
-    ] = True,
-    max_body_bytes: Annotated[
-        int,
-        typer.Option(envvar=_env("MAX_BODY_BYTES"), help="Largest request body (413 past it)."),
-    ] = 4 << 20,
-    max_n: Annotated[
-        int, typer.Option(envvar=_env("MAX_N"), min=1, help="Largest n (choices per prompt).")
-    ] = 16,
-    max_prompt_chars: Annotated[
-        int | None,
-        typer.Option(
-            envvar=_env("MAX_PROMPT_CHARS"),
-            min=1,
-            help="Longest prompt text, refused before tokenizing. Default: 32 x max-model-len.",
-        ),
-    ] = None,
-    restart_engine: Annotated[
-        bool,
-        typer.Option(
-            envvar=_env("RESTART_ENGINE"),
-            help="Restart an engine process that dies, with back-off (/health: restarting).",
-        ),
-    ] = True,
-    shutdown_grace: Annotated[
-        float,
-        typer.Option(
-            envvar=_env("SHUTDOWN_GRACE"), help="Seconds running requests get to finish on SIGTERM."
-        ),
-    ] = 10.0,
-    enable_lora: Annotated[bool, typer.Option(envvar=_env("ENABLE_LORA"))] = True,
-    max_loras: Annotated[
-        int, typer.Option(envvar=_env("MAX_LORAS"), help="Adapters resident on the device.")
-    ] = 4,
-    max_lora_rank: Annotated[int, typer.Option(envvar=_env("MAX_LORA_RANK"))] = 16,
-    max_cpu_loras: Annotated[
-        int, typer.Option(envvar=_env("MAX_CPU_LORAS"), help="Adapters cached in CPU memory.")
-    ] = 16,
-    lora_modules: Annotated[
-        list[str] | None,
-        typer.Option(
-            envvar=_env("LORA_MODULES"),
-            help="Adapters served from start-up: name=path (PEFT directory), as many as needed.",
-        ),
-    ] = None,
-    allow_runtime_lora_updating: Annotated[
-        bool,
-        typer.Option(
-            envvar=_env("ALLOW_RUNTIME_LORA_UPDATING"),
-            help="Serve /v1/load_lora_adapter and /v1/unload_lora_adapter (unauthenticated).",
-        ),
-    ] = False,
-    guided_compile_timeout: Annotated[
-        float,
-        typer.Option(
-            envvar=_env("GUIDED_COMPILE_TIMEOUT"),
-            help="Seconds a grammar may take to compile before its request gets 400.",
-        ),
-    ] = 10.0,
-    guided_cache_size: Annotated[
-        int,
-        typer.Option(envvar=_env("GUIDED_CACHE_SIZE"), help="Compiled grammars kept (LRU)."),
-    ] = 256,
-    guided_max_schema_bytes: Annotated[
-        int,
-        typer.Option(
-            envvar=_env("GUIDED_MAX_SCHEMA_BYTES"),
-            help="Largest JSON schema (compact), regex, grammar or choice list.",
-        ),
-    ] = 64 << 10,
-    guided_max_schema_depth: Annotated[
-        int,
-        typer.Option(
-            envvar=_env("GUIDED_MAX_SCHEMA_DEPTH"), help="Deepest JSON nesting of a schema."
-        ),
-    ] = 32,
-) -> None:
-    """Serve the OpenAI-compatible API over the engine."""
-    import contextlib
-
-    import uvicorn
-
-    from adapters.peft import AdapterError, describe_base
-    from adapters.registry import AdapterRegistry
-    from engine import EngineConfig, LLMEngine
-    from engine.async_engine import AsyncEngine, EngineClient
-    from engine.engine_process import EngineProcess, retain_freed_memory
-    from gateway.app import build_app
-    from gateway.serving import RequestLimits
-
-    # vLLM's form `--lora-modules a=path b=path` leaves the later pairs as extra args.
-    modules = list(lora_modules or []) + list(ctx.args)
-    bad = [m for m in modules if "=" not in m]
-    if bad:
-        raise typer.BadParameter(f"expected name=path, got {bad[0]!r}", param_hint="--lora-modules")
-    if modules and not enable_lora:
-        raise typer.BadParameter("--lora-modules needs --enable-lora", param_hint="--lora-modules")
-    name = served_model_name or Path(model).resolve().name
-    registry = AdapterRegistry(describe_base(model, extra_names=[name]), max_lora_rank)
-    for module in modules:
-        lora_name, _, path = module.partition("=")
-        try:
-            registry.register(lora_name, path)
-        except AdapterError as exc:
-            raise typer.BadParameter(str(exc), param_hint="--lora-modules") from exc
-
-    cores = _usable_cores()
-    default_threads = (max(1, cores - 1), cores) if engine_process else (None, None)
-    config = EngineConfig(
-        model=model,
-        dtype=dtype,
-        device=device,
-        max_model_len=max_model_len,
-        block_size=block_size,
-        kv_cache_memory=_bytes(kv_cache_memory) if kv_cache_memory else None,
-        memory_utilization=memory_utilization,
-        max_num_seqs=max_num_seqs,
-        max_num_batched_tokens=max_num_batched_tokens,
-        enable_prefix_caching=enable_prefix_caching,
-        enable_chunked_prefill=enable_chunked_prefill,
-        seed=seed,
-        num_threads=num_threads or default_threads[0],
-        prefill_threads=prefill_threads or default_threads[1],
-        cpu_kernels=cpu_kernels,
-        enable_lora=enable_lora,
-        max_loras=max_loras,
-        max_lora_rank=max_lora_rank,
-        max_cpu_loras=max_cpu_loras,
-        guided_compile_timeout=guided_compile_timeout,
-        guided_cache_size=guided_cache_size,
-        guided_max_schema_bytes=guided_max_schema_bytes,
-        guided_max_schema_depth=guided_max_schema_depth,
-    )
-    preload = [lora for n in registry.names()[:max_loras] if (lora := registry.get(n))]
-    if not enable_lora:
-        preload = []
-    async_engine: EngineClient
-    if engine_process:
-        process = EngineProcess(
-            config,
-            lora_loader=registry.loader,
-            preload=preload,
-            max_waiting=max_waiting,
-            restart=restart_engine,
-        )
-        _with_load_progress(process.start)
-        async_engine = process
-    else:
-        retain_freed_memory()
-        engine = _with_load_progress(lambda progress: LLMEngine(config, progress, registry.load))
-        if engine.lora is not None:
-            # Start-up adapters fill the slots before the first request, not on it.
-            for lora in preload:
-                engine.lora.load_now(lora)
-        async_engine = AsyncEngine(engine, max_waiting=max_waiting)
-        async_engine.start()
-    app = build_app(
-        async_engine,
-        name,
-        max_body_bytes=max_body_bytes,
-        adapters=registry if enable_lora else None,
-        allow_runtime_lora_updating=allow_runtime_lora_updating and enable_lora,
-        limits=RequestLimits(max_n=max_n, max_prompt_chars=max_prompt_chars),
-    )
-
-    @contextlib.asynccontextmanager
-    async def lifespan(_: object):  # type: ignore[no-untyped-def]
-        yield
-        await async_engine.shutdown(shutdown_grace)
-
-    app.router.lifespan_context = lifespan
-    for lora_name in registry.names():
-        typer.echo(f"adapter {lora_name!r}: {registry.get(lora_name).path}")  # type: ignore[union-attr]
-    typer.echo(f"serving {name!r} on http://{host}:{port}/v1")
-    uvicorn.run(
-        app, host=host, port=port, log_level="info", timeout_graceful_shutdown=int(shutdown_grace)
-    )
+    add_serve_command(app, _serve)
+    register(app)
+    app()

@@ -18,12 +18,13 @@ from typing import Any, cast
 
 from fastapi.responses import JSONResponse, StreamingResponse
 
-from adapters.registry import AdapterRegistry
 from engine.async_engine import EngineClient
 from engine.guided import GuidedSpecError
 from engine.lora import LoRARequest
 from engine.outputs import SequenceUpdate
 from engine.request import GuidedSpec, SamplingParams
+from gateway.adapter_catalog import AdapterCatalog
+from gateway.auth import RequestTenant
 from gateway.errors import APIError, api_error
 from gateway.metrics import Metrics
 from gateway.protocol import MAX_CHOICES, ChatCompletionRequest, CompletionRequest, FieldError
@@ -116,24 +117,26 @@ class OpenAIServing:
         engine: EngineClient,
         served_model_name: str,
         metrics: Metrics,
-        adapters: AdapterRegistry | None = None,
+        catalog: AdapterCatalog | None = None,
         limits: RequestLimits | None = None,
     ) -> None:
         self.engine = engine
         self.model_name = served_model_name
         self.tokenizer: Any = engine.tokenizer
         self.metrics = metrics
-        self.adapters = adapters
+        self.catalog = catalog  # None: LoRA is off
         self.limits = limits or RequestLimits()
         self.max_prompt_chars = self.limits.max_prompt_chars or (
             CHARS_PER_TOKEN * engine.max_model_len
         )
 
-    def resolve_model(self, name: str) -> LoRARequest | None:
-        """The adapter a `model` field names; None for the base model; 404 otherwise."""
+    async def resolve_model(self, name: str, tenant: RequestTenant) -> LoRARequest | None:
+        """The adapter a `model` field names for this tenant (its own, else a public one); None
+        for the base model. 404 otherwise, the same answer for another tenant's adapter as
+        for a name that does not exist."""
         if name == self.model_name:
             return None
-        lora = None if self.adapters is None else self.adapters.get(name)
+        lora = None if self.catalog is None else await self.catalog.resolve(tenant.id, name)
         if lora is None:
             raise APIError(
                 404, f"The model `{name}` does not exist.", param="model", code="model_not_found"
@@ -142,8 +145,10 @@ class OpenAIServing:
 
     # -- routes -------------------------------------------------------------------------------
 
-    async def completions(self, body: CompletionRequest) -> JSONResponse | StreamingResponse:
-        lora = self.resolve_model(body.model)
+    async def completions(
+        self, body: CompletionRequest, tenant: RequestTenant
+    ) -> JSONResponse | StreamingResponse:
+        lora = await self.resolve_model(body.model, tenant)
         prompts = self._completion_prompts(body.prompt)
         self._check_bounds(body, len(prompts))
         params = self._params(body, body.max_tokens, body.logprobs)
@@ -157,10 +162,12 @@ class OpenAIServing:
         token_ids = await asyncio.to_thread(self._tokenize, prompts)
         if not all(token_ids):
             raise APIError(400, "the prompt is empty", param="prompt")
-        return await self._respond(body, token_ids, params, lora, chat=False)
+        return await self._respond(body, token_ids, params, lora, tenant, chat=False)
 
-    async def chat(self, body: ChatCompletionRequest) -> JSONResponse | StreamingResponse:
-        lora = self.resolve_model(body.model)
+    async def chat(
+        self, body: ChatCompletionRequest, tenant: RequestTenant
+    ) -> JSONResponse | StreamingResponse:
+        lora = await self.resolve_model(body.model, tenant)
         self._check_bounds(body, 1)
         messages = [{"role": m.role, "content": m.text()} for m in body.messages]
         self._check_prompt_chars(sum(len(m["content"]) for m in messages), "messages")
@@ -176,7 +183,7 @@ class OpenAIServing:
         except Exception as exc:  # noqa: BLE001 - a template may reject a conversation
             raise APIError(400, f"chat template failed: {exc}", param="messages") from exc
         prompt_ids = list(cast(list[int], encoded["input_ids"]))
-        return await self._respond(body, [prompt_ids], params, lora, chat=True)
+        return await self._respond(body, [prompt_ids], params, lora, tenant, chat=True)
 
     # -- helpers ------------------------------------------------------------------------------
 
@@ -247,6 +254,7 @@ class OpenAIServing:
         prompts: list[list[int]],
         params: SamplingParams,
         lora: LoRARequest | None,
+        tenant: RequestTenant,
         chat: bool,
     ) -> JSONResponse | StreamingResponse:
         timer = _Timer(self.metrics)  # time to first token includes a grammar's compile
@@ -254,8 +262,14 @@ class OpenAIServing:
             await self._compile_grammar(params.guided, body.guided_param)
         request_id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
         streams = [
+            # The salt and the fairness key are the tenant's, never the client's.
             self.engine.generate(
-                f"{request_id}-{i}", prompt, params, lora=lora, fairness_key=body.user
+                f"{request_id}-{i}",
+                prompt,
+                params,
+                lora=lora,
+                cache_salt=tenant.cache_salt,
+                fairness_key=tenant.id,
             )
             for i, prompt in enumerate(prompts)
         ]

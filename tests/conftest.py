@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -60,3 +61,41 @@ def demo_adapters(
         name: build_demo_adapter(demo_model_dir, root / name, rank=rank, targets=targets, seed=seed)
         for name, rank, targets, seed in DEMO_ADAPTERS
     }
+
+
+# -- databases ----------------------------------------------------------------------------------
+
+POSTGRES = os.environ.get("LORAGATE_TEST_POSTGRES", "postgresql://postgres@127.0.0.1:5432/test")
+
+
+def _postgres_admin():  # type: ignore[no-untyped-def]
+    """A connection to the PostgreSQL server this machine kind runs; skips (fails in CI,
+    where LORAGATE_SERVICES_REQUIRED=1) when there is none."""
+    import psycopg
+
+    try:
+        return psycopg.connect(POSTGRES, autocommit=True, connect_timeout=3)
+    except psycopg.OperationalError as exc:
+        if os.environ.get("LORAGATE_SERVICES_REQUIRED") == "1":
+            raise
+        pytest.skip(f"no PostgreSQL at {POSTGRES}: {exc}")
+
+
+@pytest.fixture(params=["sqlite", "postgresql"])
+def database_url(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[str]:
+    """An empty database of each kind: a SQLite file, and a PostgreSQL database of its own
+    (created for the test, dropped after)."""
+    if request.param == "sqlite":
+        yield f"sqlite+aiosqlite:///{tmp_path / 'loragate.db'}"
+        return
+    import secrets
+
+    name = f"loragate_test_{secrets.token_hex(6)}"
+    with _postgres_admin() as admin:
+        admin.execute(f'CREATE DATABASE "{name}"')
+    base = POSTGRES.rsplit("/", 1)[0]
+    try:
+        yield f"{base}/{name}"
+    finally:
+        with _postgres_admin() as admin:
+            admin.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')

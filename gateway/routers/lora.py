@@ -1,24 +1,32 @@
 """Runtime adapter loading, vLLM-compatible: /v1/load_lora_adapter, /v1/unload_lora_adapter.
 
-Off unless `--allow-runtime-lora-updating` (as vLLM gates it): until tenancy brings
-admin keys, anyone who reaches the port could otherwise swap adapters.
+Off unless `--allow-runtime-lora-updating` (as vLLM gates it), and an admin token is required:
+the adapters they register are public (every tenant may use them), from server-local paths.
+Loading a name in use moves it to the new files, as vLLM does.
 """
 
 from __future__ import annotations
 
-from fastapi import APIRouter, Request
+from pathlib import Path
+from typing import Annotated
+
+from fastapi import APIRouter
 from fastapi.responses import PlainTextResponse
-from pydantic import BaseModel
+from pydantic import AfterValidator, BaseModel
 
 from adapters.peft import AdapterError
 from gateway.body import StrictJSONRoute
+from gateway.deps import AdminDep, TenancyDep
 from gateway.errors import APIError
+from gateway.routers.responses import ADMIN_ERRORS
+from tenants.adapters import get_by_name
+from tenants.names import check_adapter_name
 
-router = APIRouter(prefix="/v1", tags=["lora"], route_class=StrictJSONRoute)
+router = APIRouter(prefix="/v1", tags=["lora"], route_class=StrictJSONRoute, responses=ADMIN_ERRORS)
 
 
 class LoadLoRABody(BaseModel):
-    lora_name: str
+    lora_name: Annotated[str, AfterValidator(check_adapter_name)]
     lora_path: str
 
 
@@ -26,35 +34,35 @@ class UnloadLoRABody(BaseModel):
     lora_name: str
 
 
-@router.post("/load_lora_adapter")
-async def load_lora_adapter(body: LoadLoRABody, request: Request) -> PlainTextResponse:
-    serving = request.app.state.serving
-    if body.lora_name == serving.model_name:
+@router.post("/load_lora_adapter", response_class=PlainTextResponse)
+async def load_lora_adapter(
+    body: LoadLoRABody, tenancy: TenancyDep, _: AdminDep
+) -> PlainTextResponse:
+    if body.lora_name == tenancy.catalog.base_model_name:
         raise APIError(400, "an adapter cannot take the base model's name", param="lora_name")
-    registry = serving.adapters
-    previous = registry.get(body.lora_name)
+    path = Path(body.lora_path)
+    if not path.is_dir():
+        raise APIError(400, "lora_path: not a directory on the server", param="lora_path")
     try:
-        lora = registry.register(body.lora_name, body.lora_path)
+        await tenancy.catalog.add_local(owner_id=None, name=body.lora_name, path=path, replace=True)
     except AdapterError as exc:
         raise APIError(400, str(exc), param="lora_path") from exc
-    if previous is not None and previous.adapter_id != lora.adapter_id:
-        _unload_if_unused(request, previous.adapter_id)
     return PlainTextResponse(f"Success: LoRA adapter '{body.lora_name}' added successfully.")
 
 
-@router.post("/unload_lora_adapter")
-async def unload_lora_adapter(body: UnloadLoRABody, request: Request) -> PlainTextResponse:
-    registry = request.app.state.serving.adapters
-    try:
-        lora = registry.unregister(body.lora_name)
-    except AdapterError as exc:
-        raise APIError(404, str(exc), param="lora_name", code="model_not_found") from exc
-    _unload_if_unused(request, lora.adapter_id)
+@router.post("/unload_lora_adapter", response_class=PlainTextResponse)
+async def unload_lora_adapter(
+    body: UnloadLoRABody, tenancy: TenancyDep, _: AdminDep
+) -> PlainTextResponse:
+    async with tenancy.db.session() as session:
+        adapter = await get_by_name(session, owner_id=None, name=body.lora_name)
+    if adapter is None:
+        raise APIError(
+            404,
+            f"no public adapter named {body.lora_name!r}",
+            type="not_found_error",
+            param="lora_name",
+            code="model_not_found",
+        )
+    await tenancy.catalog.remove(adapter)
     return PlainTextResponse(f"Success: LoRA adapter '{body.lora_name}' removed successfully.")
-
-
-def _unload_if_unused(request: Request, adapter_id: str) -> None:
-    """Free the engine's copy unless another name still serves the same weights."""
-    registry = request.app.state.serving.adapters
-    if all(registry.get(name).adapter_id != adapter_id for name in registry.names()):
-        request.app.state.serving.engine.unload_lora(adapter_id)

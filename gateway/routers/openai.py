@@ -2,17 +2,30 @@
 
 from __future__ import annotations
 
-from typing import Annotated, Any
+from typing import Annotated, Any, Literal
 
 from fastapi import APIRouter, Depends, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from pydantic import BaseModel
 
 from gateway.body import StrictJSONRoute
+from gateway.deps import TenantDep, get_tenancy
 from gateway.protocol import ChatCompletionRequest, CompletionRequest
+from gateway.routers.responses import ADMIN_ERRORS, OPENAI_ERRORS
 from gateway.serving import OpenAIServing
 
-router = APIRouter(prefix="/v1", tags=["openai"], route_class=StrictJSONRoute)
+router = APIRouter(
+    prefix="/v1", tags=["openai"], route_class=StrictJSONRoute, responses=OPENAI_ERRORS
+)
+
+# A completion is one JSON body, or server-sent events with `"stream": true`.
+_GENERATION: dict[int | str, dict[str, Any]] = {
+    200: {
+        "description": "The completion, or its chunks as server-sent events.",
+        "content": {"application/json": {}, "text/event-stream": {"schema": {"type": "string"}}},
+    }
+}
 
 
 def get_serving(request: Request) -> OpenAIServing:
@@ -22,22 +35,23 @@ def get_serving(request: Request) -> OpenAIServing:
 ServingDep = Annotated[OpenAIServing, Depends(get_serving)]
 
 
-@router.post("/completions", response_model=None)
+@router.post("/completions", response_model=None, responses=_GENERATION)
 async def completions(
-    body: CompletionRequest, serving: ServingDep
+    body: CompletionRequest, serving: ServingDep, tenant: TenantDep
 ) -> JSONResponse | StreamingResponse:
-    return await serving.completions(body)
+    return await serving.completions(body, tenant)
 
 
-@router.post("/chat/completions", response_model=None)
+@router.post("/chat/completions", response_model=None, responses=_GENERATION)
 async def chat_completions(
-    body: ChatCompletionRequest, serving: ServingDep
+    body: ChatCompletionRequest, serving: ServingDep, tenant: TenantDep
 ) -> JSONResponse | StreamingResponse:
-    return await serving.chat(body)
+    return await serving.chat(body, tenant)
 
 
 @router.get("/models")
-async def list_models(serving: ServingDep, request: Request) -> dict[str, Any]:
+async def list_models(serving: ServingDep, tenant: TenantDep, request: Request) -> dict[str, Any]:
+    """The base model, the public adapters and the caller's own."""
     created = request.app.state.started_at
     base = {
         "id": serving.model_name,
@@ -49,7 +63,7 @@ async def list_models(serving: ServingDep, request: Request) -> dict[str, Any]:
         "max_model_len": serving.engine.max_model_len,
     }
     # Adapters as vLLM lists them: their own ids, with the base model as parent.
-    adapters = [] if serving.adapters is None else serving.adapters.names()
+    adapters = [] if serving.catalog is None else await serving.catalog.names(tenant.id)
     data = [base] + [
         base | {"id": name, "root": name, "parent": serving.model_name} for name in adapters
     ]
@@ -59,7 +73,15 @@ async def list_models(serving: ServingDep, request: Request) -> dict[str, Any]:
 health_router = APIRouter(tags=["health"], route_class=StrictJSONRoute)
 
 
-@health_router.get("/health")
+class Health(BaseModel):
+    status: Literal["ok", "restarting", "stopping", "dead"]
+
+
+@health_router.get(
+    "/health",
+    response_model=Health,
+    responses={503: {"model": Health, "description": "The engine is not serving."}},
+)
 async def health(request: Request) -> JSONResponse:
     """200 {"status": "ok"} while the engine serves; else 503 with "restarting" (a dead
     engine process being replaced), "stopping" or "dead"."""
@@ -67,8 +89,24 @@ async def health(request: Request) -> JSONResponse:
     return JSONResponse({"status": status}, status_code=200 if status == "ok" else 503)
 
 
-@health_router.get("/metrics")
+@health_router.get(
+    "/metrics",
+    response_class=Response,
+    responses={
+        200: {
+            "description": "Prometheus text exposition.",
+            "content": {CONTENT_TYPE_LATEST.split(";")[0]: {"schema": {"type": "string"}}},
+        },
+        401: ADMIN_ERRORS[401],
+        403: ADMIN_ERRORS[403],
+    },
+)
 async def metrics(request: Request) -> Response:
+    """Open by default, as Prometheus scrapes without credentials; --metrics-auth asks for an
+    admin token."""
+    tenancy = get_tenancy(request)
+    if tenancy.metrics_auth:
+        tenancy.admin.verify(request.headers.get("authorization"))
     return Response(
         generate_latest(request.app.state.metrics.registry), media_type=CONTENT_TYPE_LATEST
     )

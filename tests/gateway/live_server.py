@@ -1,29 +1,95 @@
-"""A live uvicorn server on 127.0.0.1 for tests that talk HTTP with the real openai client."""
+"""A live uvicorn server on 127.0.0.1 for tests that talk HTTP with the real openai client,
+with a tenancy of its own: a database, a tenant and its key, an admin token."""
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import socket
 import threading
 import time
 from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
 
 import openai
 import uvicorn
 from fastapi import FastAPI
 
+from adapters.peft import describe_base
 from engine.async_engine import AsyncEngine, EngineClient
+from gateway.admin_auth import mint_admin_token
+from gateway.settings import Settings
+from gateway.tenancy import Tenancy, open_tenancy, prepare
+from tenants.keys import create_key
+from tenants.tenants import create_tenant
+
+TEST_SECRET = "a-test-secret-that-is-long-enough-for-loragate-0123456789"
+
+
+@dataclass
+class ServerTenancy:
+    """A server's tenancy, and the credentials a test uses with it."""
+
+    tenancy: Tenancy
+    settings: Settings
+    tenant_id: str
+    api_key: str
+    admin_token: str
+
+
+def make_tenancy(
+    root: Path, model_dir: Path, served_name: str, database_url: str | None = None, **settings: Any
+) -> ServerTenancy:
+    """Migrate a database (a SQLite file under `root` by default), make tenant `tester` with one
+    key, and mint an admin token, all as `loragate serve` would."""
+    config = Settings(
+        model=str(model_dir),
+        database_url=database_url or f"sqlite+aiosqlite:///{root / 'loragate.db'}",
+        secret_key=TEST_SECRET,
+        adapter_store=root / "adapters",
+        demo_tenant=False,
+        **settings,
+    )
+    tenancy = open_tenancy(config, describe_base(model_dir, extra_names=[served_name]), served_name)
+
+    async def setup() -> tuple[str, str]:
+        await prepare(tenancy, config)
+        async with tenancy.db.session() as session, session.begin():
+            tenant = await create_tenant(session, name="tester")
+            _, key = await create_key(session, tenant_id=tenant.id)
+        await tenancy.db.close()  # its connections belong to this loop, not the server's
+        return tenant.id, key
+
+    tenant_id, key = asyncio.run(setup())
+    return ServerTenancy(tenancy, config, tenant_id, key, mint_admin_token(config, 3600))
 
 
 class Server:
-    def __init__(self, base_url: str, engine: EngineClient, app: FastAPI | None = None) -> None:
+    def __init__(
+        self, base_url: str, engine: EngineClient, app: FastAPI, tenancy: ServerTenancy
+    ) -> None:
         self.base_url = base_url
         self.engine = engine
         self.app = app
+        self.tenancy = tenancy
 
-    def client(self) -> openai.OpenAI:
+    @property
+    def headers(self) -> dict[str, str]:
+        """A tenant's credentials, for httpx."""
+        return {"Authorization": f"Bearer {self.tenancy.api_key}"}
+
+    @property
+    def admin_headers(self) -> dict[str, str]:
+        return {"Authorization": f"Bearer {self.tenancy.admin_token}"}
+
+    def client(self, api_key: str | None = None) -> openai.OpenAI:
         return openai.OpenAI(
-            base_url=f"{self.base_url}/v1", api_key="unused", max_retries=0, timeout=60
+            base_url=f"{self.base_url}/v1",
+            api_key=api_key or self.tenancy.api_key,
+            max_retries=0,
+            timeout=60,
         )
 
     def wait_all_blocks_free(self, timeout: float = 10.0) -> bool:
@@ -51,7 +117,8 @@ def free_port() -> int:
 
 @contextlib.contextmanager
 def live_server(app: FastAPI, engine: EngineClient) -> Iterator[Server]:
-    """Serve `app` on a free port until the block exits."""
+    """Serve `app` (built with a ServerTenancy's tenancy) on a free port until the block exits."""
+    tenancy: ServerTenancy = app.state.server_tenancy
     port = free_port()
     uv = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
     thread = threading.Thread(target=uv.run, daemon=True)
@@ -59,7 +126,37 @@ def live_server(app: FastAPI, engine: EngineClient) -> Iterator[Server]:
     while not uv.started:
         time.sleep(0.01)
     try:
-        yield Server(f"http://127.0.0.1:{port}", engine, app)
+        yield Server(f"http://127.0.0.1:{port}", engine, app, tenancy)
     finally:
         uv.should_exit = True
         thread.join(10)
+
+
+def build_test_app(
+    engine: EngineClient,
+    served_name: str,
+    root: Path,
+    model_dir: Path,
+    database_url: str | None = None,
+    settings: dict[str, Any] | None = None,
+    **build: Any,
+) -> FastAPI:
+    """build_app with a fresh test tenancy (kept on app.state.server_tenancy)."""
+    from gateway.app import build_app
+
+    tenancy = make_tenancy(root, model_dir, served_name, database_url, **(settings or {}))
+    app = build_app(engine, served_name, tenancy.tenancy, **build)
+    app.state.server_tenancy = tenancy
+    return app
+
+
+def register_public(app: FastAPI, name: str, path: Path) -> None:
+    """Register a public adapter, as `--lora-modules name=path` does at start."""
+    tenancy: ServerTenancy = app.state.server_tenancy
+    catalog = tenancy.tenancy.catalog
+
+    async def add() -> None:
+        await catalog.add_local(owner_id=None, name=name, path=path, replace=True)
+        await tenancy.tenancy.db.close()
+
+    asyncio.run(add())

@@ -24,11 +24,10 @@ import httpx
 import pytest
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
-from live_server import Server, live_server
+from live_server import Server, build_test_app, live_server
 
 from engine import EngineConfig
 from engine.engine_process import EngineProcess
-from gateway.app import build_app
 from gateway.protocol import ChatCompletionRequest, CompletionRequest
 
 MODEL = "demo"
@@ -144,7 +143,7 @@ def bodies(draw: st.DrawFn) -> tuple[str, bytes]:
 
 
 @pytest.fixture(scope="module")
-def server(demo_model_dir: Path) -> Iterator[Server]:
+def server(demo_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
     config = EngineConfig(
         model=str(demo_model_dir),
         kv_cache_memory=64 << 20,
@@ -154,7 +153,9 @@ def server(demo_model_dir: Path) -> Iterator[Server]:
     )
     engine = EngineProcess(config, max_waiting=256)
     engine.start()
-    with live_server(build_app(engine, MODEL, max_body_bytes=1 << 20), engine) as server:
+    root = tmp_path_factory.mktemp("tenancy")
+    app = build_test_app(engine, MODEL, root, demo_model_dir, max_body_bytes=1 << 20)
+    with live_server(app, engine) as server:
         yield server
     asyncio.run(engine.shutdown(0))
 
@@ -183,7 +184,7 @@ class Victims:
     """Victims' requests sent one after another, in a thread, until stopped."""
 
     def __init__(self, server: Server) -> None:
-        self.client = httpx.Client(base_url=server.base_url, timeout=60)
+        self.client = httpx.Client(base_url=server.base_url, headers=server.headers, timeout=60)
         self.baseline = [_victim_output(self.client, body) for body in VICTIMS]
         self.outputs: list[tuple[int, str]] = []
         self.stop = threading.Event()
@@ -238,7 +239,7 @@ def test_hostile_bodies_are_answered_alone(
     server: Server, victims: Victims, case: tuple[str, bytes]
 ) -> None:
     route, body = case
-    with httpx.Client(base_url=server.base_url, timeout=60) as client:
+    with httpx.Client(base_url=server.base_url, headers=server.headers, timeout=60) as client:
         resp = client.post(route, content=body, headers={"content-type": "application/json"})
         event(f"HTTP {resp.status_code}")  # pytest --hypothesis-show-statistics
         _check_answer(resp)

@@ -12,14 +12,13 @@ from typing import Any
 import httpx
 import jsonschema
 import pytest
-from live_server import Server, live_server
+from live_server import Server, build_test_app, live_server, register_public
 
 from adapters.peft import describe_base
 from adapters.registry import AdapterRegistry
 from engine import LLM, EngineConfig, LLMEngine, SamplingParams
 from engine.async_engine import AsyncEngine
 from engine.request import GuidedSpec
-from gateway.app import build_app
 
 MODEL = "demo"
 POINT = {
@@ -37,7 +36,7 @@ MAX_SCHEMA_DEPTH = 12
 
 
 @pytest.fixture(scope="module")
-def server(demo_model_dir: Path) -> Iterator[Server]:
+def server(demo_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
     config = EngineConfig(
         model=str(demo_model_dir),
         kv_cache_memory=64 << 20,
@@ -48,7 +47,8 @@ def server(demo_model_dir: Path) -> Iterator[Server]:
     )
     engine = AsyncEngine(LLMEngine(config), max_waiting=64)
     engine.start()
-    with live_server(build_app(engine, MODEL), engine) as server:
+    app = build_test_app(engine, MODEL, tmp_path_factory.mktemp("tenancy"), demo_model_dir)
+    with live_server(app, engine) as server:
         yield server
 
 
@@ -189,7 +189,9 @@ def test_bad_specs_answer_400_before_anything_streams(
     server: Server, extra: dict[str, Any], param: str, words: str, stream: bool
 ) -> None:
     body = {"model": MODEL, "prompt": "x", "max_tokens": 8, "stream": stream, **extra}
-    resp = httpx.post(f"{server.base_url}/v1/completions", json=body, timeout=60)
+    resp = httpx.post(
+        f"{server.base_url}/v1/completions", headers=server.headers, json=body, timeout=60
+    )
     assert resp.status_code == 400 and resp.headers["content-type"] == "application/json"
     error = resp.json()["error"]
     assert error["param"] == param and error["type"] == "invalid_request_error"
@@ -214,6 +216,7 @@ def test_a_compile_past_the_timeout_is_400_and_the_engine_keeps_serving(
     try:
         resp = httpx.post(
             f"{server.base_url}/v1/completions",
+            headers=server.headers,
             json={"model": MODEL, "prompt": "x", "guided_regex": "slow[0-9]+"},
             timeout=60,
         )
@@ -244,7 +247,7 @@ def test_text_response_format_is_unguided(server: Server) -> None:
 
 
 def test_json_schema_under_an_adapter_streams_and_matches_the_offline_engine(
-    demo_model_dir: Path, demo_adapters: dict[str, Path]
+    demo_model_dir: Path, demo_adapters: dict[str, Path], tmp_path: Path
 ) -> None:
     registry = AdapterRegistry(describe_base(demo_model_dir), max_lora_rank=16)
     registry.register("r8-all", demo_adapters["r8-all"])
@@ -252,7 +255,9 @@ def test_json_schema_under_an_adapter_streams_and_matches_the_offline_engine(
     engine = AsyncEngine(LLMEngine(config, lora_loader=registry.load), max_waiting=16)
     engine.start()
     prompt = [5, 77, 301, 1200, 42, 9, 640]
-    with live_server(build_app(engine, MODEL, adapters=registry), engine) as server:
+    app = build_test_app(engine, MODEL, tmp_path, demo_model_dir)
+    register_public(app, "r8-all", demo_adapters["r8-all"])
+    with live_server(app, engine) as server:
         chunks = list(
             server.client().completions.create(
                 model="r8-all",

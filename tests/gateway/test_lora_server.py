@@ -11,14 +11,13 @@ from pathlib import Path
 
 import httpx
 import pytest
-from live_server import Server, live_server
+from live_server import Server, build_test_app, live_server, register_public
 
 from adapters.peft import describe_base
 from adapters.registry import AdapterRegistry
 from engine import LLM, EngineConfig, LLMEngine, SamplingParams
 from engine.async_engine import AsyncEngine, EngineClient
 from engine.engine_process import EngineProcess
-from gateway.app import build_app
 
 MODEL = "demo"
 ADAPTERS = ("r4-attn", "r8-all", "r16-all", "r8-attn", "r16-attn")
@@ -34,7 +33,11 @@ def registry(demo_model_dir: Path, demo_adapters: dict[str, Path]) -> AdapterReg
 
 @pytest.fixture(scope="module", params=["thread", "process"])
 def server(
-    request: pytest.FixtureRequest, demo_model_dir: Path, registry: AdapterRegistry
+    request: pytest.FixtureRequest,
+    demo_model_dir: Path,
+    demo_adapters: dict[str, Path],
+    registry: AdapterRegistry,
+    tmp_path_factory: pytest.TempPathFactory,
 ) -> Iterator[Server]:
     """Both engine loops: adapters cross into the engine process as paths and identities."""
     config = EngineConfig(
@@ -48,7 +51,10 @@ def server(
             replace(config, num_threads=1), lora_loader=registry.loader, max_waiting=256
         )
     engine.start()
-    app = build_app(engine, MODEL, adapters=registry, allow_runtime_lora_updating=True)
+    root = tmp_path_factory.mktemp("tenancy")
+    app = build_test_app(engine, MODEL, root, demo_model_dir, allow_runtime_lora_updating=True)
+    for name in ADAPTERS:
+        register_public(app, name, demo_adapters[name])
     with live_server(app, engine) as server:
         yield server
     asyncio.run(engine.shutdown(0))
@@ -116,6 +122,7 @@ def test_streaming_chat_under_an_adapter(server: Server) -> None:
 def test_an_unknown_adapter_is_a_404_in_openai_shape(server: Server) -> None:
     resp = httpx.post(
         f"{server.base_url}/v1/completions",
+        headers=server.headers,
         json={"model": "no-such-adapter", "prompt": "hi", "max_tokens": 2},
     )
     assert resp.status_code == 404
@@ -125,9 +132,10 @@ def test_an_unknown_adapter_is_a_404_in_openai_shape(server: Server) -> None:
 
 
 def test_adapters_load_replace_and_unload_at_runtime(
-    server: Server, demo_adapters: dict[str, Path], tmp_path: Path, registry: AdapterRegistry
+    server: Server, demo_adapters: dict[str, Path], tmp_path: Path
 ) -> None:
     from adapters.demo import clone_adapter
+    from adapters.peft import adapter_identity
 
     url = server.base_url
     client = server.client()
@@ -146,26 +154,34 @@ def test_adapters_load_replace_and_unload_at_runtime(
     first, second = tmp_path / "first", tmp_path / "second"
     clone_adapter(demo_adapters["r8-all"], first, seed=21)
     clone_adapter(demo_adapters["r8-all"], second, seed=22)
+    admin = server.admin_headers
     body = {"lora_name": "runtime", "lora_path": str(first)}
-    assert httpx.post(f"{url}/v1/load_lora_adapter", json=body).status_code == 200
+    # A tenant's key is not enough: these routes register public adapters.
+    assert (
+        httpx.post(f"{url}/v1/load_lora_adapter", headers=server.headers, json=body).status_code
+        == 401
+    )
+    assert httpx.post(f"{url}/v1/load_lora_adapter", headers=admin, json=body).status_code == 200
     before = tokens()
-    first_id = registry.get("runtime").adapter_id
+    first_id = adapter_identity(first)
     body["lora_path"] = str(second)
-    assert httpx.post(f"{url}/v1/load_lora_adapter", json=body).status_code == 200
+    assert httpx.post(f"{url}/v1/load_lora_adapter", headers=admin, json=body).status_code == 200
     after = tokens()
     assert before != after  # the replaced adapter serves its new weights
-    second_id = registry.get("runtime").adapter_id
+    second_id = adapter_identity(second)
 
     bad = {"lora_name": "broken", "lora_path": str(tmp_path / "missing")}
-    resp = httpx.post(f"{url}/v1/load_lora_adapter", json=bad)
+    resp = httpx.post(f"{url}/v1/load_lora_adapter", headers=admin, json=bad)
     assert resp.status_code == 400 and resp.json()["error"]["param"] == "lora_path"
     assert "broken" not in {m.id for m in client.models.list().data}
 
-    resp = httpx.post(f"{url}/v1/unload_lora_adapter", json={"lora_name": "runtime"})
+    resp = httpx.post(f"{url}/v1/unload_lora_adapter", headers=admin, json={"lora_name": "runtime"})
     assert resp.status_code == 200
-    resp = httpx.post(f"{url}/v1/completions", json={"model": "runtime", "prompt": "x"})
+    resp = httpx.post(
+        f"{url}/v1/completions", headers=server.headers, json={"model": "runtime", "prompt": "x"}
+    )
     assert resp.status_code == 404
-    resp = httpx.post(f"{url}/v1/unload_lora_adapter", json={"lora_name": "runtime"})
+    resp = httpx.post(f"{url}/v1/unload_lora_adapter", headers=admin, json={"lora_name": "runtime"})
     assert resp.status_code == 404
     assert server.wait_all_blocks_free()
     if not isinstance(server.engine, AsyncEngine):

@@ -10,18 +10,19 @@ from pathlib import Path
 import httpx
 import openai
 import pytest
-from live_server import Server, live_server
+from live_server import Server, build_test_app, live_server
 
 from engine import LLM, EngineConfig, LLMEngine, SamplingParams
 from engine.async_engine import AsyncEngine, EngineClient
 from engine.engine_process import EngineProcess
-from gateway.app import build_app
 
 MODEL = "demo"
 
 
 @pytest.fixture(scope="module", params=["thread", "process"])
-def server(request: pytest.FixtureRequest, demo_model_dir: Path) -> Iterator[Server]:
+def server(
+    request: pytest.FixtureRequest, demo_model_dir: Path, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[Server]:
     """Every test runs against both engine loops: a thread of the server's process, and
     a process of its own (`loragate serve`'s default)."""
     config = EngineConfig(model=str(demo_model_dir), kv_cache_memory=64 << 20, max_model_len=512)
@@ -32,7 +33,9 @@ def server(request: pytest.FixtureRequest, demo_model_dir: Path) -> Iterator[Ser
     else:
         engine = EngineProcess(replace(config, num_threads=1), max_waiting=256)
         engine.start()
-    with live_server(build_app(engine, MODEL, max_body_bytes=1 << 20), engine) as server:
+    root = tmp_path_factory.mktemp("tenancy")
+    app = build_test_app(engine, MODEL, root, demo_model_dir, max_body_bytes=1 << 20)
+    with live_server(app, engine) as server:
         yield server
     asyncio.run(engine.shutdown(0))
 
@@ -122,7 +125,9 @@ def test_raw_sse_frames_end_with_done(server: Server) -> None:
         "stream": True,
         "ignore_eos": True,
     }
-    with httpx.stream("POST", f"{server.base_url}/v1/completions", json=body) as resp:
+    with httpx.stream(
+        "POST", f"{server.base_url}/v1/completions", headers=server.headers, json=body
+    ) as resp:
         assert resp.headers["content-type"].startswith("text/event-stream")
         frames = [line for line in resp.iter_lines() if line]
     assert frames[-1] == "data: [DONE]"
@@ -213,7 +218,7 @@ def test_models_and_health(server: Server) -> None:
 def test_bad_requests_get_openai_errors(
     server: Server, body: dict, status: int, param: str | None
 ) -> None:
-    resp = httpx.post(f"{server.base_url}/v1/completions", json=body)
+    resp = httpx.post(f"{server.base_url}/v1/completions", headers=server.headers, json=body)
     assert resp.status_code == status
     error = resp.json()["error"]
     assert set(error) == {"message", "type", "param", "code"} and error["message"]
@@ -224,13 +229,15 @@ def test_bad_requests_get_openai_errors(
 
 def test_context_length_error_code_and_body_limit(server: Server) -> None:
     resp = httpx.post(
-        f"{server.base_url}/v1/completions", json={"model": MODEL, "prompt": list(range(10, 600))}
+        f"{server.base_url}/v1/completions",
+        headers=server.headers,
+        json={"model": MODEL, "prompt": list(range(10, 600))},
     )
     assert resp.json()["error"]["code"] == "context_length_exceeded"
     big = httpx.post(
         f"{server.base_url}/v1/completions",
         content=b'{"model": "demo", "prompt": "' + b"a" * (2 << 20) + b'"}',
-        headers={"content-type": "application/json"},
+        headers={"content-type": "application/json"} | server.headers,
     )
     assert big.status_code == 413 and "error" in big.json()
 
@@ -244,7 +251,9 @@ def test_client_disconnect_frees_every_block(server: Server) -> None:
         "stream": True,
         "ignore_eos": True,
     }
-    with httpx.stream("POST", f"{server.base_url}/v1/completions", json=body) as resp:
+    with httpx.stream(
+        "POST", f"{server.base_url}/v1/completions", headers=server.headers, json=body
+    ) as resp:
         lines = resp.iter_lines()
         for _ in range(3):
             next(lines)
@@ -274,7 +283,10 @@ def test_fifty_concurrent_streams_complete_with_exact_usage(server: Server) -> N
 
     async def run() -> list[tuple[int, int]]:
         client = openai.AsyncOpenAI(
-            base_url=f"{server.base_url}/v1", api_key="unused", max_retries=0, timeout=60
+            base_url=f"{server.base_url}/v1",
+            api_key=server.tenancy.api_key,
+            max_retries=0,
+            timeout=60,
         )
         return await asyncio.gather(*(one(client, i) for i in range(50)))
 
@@ -335,6 +347,7 @@ def test_a_failing_step_fails_its_requests_and_the_loop_keeps_serving(
     monkeypatch.setattr(runner, "execute", fail_once)
     resp = httpx.post(
         f"{server.base_url}/v1/completions",
+        headers=server.headers,
         json={"model": MODEL, "prompt": "fault", "max_tokens": 4},
     )
     assert resp.status_code == 500

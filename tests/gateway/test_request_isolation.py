@@ -15,11 +15,10 @@ from pathlib import Path
 
 import httpx
 import pytest
-from live_server import Server, live_server
+from live_server import Server, build_test_app, live_server
 
 from engine import EngineConfig
 from engine.engine_process import EngineProcess
-from gateway.app import build_app
 from gateway.serving import RequestLimits
 
 MODEL = "demo"
@@ -34,13 +33,20 @@ VICTIM = {
 
 
 @pytest.fixture(scope="module")
-def server(demo_model_dir: Path) -> Iterator[Server]:
+def server(demo_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
     config = EngineConfig(
         model=str(demo_model_dir), kv_cache_memory=64 << 20, max_model_len=512, num_threads=1
     )
     engine = EngineProcess(replace(config), max_waiting=64)
     engine.start()
-    app = build_app(engine, MODEL, max_body_bytes=MAX_BODY, limits=RequestLimits(max_n=8))
+    app = build_test_app(
+        engine,
+        MODEL,
+        tmp_path_factory.mktemp("tenancy"),
+        demo_model_dir,
+        max_body_bytes=MAX_BODY,
+        limits=RequestLimits(max_n=8),
+    )
     with live_server(app, engine) as server:
         yield server
     asyncio.run(engine.shutdown(0))
@@ -49,7 +55,9 @@ def server(demo_model_dir: Path) -> Iterator[Server]:
 @pytest.fixture(scope="module")
 def victim_text(server: Server) -> str:
     """The victim's output with nothing else running."""
-    resp = httpx.post(f"{server.base_url}/v1/completions", json=VICTIM, timeout=60)
+    resp = httpx.post(
+        f"{server.base_url}/v1/completions", headers=server.headers, json=VICTIM, timeout=60
+    )
     return str(resp.json()["choices"][0]["text"])
 
 
@@ -68,6 +76,7 @@ class Victim:
         with httpx.stream(
             "POST",
             f"{self.server.base_url}/v1/completions",
+            headers=self.server.headers,
             json=VICTIM | {"stream": True},
             timeout=60,
         ) as resp:
@@ -117,7 +126,11 @@ def test_an_out_of_bounds_field_is_a_400_and_the_victim_runs_on(
 ) -> None:
     victim = Victim(server)
     body = {"model": MODEL, "prompt": "hi", "max_tokens": 8} | {field: value}
-    _expect_error(httpx.post(f"{server.base_url}/v1/completions", json=body), 400, param)
+    _expect_error(
+        httpx.post(f"{server.base_url}/v1/completions", headers=server.headers, json=body),
+        400,
+        param,
+    )
     assert victim.result() == victim_text
     assert server.wait_all_blocks_free()
 
@@ -133,7 +146,9 @@ def test_chat_fields_are_bounded_too(server: Server) -> None:
         ({"messages": [message], "max_completion_tokens": 0}, "max_completion_tokens"),
     ]
     for extra, param in cases:
-        _expect_error(httpx.post(url, json={"model": MODEL} | extra), 400, param)
+        _expect_error(
+            httpx.post(url, headers=server.headers, json={"model": MODEL} | extra), 400, param
+        )
 
 
 def _raw(server: Server) -> http.client.HTTPConnection:
@@ -141,8 +156,9 @@ def _raw(server: Server) -> http.client.HTTPConnection:
     return http.client.HTTPConnection(host, int(port), timeout=30)
 
 
-def _post_raw(conn: http.client.HTTPConnection, body: bytes) -> tuple[int, dict]:
-    conn.request("POST", "/v1/completions", body, {"content-type": "application/json"})
+def _post_raw(conn: http.client.HTTPConnection, body: bytes, server: Server) -> tuple[int, dict]:
+    headers = {"content-type": "application/json"} | server.headers
+    conn.request("POST", "/v1/completions", body, headers)
     resp = conn.getresponse()
     return resp.status, json.loads(resp.read())
 
@@ -164,11 +180,11 @@ def test_a_body_that_is_not_json_is_a_400_and_the_connection_stays_usable(
     server: Server, body: bytes
 ) -> None:
     conn = _raw(server)
-    status, answer = _post_raw(conn, body)
+    status, answer = _post_raw(conn, body, server)
     assert status == 400 and set(answer["error"]) == {"message", "type", "param", "code"}
     sock = conn.sock
     ok = json.dumps({"model": MODEL, "prompt": "hi", "max_tokens": 2}).encode()
-    assert _post_raw(conn, ok)[0] == 200
+    assert _post_raw(conn, ok, server)[0] == 200
     assert conn.sock is sock  # the same keep-alive connection answered both
     conn.close()
 
@@ -209,8 +225,12 @@ def test_a_chunked_body_past_the_limit_is_a_413_before_it_is_read(server: Server
 def test_logit_bias_steers_greedy_tokens(server: Server) -> None:
     url = f"{server.base_url}/v1/completions"
     body = {"model": MODEL, "prompt": "Once upon", "max_tokens": 6, "temperature": 0}
-    plain = httpx.post(url, json=body | {"logprobs": 0}).json()["choices"][0]
-    forced = httpx.post(url, json=body | {"logit_bias": {"77": 100}, "logprobs": 0}).json()
+    plain = httpx.post(url, headers=server.headers, json=body | {"logprobs": 0}).json()["choices"][
+        0
+    ]
+    forced = httpx.post(
+        url, headers=server.headers, json=body | {"logit_bias": {"77": 100}, "logprobs": 0}
+    ).json()
     tokens = forced["choices"][0]["logprobs"]["tokens"]
     assert len(tokens) == 6 and len(set(tokens)) == 1  # token 77 every time
     first = plain["logprobs"]["tokens"][0]
@@ -221,7 +241,9 @@ def test_a_banned_token_stays_banned_under_a_grammar(server: Server) -> None:
     url = f"{server.base_url}/v1/completions"
     body = {"model": MODEL, "prompt": "Pick:", "max_tokens": 8, "temperature": 0}
     choices = ["left", "right"]
-    chosen = httpx.post(url, json=body | {"guided_choice": choices}).json()["choices"][0]["text"]
+    chosen = httpx.post(url, headers=server.headers, json=body | {"guided_choice": choices}).json()[
+        "choices"
+    ][0]["text"]
     assert chosen in choices
     # Ban every token that could begin the chosen answer: the grammar must take the other.
     tokenizer = server.engine.tokenizer
@@ -231,7 +253,9 @@ def test_a_banned_token_stays_banned_under_a_grammar(server: Server) -> None:
         if (text := tokenizer.decode([token])) and chosen.startswith(text)
     }
     assert banned
-    steered = httpx.post(url, json=body | {"guided_choice": choices, "logit_bias": banned})
+    steered = httpx.post(
+        url, headers=server.headers, json=body | {"guided_choice": choices, "logit_bias": banned}
+    )
     assert steered.json()["choices"][0]["text"] == next(c for c in choices if c != chosen)
 
 
@@ -246,11 +270,11 @@ def test_an_unexpected_exception_is_a_json_500_with_a_request_id(
 
     monkeypatch.setattr(serving, "resolve_model", broken)
     conn = _raw(server)
-    status, answer = _post_raw(conn, json.dumps({"model": MODEL, "prompt": "hi"}).encode())
+    status, answer = _post_raw(conn, json.dumps({"model": MODEL, "prompt": "hi"}).encode(), server)
     assert status == 500 and answer["error"]["type"] == "internal_error"
     assert "request id req_" in answer["error"]["message"]
     assert "a bug" not in answer["error"]["message"]  # internals stay in the log
     monkeypatch.undo()
     ok = json.dumps({"model": MODEL, "prompt": "hi", "max_tokens": 2}).encode()
-    assert _post_raw(conn, ok)[0] == 200
+    assert _post_raw(conn, ok, server)[0] == 200
     conn.close()

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -68,11 +69,18 @@ def test_engine_death_restart_and_orderly_shutdown(demo_model_dir: Path, tmp_pat
             stderr=subprocess.STDOUT,
             start_new_session=True,
             env=os.environ | {"PYTHONUNBUFFERED": "1", "COLUMNS": "400"},  # no wrapped lines
+            cwd=tmp_path,  # the database, its secret and the adapter store go here
         )
     try:
         _wait_health(url, "ok")
+        # On an empty database the server made tenant `demo` and printed its key once.
+        key = re.search(r"export LORAGATE_API_KEY=(lg-\S+)", log_path.read_text())
+        assert key is not None, log_path.read_text()
+        auth = {"Authorization": f"Bearer {key.group(1)}"}
         body = {"model": MODEL, "prompt": "Hello", "max_tokens": 4, "temperature": 0}
-        assert httpx.post(f"{url}/v1/completions", json=body, timeout=60).status_code == 200
+        assert httpx.post(f"{url}/v1/completions", json=body, timeout=60).status_code == 401
+        resp = httpx.post(f"{url}/v1/completions", json=body, headers=auth, timeout=60)
+        assert resp.status_code == 200
 
         # The engine dies under a running request: the request ends with a 503-type error.
         events: list[dict] = []
@@ -80,7 +88,9 @@ def test_engine_death_restart_and_orderly_shutdown(demo_model_dir: Path, tmp_pat
 
         def stream() -> None:
             long = body | {"max_tokens": 240, "ignore_eos": True, "stream": True}
-            with httpx.stream("POST", f"{url}/v1/completions", json=long, timeout=60) as resp:
+            with httpx.stream(
+                "POST", f"{url}/v1/completions", json=long, headers=auth, timeout=60
+            ) as resp:
                 for line in resp.iter_lines():
                     if line.startswith("data: {"):
                         events.append(json.loads(line[6:]))
@@ -95,7 +105,8 @@ def test_engine_death_restart_and_orderly_shutdown(demo_model_dir: Path, tmp_pat
         resp = httpx.get(f"{url}/health")
         assert resp.status_code == 503 or resp.json() == {"status": "ok"}
         _wait_health(url, "ok")  # the supervisor started a new engine process
-        assert httpx.post(f"{url}/v1/completions", json=body, timeout=60).status_code == 200
+        resp = httpx.post(f"{url}/v1/completions", json=body, headers=auth, timeout=60)
+        assert resp.status_code == 200
 
         before_stop = log_path.read_text()
         os.killpg(server.pid, signal.SIGTERM)  # the whole group, engine process included

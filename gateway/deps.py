@@ -1,0 +1,50 @@
+"""The routes' dependencies, as `Annotated` aliases: `TenantDep` (the tenant a /v1 request
+runs as) and `AdminDep` (a verified admin token's claims).
+
+Both read the bearer token themselves (gateway.auth, gateway.admin_auth); FastAPI's
+HTTPBearer is here only so that the OpenAPI schema names the two security schemes.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Any
+
+from fastapi import Depends, Request, Security
+from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
+
+from gateway.auth import RequestTenant
+from gateway.tenancy import Tenancy
+
+tenant_key = HTTPBearer(
+    auto_error=False, scheme_name="TenantKey", description="A tenant's API key (lg-...)."
+)
+admin_token = HTTPBearer(
+    auto_error=False,
+    scheme_name="AdminToken",
+    bearerFormat="JWT",
+    description="An OAuth2 access token (JWT) with scope `admin`.",
+)
+
+
+def get_tenancy(request: Request) -> Tenancy:
+    return request.app.state.tenancy  # type: ignore[no-any-return]
+
+
+async def current_tenant(
+    request: Request, _: Annotated[HTTPAuthorizationCredentials | None, Security(tenant_key)]
+) -> RequestTenant:
+    tenancy = get_tenancy(request)
+    if tenancy.no_auth_tenant is not None:
+        return tenancy.no_auth_tenant
+    return await tenancy.auth.authenticate(request.headers.get("authorization"))
+
+
+def require_admin(
+    request: Request, _: Annotated[HTTPAuthorizationCredentials | None, Security(admin_token)]
+) -> dict[str, Any]:
+    return get_tenancy(request).admin.verify(request.headers.get("authorization"))
+
+
+TenantDep = Annotated[RequestTenant, Depends(current_tenant)]
+AdminDep = Annotated[dict[str, Any], Depends(require_admin)]
+TenancyDep = Annotated[Tenancy, Depends(get_tenancy)]

@@ -1,0 +1,193 @@
+"""Admin REST for tenants and their API keys, under /admin (an admin token on every route).
+
+A key is shown once, in the answer that creates it; lists never show secrets. Changes take
+effect in this process at once (its caches are dropped) and in other gateway replicas within
+--tenant-cache-ttl.
+"""
+
+from __future__ import annotations
+
+from datetime import datetime
+from typing import Annotated, Literal
+
+from fastapi import APIRouter, Response
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field
+
+from gateway.body import StrictJSONRoute
+from gateway.deps import AdminDep, TenancyDep
+from gateway.errors import APIError
+from gateway.routers.responses import ADMIN_ERRORS, not_found
+from gateway.tenancy import Tenancy
+from tenants.keys import create_key, list_keys, revoke_key
+from tenants.models import ApiKey, Tenant
+from tenants.names import check_tenant_name
+from tenants.tenants import (
+    TenantExists,
+    create_tenant,
+    delete_tenant,
+    get_tenant,
+    list_tenants,
+    update_tenant,
+)
+
+router = APIRouter(
+    prefix="/admin", tags=["admin"], route_class=StrictJSONRoute, responses=ADMIN_ERRORS
+)
+
+TenantName = Annotated[str, AfterValidator(check_tenant_name)]
+GroupName = Annotated[str, Field(min_length=1, max_length=64), AfterValidator(check_tenant_name)]
+
+
+class _In(BaseModel):
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
+
+
+class TenantCreate(_In):
+    name: TenantName
+    weight: float = Field(1.0, gt=0.0, le=1000.0)
+    cache_group: GroupName | None = None
+
+
+class TenantUpdate(_In):
+    name: TenantName | None = None
+    status: Literal["active", "suspended"] | None = None
+    weight: float | None = Field(None, gt=0.0, le=1000.0)
+    cache_group: GroupName | None = None
+
+
+class TenantPublic(BaseModel):
+    model_config = ConfigDict(from_attributes=True)
+
+    id: str
+    object: Literal["tenant"] = "tenant"
+    name: str
+    status: Literal["active", "suspended"]
+    weight: float
+    cache_group: str | None
+    created_at: datetime
+
+
+class TenantList(BaseModel):
+    object: Literal["list"] = "list"
+    data: list[TenantPublic]
+
+
+class KeyCreate(_In):
+    name: Annotated[str, Field(min_length=1, max_length=64)] | None = None
+    expires_at: datetime | None = None
+
+
+class KeyPublic(BaseModel):
+    model_config = ConfigDict(from_attributes=True)
+
+    id: str
+    object: Literal["api_key"] = "api_key"
+    tenant_id: str
+    name: str | None
+    prefix: str
+    created_at: datetime
+    last_used_at: datetime | None
+    expires_at: datetime | None
+    revoked_at: datetime | None
+
+
+class KeyCreated(KeyPublic):
+    key: str = Field(description="The key itself: shown in this answer only.")
+
+
+class KeyList(BaseModel):
+    object: Literal["list"] = "list"
+    data: list[KeyPublic]
+
+
+async def _tenant(tenancy: Tenancy, tenant_id: str) -> Tenant:
+    async with tenancy.db.session() as session:
+        tenant = await get_tenant(session, tenant_id=tenant_id)
+    if tenant is None:
+        raise not_found("tenant", "tenant_id")
+    return tenant
+
+
+@router.post("/tenants", status_code=201, response_model=TenantPublic)
+async def create(body: TenantCreate, tenancy: TenancyDep, _: AdminDep) -> Tenant:
+    try:
+        async with tenancy.db.session() as session, session.begin():
+            return await create_tenant(session, **body.model_dump())
+    except TenantExists as exc:
+        raise APIError(409, str(exc), param="name", code="tenant_exists") from exc
+
+
+@router.get("/tenants", response_model=TenantList)
+async def list_all(tenancy: TenancyDep, _: AdminDep) -> dict:
+    async with tenancy.db.session() as session:
+        return {"data": await list_tenants(session)}
+
+
+@router.get("/tenants/{tenant_id}", response_model=TenantPublic)
+async def read(tenant_id: str, tenancy: TenancyDep, _: AdminDep) -> Tenant:
+    return await _tenant(tenancy, tenant_id)
+
+
+@router.patch("/tenants/{tenant_id}", response_model=TenantPublic)
+async def update(tenant_id: str, body: TenantUpdate, tenancy: TenancyDep, _: AdminDep) -> Tenant:
+    """Rename, re-weigh, regroup; `status` suspends (`suspended`) or reactivates (`active`)."""
+    changes = body.model_dump(exclude_unset=True)
+    if changes.get("status") is None:
+        changes.pop("status", None)
+    if "name" in changes and changes["name"] is None:
+        raise APIError(400, "name: a tenant keeps a name", param="name")
+    try:
+        async with tenancy.db.session() as session, session.begin():
+            tenant = await get_tenant(session, tenant_id=tenant_id)
+            if tenant is None:
+                raise not_found("tenant", "tenant_id")
+            await update_tenant(session, tenant=tenant, **changes)
+    except TenantExists as exc:
+        raise APIError(409, str(exc), param="name", code="tenant_exists") from exc
+    tenancy.auth.forget()  # a suspension or a new cache group applies at once
+    return tenant
+
+
+@router.delete("/tenants/{tenant_id}", status_code=204, response_class=Response)
+async def delete(tenant_id: str, tenancy: TenancyDep, _: AdminDep) -> Response:
+    """Delete the tenant with its keys and adapters."""
+    async with tenancy.db.session() as session, session.begin():
+        tenant = await get_tenant(session, tenant_id=tenant_id)
+        if tenant is None:
+            raise not_found("tenant", "tenant_id")
+        shas = await delete_tenant(session, tenant=tenant)
+    tenancy.auth.forget()
+    tenancy.catalog.forget()
+    await tenancy.catalog.release(shas)
+    return Response(status_code=204)
+
+
+@router.post("/tenants/{tenant_id}/keys", status_code=201, response_model=KeyCreated)
+async def create_tenant_key(
+    tenant_id: str, body: KeyCreate, tenancy: TenancyDep, _: AdminDep
+) -> dict:
+    await _tenant(tenancy, tenant_id)
+    async with tenancy.db.session() as session, session.begin():
+        row, key = await create_key(
+            session, tenant_id=tenant_id, name=body.name, expires_at=body.expires_at
+        )
+    return KeyPublic.model_validate(row).model_dump() | {"key": key}
+
+
+@router.get("/tenants/{tenant_id}/keys", response_model=KeyList)
+async def list_tenant_keys(tenant_id: str, tenancy: TenancyDep, _: AdminDep) -> dict:
+    await _tenant(tenancy, tenant_id)
+    async with tenancy.db.session() as session:
+        return {"data": await list_keys(session, tenant_id=tenant_id)}
+
+
+@router.delete("/keys/{key_id}", response_model=KeyPublic)
+async def revoke(key_id: str, tenancy: TenancyDep, _: AdminDep) -> ApiKey:
+    """Revoke a key: requests with it get 403 `key_revoked` (within --tenant-cache-ttl on other
+    replicas; at once on this one)."""
+    async with tenancy.db.session() as session, session.begin():
+        row = await revoke_key(session, key_id=key_id)
+    if row is None:
+        raise not_found("key", "key_id")
+    tenancy.auth.forget()
+    return row

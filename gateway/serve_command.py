@@ -1,0 +1,132 @@
+"""`loragate serve`: its options are the Settings fields (one flag each, vLLM's names where vLLM
+has one), so a knob is defined once; a flag left out falls to its `LORAGATE_*` variable, then
+to its default. The help text below is all a field needs besides its type and default.
+"""
+
+from __future__ import annotations
+
+import inspect
+import types
+import typing
+from collections.abc import Callable
+from pathlib import Path
+from typing import Annotated, Any, get_args, get_origin
+
+import typer
+from pydantic import SecretStr, ValidationError
+
+from gateway.settings import Settings
+
+HELP: dict[str, str] = {
+    "model": "Hugging Face model directory.",
+    "served_model_name": "The `model` clients send. Default: the directory's name.",
+    "max_model_len": "Prompt + output tokens per sequence. Default: the model's.",
+    "block_size": "Tokens per KV block.",
+    "kv_cache_memory": "KV pool size (512MiB, 4GiB). Default: 2GiB on CPU, profiled on CUDA.",
+    "memory_utilization": "CUDA memory fraction for weights and KV.",
+    "max_num_seqs": "Sequences per step.",
+    "max_num_batched_tokens": "Tokens per step (the chunked-prefill budget).",
+    "enable_prefix_caching": "Reuse KV blocks of identical prefixes (same adapter and salt).",
+    "enable_chunked_prefill": "Split long prompts across steps.",
+    "max_waiting": "Queued requests before 503.",
+    "dtype": "auto, float32, bfloat16 or float16.",
+    "device": "auto, cpu or cuda.",
+    "seed": "The engine's generator for unseeded sampling.",
+    "num_threads": "Torch threads for decode steps. Default: every core but one.",
+    "prefill_threads": "Torch threads for prefills and the logits. Default: every core.",
+    "engine_process": "Run the engine loop in its own process (no GIL shared with HTTP).",
+    "restart_engine": "Restart an engine process that dies, with back-off.",
+    "cpu_kernels": "C++ decode attention, RMSNorm, multi-LoRA and prepacked weights on CPU.",
+    "enable_lora": "LoRA slots on the device.",
+    "max_loras": "Adapters resident on the device.",
+    "max_lora_rank": "The largest adapter rank accepted.",
+    "max_cpu_loras": "Adapters cached in CPU memory.",
+    "lora_modules": "Public adapters registered at start: name=path, as many as needed.",
+    "allow_runtime_lora_updating": "Serve vLLM's /v1/load_lora_adapter (admin token).",
+    "guided_compile_timeout": "Seconds a grammar may take to compile before a 400.",
+    "guided_cache_size": "Compiled grammars kept (LRU).",
+    "guided_max_schema_bytes": "Largest JSON schema, regex, grammar or choice list.",
+    "guided_max_schema_depth": "Deepest JSON nesting of a schema.",
+    "host": "Address to listen on.",
+    "port": "Port to listen on.",
+    "max_body_bytes": "Largest request body (413 past it).",
+    "max_n": "Largest n (choices per prompt).",
+    "max_prompt_chars": "Longest prompt text. Default: 32 x max-model-len.",
+    "shutdown_grace": "Seconds running requests get to finish on SIGTERM.",
+    "database_url": "SQLAlchemy URL: SQLite (default) or postgresql://.",
+    "db_upgrade": "Migrate the database to the latest schema at start.",
+    "redis_url": "Redis for rate limits shared by replicas.",
+    "secret_key": "Key for cache salts and admin tokens. Default: generated into a file.",
+    "auth": "Require API keys; --no-auth serves everyone as `demo` (loopback only).",
+    "metrics_auth": "/metrics needs an admin token.",
+    "tenant_cache_ttl": "Seconds keys, suspensions and adapter names are cached.",
+    "demo_tenant": "On an empty database, create tenant `demo` and print its key once.",
+    "adapter_store": "Directory of uploaded adapters (content-addressed).",
+    "max_adapter_bytes": "Largest adapter upload (413 past it).",
+    "allow_local_adapter_paths": "Admins may register server-local adapter directories.",
+    "admin_jwt_algorithm": "HS256 (a shared key) or RS256 (an identity provider's JWKS).",
+    "admin_jwt_secret": "HS256 key for admin tokens. Default: derived from the secret key.",
+    "admin_jwt_jwks": "RS256: JWKS file or URL of the identity provider.",
+    "admin_jwt_issuer": "Required `iss` of admin tokens.",
+    "admin_jwt_audience": "Required `aud` of admin tokens.",
+}
+
+
+def add_serve_command(app: typer.Typer, run: Callable[[Settings], None]) -> None:
+    """Register `serve` on the app: every Settings field in HELP as a flag; `run(settings)`
+    serves. Its signature is built from the fields, for typer to read."""
+
+    def serve(ctx: typer.Context, **values: Any) -> None:
+        given = {k: v for k, v in values.items() if v is not None and v != []}
+        # vLLM's form `--lora-modules a=path b=path` leaves the later pairs as extra args.
+        modules = list(given.pop("lora_modules", [])) + list(ctx.args)
+        if modules:
+            given["lora_modules"] = modules
+        try:
+            settings = Settings(**given)
+        except ValidationError as exc:
+            first = exc.errors()[0]
+            flag = "--" + str(first["loc"][0]).replace("_", "-") if first["loc"] else None
+            raise typer.BadParameter(first["msg"], param_hint=flag) from exc
+        run(settings)
+
+    params = [
+        inspect.Parameter("ctx", inspect.Parameter.POSITIONAL_OR_KEYWORD, annotation=typer.Context)
+    ]
+    for name in HELP:
+        params.append(
+            inspect.Parameter(
+                name, inspect.Parameter.KEYWORD_ONLY, default=None, annotation=_option(name)
+            )
+        )
+    serve.__signature__ = inspect.Signature(params)  # type: ignore[attr-defined]
+    serve.__annotations__ = {p.name: p.annotation for p in params}
+    serve.__doc__ = "Serve the OpenAI-compatible API and the admin REST over the engine."
+    app.command("serve", context_settings={"allow_extra_args": True})(serve)
+
+
+def _option(name: str) -> Any:
+    field = Settings.model_fields[name]
+    kind = _python_type(field.annotation)
+    default = field.default_factory() if field.default_factory else field.default  # type: ignore[call-arg]
+    shown = "none" if default in (None, []) else str(default)
+    if isinstance(default, SecretStr):
+        shown = "set"
+    env = f"env: LORAGATE_{name.upper()}"
+    # A help text that says its default itself (a computed one) gets only the variable.
+    extra = env if "Default:" in HELP[name] else f"default: {shown}; {env}"
+    help = f"{HELP[name]} ({extra})"
+    return Annotated[kind | None, typer.Option(help=help, show_default=False)]
+
+
+def _python_type(annotation: Any) -> Any:
+    """The plain type typer turns into a flag: bool, int, float, str, Path or list[str]."""
+    args = [a for a in get_args(annotation) if a is not type(None)]
+    origin = get_origin(annotation)
+    if origin in (typing.Union, types.UnionType, typing.Annotated):
+        return _python_type(args[0])
+    if origin is list:
+        return list[str]
+    if annotation in (bool, int, float, Path):
+        return annotation
+    return str

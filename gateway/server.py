@@ -1,0 +1,170 @@
+"""Start a server from Settings: tenancy (database, keys, adapters), the engine, the app,
+uvicorn; stop it in order."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import typer
+
+from adapters.peft import AdapterError, describe_base
+from engine.config import EngineConfig
+from engine.lora import LoRARequest
+from gateway.settings import Settings, SettingsError
+from gateway.tenancy import DemoKey, Tenancy, open_tenancy, prepare
+from tenants.adapters import AdapterExists
+
+
+def parse_bytes(value: str) -> int:
+    """'2GiB', '512MiB', '1G' or a plain byte count."""
+    units = {"k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}
+    text = value.strip().lower().removesuffix("b").removesuffix("i")
+    if text and text[-1] in units:
+        return int(float(text[:-1]) * units[text[-1]])
+    return int(text)
+
+
+def engine_config(settings: Settings) -> EngineConfig:
+    # With the engine in its own process, decode steps leave one core to the HTTP side
+    # (vLLM-CPU reserves one the same way); prefills, which the streams wait on, take all.
+    cores = len(os.sched_getaffinity(0))
+    threads = (max(1, cores - 1), cores) if settings.engine_process else (None, None)
+    s = settings
+    return EngineConfig(
+        model=s.model,
+        dtype=s.dtype,
+        device=s.device,
+        max_model_len=s.max_model_len,
+        block_size=s.block_size,
+        kv_cache_memory=parse_bytes(s.kv_cache_memory) if s.kv_cache_memory else None,
+        memory_utilization=s.memory_utilization,
+        max_num_seqs=s.max_num_seqs,
+        max_num_batched_tokens=s.max_num_batched_tokens,
+        enable_prefix_caching=s.enable_prefix_caching,
+        enable_chunked_prefill=s.enable_chunked_prefill,
+        seed=s.seed,
+        num_threads=s.num_threads or threads[0],
+        prefill_threads=s.prefill_threads or threads[1],
+        cpu_kernels=s.cpu_kernels,
+        enable_lora=s.enable_lora,
+        max_loras=s.max_loras,
+        max_lora_rank=s.max_lora_rank,
+        max_cpu_loras=s.max_cpu_loras,
+        guided_compile_timeout=s.guided_compile_timeout,
+        guided_cache_size=s.guided_cache_size,
+        guided_max_schema_bytes=s.guided_max_schema_bytes,
+        guided_max_schema_depth=s.guided_max_schema_depth,
+    )
+
+
+def lora_modules(settings: Settings) -> list[tuple[str, Path]]:
+    modules = []
+    for module in settings.lora_modules:
+        name, sep, path = module.partition("=")
+        if not sep or not name or not path:
+            raise typer.BadParameter(
+                f"expected name=path, got {module!r}", param_hint="--lora-modules"
+            )
+        modules.append((name, Path(path)))
+    if modules and not settings.enable_lora:
+        raise typer.BadParameter("--lora-modules needs --enable-lora", param_hint="--lora-modules")
+    return modules
+
+
+async def _start_up(
+    tenancy: Tenancy, settings: Settings, modules: list[tuple[str, Path]]
+) -> tuple[DemoKey | None, list[LoRARequest]]:
+    """Database work before serving: the demo tenant, --lora-modules as public adapters."""
+    try:
+        demo = await prepare(tenancy, settings)
+        preload = []
+        for name, path in modules:
+            try:
+                row = await tenancy.catalog.add_local(
+                    owner_id=None, name=name, path=path, replace=True
+                )
+            except (AdapterError, AdapterExists, ValueError, OSError) as exc:
+                raise typer.BadParameter(f"{name}: {exc}", param_hint="--lora-modules") from exc
+            preload.append(tenancy.catalog.request(row))
+        return demo, preload
+    finally:
+        await tenancy.db.close()  # its connections belong to this loop, not uvicorn's
+
+
+def run_server(settings: Settings, with_progress: Callable[[Any], Any]) -> None:
+    import uvicorn
+
+    from engine import LLMEngine
+    from engine.async_engine import AsyncEngine, EngineClient
+    from engine.engine_process import EngineProcess, retain_freed_memory
+    from gateway.app import build_app
+    from gateway.serving import RequestLimits
+
+    modules = lora_modules(settings)
+    name = settings.served_model_name or Path(settings.model).resolve().name
+    try:
+        tenancy = open_tenancy(settings, describe_base(settings.model, extra_names=[name]), name)
+    except SettingsError as exc:
+        raise typer.BadParameter(str(exc)) from exc
+    demo, preload = asyncio.run(_start_up(tenancy, settings, modules))
+    preload = preload[: settings.max_loras] if settings.enable_lora else []
+
+    config = engine_config(settings)
+    engine: EngineClient
+    if settings.engine_process:
+        process = EngineProcess(
+            config,
+            lora_loader=tenancy.catalog.loader,
+            preload=preload,
+            max_waiting=settings.max_waiting,
+            restart=settings.restart_engine,
+        )
+        with_progress(process.start)
+        engine = process
+    else:
+        retain_freed_memory()
+        core = with_progress(lambda progress: LLMEngine(config, progress, tenancy.catalog.loader))
+        if core.lora is not None:
+            for lora in preload:  # start-up adapters fill the slots before the first request
+                core.lora.load_now(lora)
+        engine = AsyncEngine(core, max_waiting=settings.max_waiting)
+        engine.start()
+    app = build_app(
+        engine,
+        name,
+        tenancy,
+        max_body_bytes=settings.max_body_bytes,
+        enable_lora=settings.enable_lora,
+        allow_runtime_lora_updating=settings.allow_runtime_lora_updating and settings.enable_lora,
+        limits=RequestLimits(max_n=settings.max_n, max_prompt_chars=settings.max_prompt_chars),
+    )
+
+    @contextlib.asynccontextmanager
+    async def lifespan(_: object):  # type: ignore[no-untyped-def]
+        yield
+        await engine.shutdown(settings.shutdown_grace)
+        await tenancy.close()
+
+    app.router.lifespan_context = lifespan
+    for module_name, path in modules:
+        typer.echo(f"public adapter {module_name!r} from {path}")
+    if demo is not None:
+        typer.echo(
+            f"\nCreated tenant {demo.tenant!r}. Its API key, shown this once:\n\n"
+            f"    export LORAGATE_API_KEY={demo.key}\n"
+        )
+    if not settings.auth:
+        typer.echo("--no-auth: every request runs as tenant 'demo'")
+    typer.echo(f"serving {name!r} on http://{settings.host}:{settings.port}/v1")
+    uvicorn.run(
+        app,
+        host=settings.host,
+        port=settings.port,
+        log_level="info",
+        timeout_graceful_shutdown=int(settings.shutdown_grace),
+    )

@@ -1,0 +1,156 @@
+"""Every gateway knob in one typed object: `loragate serve` flags, `LORAGATE_*` environment
+variables, defaults, in that order of precedence.
+
+The CLI passes only the flags a user gave; pydantic-settings reads the environment and fills
+the defaults. Secrets are checked here, once: a placeholder secret key is refused with a line
+that says how to make a real one, and with none configured the first start generates one
+into a file beside the database (mode 0600) and every later start, and `loragate admin
+token`, reuse it.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import ipaddress
+import os
+import secrets
+from pathlib import Path
+from typing import Annotated, Literal
+
+from pydantic import Field, SecretStr, field_validator
+from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
+
+PLACEHOLDER_SECRETS = {"changeme", "change-me", "secret", "password", "default", "test"}
+MIN_SECRET_BYTES = 32
+MAKE_A_SECRET = "python3 -c 'import secrets; print(secrets.token_urlsafe(48))'"
+
+
+class SettingsError(ValueError):
+    """A setting that cannot be used; the message is one line a person can act on."""
+
+
+class Settings(BaseSettings):
+    model_config = SettingsConfigDict(env_prefix="LORAGATE_", extra="ignore")
+
+    # -- the model and the engine ------------------------------------------------------------
+    model: str = "models/smollm2"
+    served_model_name: str | None = None
+    max_model_len: int | None = None
+    block_size: int = 16
+    kv_cache_memory: str | None = None
+    memory_utilization: float = 0.9
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int = 2048
+    enable_prefix_caching: bool = True
+    enable_chunked_prefill: bool = True
+    max_waiting: int = 1024
+    dtype: str = "auto"
+    device: str = "auto"
+    seed: int = 0
+    num_threads: int | None = None
+    prefill_threads: int | None = None
+    engine_process: bool = True
+    restart_engine: bool = True
+    cpu_kernels: bool = True
+    enable_lora: bool = True
+    max_loras: int = 4
+    max_lora_rank: int = 16
+    max_cpu_loras: int = 16
+    lora_modules: Annotated[list[str], NoDecode] = Field(default_factory=list)
+    allow_runtime_lora_updating: bool = False
+    guided_compile_timeout: float = 10.0
+    guided_cache_size: int = 256
+    guided_max_schema_bytes: int = 64 << 10
+    guided_max_schema_depth: int = 32
+
+    # -- HTTP -----------------------------------------------------------------------------------
+    host: str = "127.0.0.1"
+    port: int = 8000
+    max_body_bytes: int = 4 << 20
+    max_n: int = Field(default=16, ge=1)
+    max_prompt_chars: int | None = Field(default=None, ge=1)
+    shutdown_grace: float = 10.0
+
+    # -- tenancy --------------------------------------------------------------------------------
+    database_url: str = "sqlite+aiosqlite:///./loragate.db"
+    db_upgrade: bool = True  # run the migrations to head at start
+    redis_url: str | None = None
+    secret_key: SecretStr | None = None
+    auth: bool = True  # False: every request is the demo tenant (loopback only)
+    metrics_auth: bool = False  # /metrics needs an admin token
+    # Keys, tenants' states and adapter names are cached in process this long (seconds).
+    tenant_cache_ttl: float = Field(default=10.0, ge=0.0)
+    demo_tenant: bool = True  # on an empty database, create `demo` and print its key once
+    adapter_store: Path = Path("loragate-adapters")
+    max_adapter_bytes: int = Field(default=1 << 30, ge=1)
+    allow_local_adapter_paths: bool = False
+    admin_jwt_algorithm: Literal["HS256", "RS256"] = "HS256"
+    # HS256: a key of its own, or one derived from the secret key. RS256: the identity
+    # provider's public keys, a JWKS file or URL.
+    admin_jwt_secret: SecretStr | None = None
+    admin_jwt_jwks: str | None = None
+    admin_jwt_issuer: str | None = None
+    admin_jwt_audience: str | None = None
+
+    @field_validator("lora_modules", mode="before")
+    @classmethod
+    def _split_modules(cls, value: object) -> object:
+        # vLLM's form in one environment variable: "a=path b=path".
+        return value.split() if isinstance(value, str) else value
+
+    @property
+    def secret_key_file(self) -> Path:
+        """Where a generated secret key lives: beside a SQLite database, else here."""
+        prefix = "sqlite+aiosqlite:///"
+        if self.database_url.startswith(prefix):
+            return Path(self.database_url.removeprefix(prefix)).parent / "loragate.secret"
+        return Path("loragate.secret")
+
+    def resolved_secret_key(self) -> bytes:
+        """The secret key: configured, or read from (first made into) the key file. Raises
+        SettingsError for a placeholder or a short one."""
+        if self.secret_key is not None:
+            return check_secret(self.secret_key.get_secret_value(), "LORAGATE_SECRET_KEY")
+        path = self.secret_key_file
+        if not path.exists():
+            path.parent.mkdir(parents=True, exist_ok=True)
+            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+            with os.fdopen(fd, "w") as f:
+                f.write(secrets.token_urlsafe(48) + "\n")
+        return check_secret(path.read_text().strip(), str(path))
+
+    def admin_hs256_key(self) -> bytes:
+        if self.admin_jwt_secret is not None:
+            return check_secret(self.admin_jwt_secret.get_secret_value(), "admin JWT secret")
+        return derive(self.resolved_secret_key(), "admin-jwt")
+
+    def check_no_auth(self) -> None:
+        if not self.auth and not _is_loopback(self.host):
+            raise SettingsError(
+                f"--no-auth serves every request as the demo tenant: it binds only a loopback "
+                f"address, not {self.host}"
+            )
+
+
+def check_secret(value: str, where: str) -> bytes:
+    if value.lower() in PLACEHOLDER_SECRETS or len(value.encode()) < MIN_SECRET_BYTES:
+        raise SettingsError(
+            f"{where} is a placeholder or shorter than {MIN_SECRET_BYTES} bytes; make a real "
+            f"one with: {MAKE_A_SECRET}"
+        )
+    return value.encode()
+
+
+def derive(key: bytes, purpose: str) -> bytes:
+    """A key for one purpose from the secret key (HMAC-SHA256), so purposes never share one."""
+    return hmac.new(key, purpose.encode(), hashlib.sha256).digest()
+
+
+def _is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False

@@ -1,0 +1,96 @@
+"""Everything multi-tenant the gateway holds: the database, tenant and admin authentication,
+the adapter catalog, and how they start.
+
+`open_tenancy` migrates the database (unless told not to), sweeps the adapter store, and on
+an empty database creates the `demo` tenant with one key, which it returns once so the
+command line can print it.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+from adapters.peft import BaseModelInfo
+from adapters.store import AdapterStore
+from gateway.adapter_catalog import AdapterCatalog
+from gateway.admin_auth import AdminAuth
+from gateway.auth import RequestTenant, TenantAuth, request_tenant
+from gateway.settings import Settings
+from tenants.db import Database, upgrade
+from tenants.keys import create_key
+from tenants.tenants import count_tenants, create_tenant, get_tenant_by_name
+
+logger = logging.getLogger(__name__)
+
+DEMO_TENANT = "demo"
+
+
+@dataclass
+class Tenancy:
+    db: Database
+    auth: TenantAuth
+    admin: AdminAuth
+    catalog: AdapterCatalog
+    secret_key: bytes
+    # --no-auth: every /v1 request runs as this tenant.
+    no_auth_tenant: RequestTenant | None = None
+    metrics_auth: bool = False
+    allow_local_adapter_paths: bool = False
+    max_adapter_bytes: int = 1 << 30
+
+    async def close(self) -> None:
+        await self.db.close()
+
+
+@dataclass(frozen=True, slots=True)
+class DemoKey:
+    tenant: str
+    key: str
+
+
+def open_tenancy(settings: Settings, base: BaseModelInfo, served_model_name: str) -> Tenancy:
+    """The tenancy objects for a server with these settings (synchronous: run it before the
+    event loop starts, or in a thread). Raises SettingsError for unusable secrets."""
+    settings.check_no_auth()
+    secret_key = settings.resolved_secret_key()
+    if settings.db_upgrade:
+        upgrade(settings.database_url)
+    db = Database(settings.database_url)
+    catalog = AdapterCatalog(
+        db,
+        AdapterStore(settings.adapter_store),
+        base,
+        served_model_name,
+        settings.max_lora_rank,
+        ttl=settings.tenant_cache_ttl,
+    )
+    return Tenancy(
+        db=db,
+        auth=TenantAuth(db, secret_key, settings.tenant_cache_ttl),
+        admin=AdminAuth(settings),
+        catalog=catalog,
+        secret_key=secret_key,
+        metrics_auth=settings.metrics_auth,
+        allow_local_adapter_paths=settings.allow_local_adapter_paths,
+        max_adapter_bytes=settings.max_adapter_bytes,
+    )
+
+
+async def prepare(tenancy: Tenancy, settings: Settings) -> DemoKey | None:
+    """Start-up work on the database: sweep the adapter store, make the demo tenant on an empty
+    database (its key returned, to be shown once), and find the --no-auth tenant."""
+    removed = await tenancy.catalog.sweep()
+    if removed:
+        logger.info("removed %d stored adapters no row references", len(removed))
+    demo = None
+    async with tenancy.db.session() as session, session.begin():
+        if settings.demo_tenant and await count_tenants(session) == 0:
+            tenant = await create_tenant(session, name=DEMO_TENANT)
+            _, key = await create_key(session, tenant_id=tenant.id, name="demo")
+            demo = DemoKey(DEMO_TENANT, key)
+        if not settings.auth:
+            found = await get_tenant_by_name(session, name=DEMO_TENANT)
+            tenant = found or await create_tenant(session, name=DEMO_TENANT)
+            tenancy.no_auth_tenant = request_tenant(tenancy.secret_key, tenant)
+    return demo

@@ -1,0 +1,105 @@
+"""The tenancy tables (SQLAlchemy 2): tenants, their API keys, and adapters.
+
+Alembic owns the schema (migrations/); the app never calls `create_all` outside tests, and
+a test holds the models and the migrations to each other. Ids are short random strings with
+a prefix that says what they name (`ten_`, `key_`, `ad_`).
+"""
+
+from __future__ import annotations
+
+import secrets
+from datetime import UTC, datetime
+from typing import Any
+
+from sqlalchemy import JSON, BigInteger, DateTime, Dialect, ForeignKey, String, UniqueConstraint
+from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
+from sqlalchemy.types import TypeDecorator
+
+TENANT_ACTIVE, TENANT_SUSPENDED = "active", "suspended"
+PUBLIC_SCOPE = "public"  # an adapter every tenant may use
+
+
+def new_id(prefix: str) -> str:
+    return f"{prefix}_{secrets.token_hex(12)}"
+
+
+def utcnow() -> datetime:
+    return datetime.now(UTC)
+
+
+class UTCDateTime(TypeDecorator[datetime]):
+    """A timezone-aware timestamp on every database: SQLite hands back naive ones (UTC)."""
+
+    impl = DateTime(timezone=True)
+    cache_ok = True
+
+    def process_result_value(self, value: datetime | None, dialect: Dialect) -> datetime | None:
+        if value is not None and value.tzinfo is None:
+            return value.replace(tzinfo=UTC)
+        return value
+
+
+class Base(DeclarativeBase):
+    type_annotation_map = {datetime: UTCDateTime, dict[str, Any]: JSON}
+
+
+class Tenant(Base):
+    __tablename__ = "tenants"
+
+    id: Mapped[str] = mapped_column(String(32), primary_key=True, default=lambda: new_id("ten"))
+    name: Mapped[str] = mapped_column(String(64), unique=True)
+    status: Mapped[str] = mapped_column(String(16), default=TENANT_ACTIVE)
+    created_at: Mapped[datetime] = mapped_column(default=utcnow)
+    # The scheduler's share of the batch under contention (tenancy part 2).
+    weight: Mapped[float] = mapped_column(default=1.0)
+    # Tenants of one cache group share prefix-cache blocks; None: the tenant's own.
+    cache_group: Mapped[str | None] = mapped_column(String(64))
+    # Limits (tenancy part 2); None: unlimited.
+    rpm_limit: Mapped[int | None] = mapped_column(BigInteger)
+    tpm_limit: Mapped[int | None] = mapped_column(BigInteger)
+    max_concurrency: Mapped[int | None] = mapped_column(BigInteger)
+    monthly_token_quota: Mapped[int | None] = mapped_column(BigInteger)
+
+
+class ApiKey(Base):
+    """A tenant's key: only its visible prefix and the sha256 of the whole key are kept."""
+
+    __tablename__ = "api_keys"
+
+    id: Mapped[str] = mapped_column(String(32), primary_key=True, default=lambda: new_id("key"))
+    tenant_id: Mapped[str] = mapped_column(
+        String(32), ForeignKey("tenants.id", ondelete="CASCADE"), index=True
+    )
+    name: Mapped[str | None] = mapped_column(String(64))
+    prefix: Mapped[str] = mapped_column(String(16), index=True)
+    key_hash: Mapped[str] = mapped_column(String(64), unique=True)
+    created_at: Mapped[datetime] = mapped_column(default=utcnow)
+    last_used_at: Mapped[datetime | None]
+    expires_at: Mapped[datetime | None]
+    revoked_at: Mapped[datetime | None]
+
+
+class Adapter(Base):
+    """A LoRA adapter: its metadata here, its files in the content-addressed adapter store
+    (adapters/store.py) under `sha256`."""
+
+    __tablename__ = "adapters"
+    __table_args__ = (UniqueConstraint("scope", "name", name="uq_adapters_scope_name"),)
+
+    id: Mapped[str] = mapped_column(String(32), primary_key=True, default=lambda: new_id("ad"))
+    # NULL: public. `scope` repeats it as a value a unique constraint can hold (SQL's NULLs
+    # are all distinct): the owner's id, or PUBLIC_SCOPE.
+    owner_id: Mapped[str | None] = mapped_column(
+        String(32), ForeignKey("tenants.id", ondelete="CASCADE"), index=True
+    )
+    scope: Mapped[str] = mapped_column(String(32))
+    name: Mapped[str] = mapped_column(String(128))
+    base_model: Mapped[str] = mapped_column(String(256))
+    rank: Mapped[int]
+    alpha: Mapped[float]
+    target_modules: Mapped[list[str]] = mapped_column(JSON)
+    sha256: Mapped[str] = mapped_column(String(64), index=True)
+    size_bytes: Mapped[int] = mapped_column(BigInteger)
+    storage_path: Mapped[str] = mapped_column(String(512))
+    status: Mapped[str] = mapped_column(String(16), default="ready")
+    created_at: Mapped[datetime] = mapped_column(default=utcnow)
