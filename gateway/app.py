@@ -52,12 +52,13 @@ def build_app(
         overrides={ADAPTER_UPLOADS: tenancy.max_adapter_bytes},
     )
     app.add_middleware(ErrorBoundary)
-    app.include_router(router)
-    app.include_router(admin.router)
-    app.include_router(admin_adapters.router)
+    routers = [router, admin.router, admin_adapters.router, health_router]
     if allow_runtime_lora_updating:
         if catalog is None:
             raise ValueError("runtime LoRA updating needs LoRA enabled")
-        app.include_router(lora.router)
-    app.include_router(health_router)
+        routers.append(lora.router)
+    for included in routers:
+        app.include_router(included)
+    # What a 405's Allow header lists (gateway.errors).
+    app.state.routes = [r for included in routers for r in included.routes]
     return app

@@ -91,8 +91,13 @@ def install_error_handlers(app: FastAPI) -> None:
         return _response(APIError(400, message, param=param))
 
     @app.exception_handler(StarletteHTTPException)
-    async def on_http_error(_: Request, exc: StarletteHTTPException) -> JSONResponse:
-        return _response(_http_error(exc))
+    async def on_http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+        err = _http_error(exc)
+        if exc.status_code == 405:
+            # Starlette names only the first route's methods; RFC 9110 wants every one the
+            # path allows.
+            err.headers = (err.headers or {}) | {"Allow": ", ".join(_allowed(request))}
+        return _response(err)
 
     for kind in (EngineOverloaded, EngineDead, RuntimeError):
 
@@ -102,6 +107,16 @@ def install_error_handlers(app: FastAPI) -> None:
             return _response(err)
 
         app.add_exception_handler(kind, on_engine_error)
+
+
+def _allowed(request: Request) -> list[str]:
+    """Every method some route allows on this path (app.state.routes: what build_app
+    included)."""
+    methods: set[str] = set()
+    for route in getattr(request.app.state, "routes", ()):
+        if route.path_regex.match(request.url.path):
+            methods |= route.methods or set()
+    return sorted(methods)
 
 
 def _param(loc: tuple | list) -> str | None:

@@ -31,8 +31,9 @@ GUIDED_FIELDS = (
 )
 
 INT32_MAX = 2**31 - 1
-# A seed is a 64-bit signed integer, as in vLLM.
-SEED_MIN, SEED_MAX = -(2**63), 2**63 - 1
+# A seed is an integer a JSON number holds exactly (a double: 53 bits), so that every
+# client and schema validator agrees on the bound.
+SEED_MIN, SEED_MAX = -(2**53), 2**53
 MAX_STOP_STRINGS = 16
 MAX_STOP_CHARS = 256
 MAX_STOP_TOKEN_IDS = 64
@@ -98,7 +99,11 @@ class _SamplingFields(_Body):
     presence_penalty: float | None = Field(None, ge=-2.0, le=2.0)
     frequency_penalty: float | None = Field(None, ge=-2.0, le=2.0)
     # Token id (a JSON object's keys are strings) -> bias added to its logit.
-    logit_bias: dict[TokenId, Bias] | None = Field(None, max_length=MAX_LOGIT_BIAS)
+    logit_bias: dict[TokenId, Bias] | None = Field(
+        None,
+        max_length=MAX_LOGIT_BIAS,
+        json_schema_extra={"propertyNames": {"pattern": "^(0|[1-9][0-9]{0,8})$"}},
+    )
     stream: bool = False
     stream_options: StreamOptions | None = None
     user: str | None = Field(None, max_length=MAX_NAME_CHARS)

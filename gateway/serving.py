@@ -96,6 +96,15 @@ class _Timer:
 # A prompt's characters per token of max_model_len, past which it is refused untokenized.
 CHARS_PER_TOKEN = 32
 
+# The codes of 400s that no schema can foresee: limits of this server and this model, values
+# that must agree with each other, grammars that do not compile. A 400 without a code is a
+# value the OpenAPI schema itself rules out.
+ABOVE_LIMIT = "above_server_limit"
+BAD_TOKEN = "invalid_token_id"
+EMPTY_PROMPT = "empty_prompt"
+INVALID_VALUE = "invalid_value"
+INVALID_GRAMMAR = "invalid_grammar"
+
 
 @dataclass(frozen=True, slots=True)
 class RequestLimits:
@@ -156,12 +165,12 @@ class OpenAIServing:
             if isinstance(prompt, str):
                 self._check_prompt_chars(len(prompt), "prompt")
             elif max(prompt) >= self.engine.vocab_size:
-                raise APIError(400, self._out_of_vocab(max(prompt)), param="prompt")
+                raise APIError(400, self._out_of_vocab(max(prompt)), param="prompt", code=BAD_TOKEN)
         # Tokenized here, off the event loop, so that a long prompt delays neither other
         # clients nor the engine's steps.
         token_ids = await asyncio.to_thread(self._tokenize, prompts)
         if not all(token_ids):
-            raise APIError(400, "the prompt is empty", param="prompt")
+            raise APIError(400, "the prompt is empty", param="prompt", code=EMPTY_PROMPT)
         return await self._respond(body, token_ids, params, lora, tenant, chat=False)
 
     async def chat(
@@ -181,7 +190,9 @@ class OpenAIServing:
                 return_dict=True,
             )
         except Exception as exc:  # noqa: BLE001 - a template may reject a conversation
-            raise APIError(400, f"chat template failed: {exc}", param="messages") from exc
+            raise APIError(
+                400, f"chat template failed: {exc}", param="messages", code=INVALID_VALUE
+            ) from exc
         prompt_ids = list(cast(list[int], encoded["input_ids"]))
         return await self._respond(body, [prompt_ids], params, lora, tenant, chat=True)
 
@@ -206,18 +217,26 @@ class OpenAIServing:
     def _check_bounds(self, body: Any, num_prompts: int) -> None:
         """The bounds that depend on this server: --max-n and the vocabulary."""
         if body.n > self.limits.max_n:
-            raise APIError(400, f"n must be at most {self.limits.max_n} on this server", param="n")
+            raise APIError(
+                400,
+                f"n must be at most {self.limits.max_n} on this server",
+                param="n",
+                code=ABOVE_LIMIT,
+            )
         if num_prompts * body.n > MAX_CHOICES:
             raise APIError(
                 400,
                 f"{num_prompts} prompts x n={body.n} asks for more than {MAX_CHOICES} choices",
                 param="n",
+                code=ABOVE_LIMIT,
             )
         vocab = self.engine.vocab_size
         for param in ("stop_token_ids", "logit_bias"):
             out_of_vocab = [t for t in getattr(body, param) or () if t >= vocab]
             if out_of_vocab:
-                raise APIError(400, self._out_of_vocab(out_of_vocab[0]), param=param)
+                raise APIError(
+                    400, self._out_of_vocab(out_of_vocab[0]), param=param, code=BAD_TOKEN
+                )
 
     def _out_of_vocab(self, token_id: int) -> str:
         return f"token id {token_id} is outside the vocabulary [0, {self.engine.vocab_size})"
@@ -238,7 +257,7 @@ class OpenAIServing:
             return body.sampling_params(max_tokens, logprobs)
         except ValueError as exc:
             param = exc.param if isinstance(exc, FieldError) else None
-            raise APIError(400, str(exc), param=param) from exc
+            raise APIError(400, str(exc), param=param, code=INVALID_VALUE) from exc
 
     async def _compile_grammar(self, spec: GuidedSpec, param: str | None) -> None:
         """A spec that cannot compile (or not in time) answers 400 before anything is queued
@@ -246,7 +265,7 @@ class OpenAIServing:
         try:
             await self.engine.compile_grammar(spec)
         except GuidedSpecError as exc:
-            raise APIError(400, str(exc), param=param) from exc
+            raise APIError(400, str(exc), param=param, code=INVALID_GRAMMAR) from exc
 
     async def _respond(
         self,
@@ -283,9 +302,9 @@ class OpenAIServing:
             await updates.aclose()  # the other prompts' requests end too
             if not isinstance(exc, ValueError):
                 raise
-            code, param = None, None
+            code, param = INVALID_VALUE, None
             if isinstance(exc, GuidedSpecError):
-                param = body.guided_param
+                code, param = INVALID_GRAMMAR, body.guided_param
             elif "context length" in str(exc):
                 code, param = "context_length_exceeded", "messages" if chat else "prompt"
             raise APIError(400, str(exc), param=param, code=code) from exc

@@ -20,7 +20,7 @@ from gateway.routers.responses import ADMIN_ERRORS, not_found
 from gateway.tenancy import Tenancy
 from tenants.keys import create_key, list_keys, revoke_key
 from tenants.models import ApiKey, Tenant
-from tenants.names import check_tenant_name
+from tenants.names import MAX_TENANT_NAME, TENANT_NAME_PATTERN, check_tenant_name
 from tenants.tenants import (
     TenantExists,
     create_tenant,
@@ -34,8 +34,11 @@ router = APIRouter(
     prefix="/admin", tags=["admin"], route_class=StrictJSONRoute, responses=ADMIN_ERRORS
 )
 
-TenantName = Annotated[str, AfterValidator(check_tenant_name)]
-GroupName = Annotated[str, Field(min_length=1, max_length=64), AfterValidator(check_tenant_name)]
+TenantName = Annotated[
+    str,
+    Field(min_length=1, max_length=MAX_TENANT_NAME, pattern=TENANT_NAME_PATTERN),
+    AfterValidator(check_tenant_name),
+]
 
 
 class _In(BaseModel):
@@ -45,14 +48,16 @@ class _In(BaseModel):
 class TenantCreate(_In):
     name: TenantName
     weight: float = Field(1.0, gt=0.0, le=1000.0)
-    cache_group: GroupName | None = None
+    cache_group: TenantName | None = None
 
 
 class TenantUpdate(_In):
+    """Fields to change; null leaves one as it is (cache_group: null leaves the group)."""
+
     name: TenantName | None = None
     status: Literal["active", "suspended"] | None = None
     weight: float | None = Field(None, gt=0.0, le=1000.0)
-    cache_group: GroupName | None = None
+    cache_group: TenantName | None = None
 
 
 class TenantPublic(BaseModel):
@@ -131,11 +136,12 @@ async def read(tenant_id: str, tenancy: TenancyDep, _: AdminDep) -> Tenant:
 @router.patch("/tenants/{tenant_id}", response_model=TenantPublic)
 async def update(tenant_id: str, body: TenantUpdate, tenancy: TenancyDep, _: AdminDep) -> Tenant:
     """Rename, re-weigh, regroup; `status` suspends (`suspended`) or reactivates (`active`)."""
-    changes = body.model_dump(exclude_unset=True)
-    if changes.get("status") is None:
-        changes.pop("status", None)
-    if "name" in changes and changes["name"] is None:
-        raise APIError(400, "name: a tenant keeps a name", param="name")
+    # null leaves a field as it is, but for cache_group, where it leaves the group.
+    changes = {
+        k: v
+        for k, v in body.model_dump(exclude_unset=True).items()
+        if v is not None or k == "cache_group"
+    }
     try:
         async with tenancy.db.session() as session, session.begin():
             tenant = await get_tenant(session, tenant_id=tenant_id)

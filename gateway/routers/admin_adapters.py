@@ -28,14 +28,18 @@ from gateway.routers.responses import ADMIN_ERRORS, _error, not_found
 from gateway.tenancy import Tenancy
 from tenants.adapters import AdapterExists, get_adapter, list_adapters
 from tenants.models import Adapter
-from tenants.names import check_adapter_name
+from tenants.names import ADAPTER_NAME_PATTERN, MAX_ADAPTER_NAME, check_adapter_name
 from tenants.tenants import get_tenant
 
 router = APIRouter(
     prefix="/admin", tags=["admin"], route_class=StrictJSONRoute, responses=ADMIN_ERRORS
 )
 
-AdapterName = Annotated[str, AfterValidator(check_adapter_name)]
+AdapterName = Annotated[
+    str,
+    Field(min_length=1, max_length=MAX_ADAPTER_NAME, pattern=ADAPTER_NAME_PATTERN),
+    AfterValidator(check_adapter_name),
+]
 MAX_FIELD_BYTES = 1 << 10
 
 
@@ -71,9 +75,15 @@ class AdapterList(BaseModel):
 
 _UPLOAD_SCHEMA = {
     "type": "object",
+    "additionalProperties": False,
     "required": ["name", CONFIG_FILE, WEIGHTS_FILE],
     "properties": {
-        "name": {"type": "string", "maxLength": 128},
+        "name": {
+            "type": "string",
+            "minLength": 1,
+            "maxLength": MAX_ADAPTER_NAME,
+            "pattern": ADAPTER_NAME_PATTERN,
+        },
         "tenant_id": {"type": "string", "description": "absent: a public adapter"},
         CONFIG_FILE: {"type": "string", "format": "binary"},
         WEIGHTS_FILE: {"type": "string", "format": "binary"},
@@ -162,7 +172,9 @@ async def _from_path(request: Request, tenancy: Tenancy) -> Adapter:
     owner = await _owner(tenancy, body.tenant_id)
     path = Path(body.path)
     if not path.is_dir():
-        raise APIError(400, "path: not a directory on the server", param="path")
+        raise APIError(
+            400, "path: not a directory on the server", param="path", code="invalid_adapter"
+        )
     return await tenancy.catalog.add_local(owner_id=owner, name=body.name, path=path)
 
 

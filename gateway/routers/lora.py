@@ -8,49 +8,66 @@ Loading a name in use moves it to the new files, as vLLM does.
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Annotated
+from typing import Any
 
 from fastapi import APIRouter
 from fastapi.responses import PlainTextResponse
-from pydantic import AfterValidator, BaseModel
+from pydantic import BaseModel, Field
 
 from adapters.peft import AdapterError
 from gateway.body import StrictJSONRoute
 from gateway.deps import AdminDep, TenancyDep
 from gateway.errors import APIError
+from gateway.routers.admin_adapters import AdapterName
 from gateway.routers.responses import ADMIN_ERRORS
 from tenants.adapters import get_by_name
-from tenants.names import check_adapter_name
+from tenants.names import MAX_ADAPTER_NAME
 
 router = APIRouter(prefix="/v1", tags=["lora"], route_class=StrictJSONRoute, responses=ADMIN_ERRORS)
 
 
 class LoadLoRABody(BaseModel):
-    lora_name: Annotated[str, AfterValidator(check_adapter_name)]
-    lora_path: str
+    lora_name: AdapterName
+    lora_path: str = Field(min_length=1, max_length=4096)
 
 
 class UnloadLoRABody(BaseModel):
-    lora_name: str
+    lora_name: str = Field(min_length=1, max_length=MAX_ADAPTER_NAME)
 
 
-@router.post("/load_lora_adapter", response_class=PlainTextResponse)
+# vLLM answers these in plain text; errors are JSON, as everywhere.
+_PLAIN: dict[int | str, dict[str, Any]] = {
+    200: {"content": {"text/plain": {"schema": {"type": "string"}}}}
+}
+
+
+@router.post("/load_lora_adapter", response_model=None, responses=_PLAIN)
 async def load_lora_adapter(
     body: LoadLoRABody, tenancy: TenancyDep, _: AdminDep
 ) -> PlainTextResponse:
     if body.lora_name == tenancy.catalog.base_model_name:
-        raise APIError(400, "an adapter cannot take the base model's name", param="lora_name")
+        raise APIError(
+            400,
+            "an adapter cannot take the base model's name",
+            param="lora_name",
+            code="invalid_value",
+        )
     path = Path(body.lora_path)
     if not path.is_dir():
-        raise APIError(400, "lora_path: not a directory on the server", param="lora_path")
+        raise APIError(
+            400,
+            "lora_path: not a directory on the server",
+            param="lora_path",
+            code="invalid_adapter",
+        )
     try:
         await tenancy.catalog.add_local(owner_id=None, name=body.lora_name, path=path, replace=True)
     except AdapterError as exc:
-        raise APIError(400, str(exc), param="lora_path") from exc
+        raise APIError(400, str(exc), param="lora_path", code="invalid_adapter") from exc
     return PlainTextResponse(f"Success: LoRA adapter '{body.lora_name}' added successfully.")
 
 
-@router.post("/unload_lora_adapter", response_class=PlainTextResponse)
+@router.post("/unload_lora_adapter", response_model=None, responses=_PLAIN)
 async def unload_lora_adapter(
     body: UnloadLoRABody, tenancy: TenancyDep, _: AdminDep
 ) -> PlainTextResponse:

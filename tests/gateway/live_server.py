@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import httpx
 import openai
 import uvicorn
 from fastapi import FastAPI
@@ -160,3 +161,18 @@ def register_public(app: FastAPI, name: str, path: Path) -> None:
         await tenancy.tenancy.db.close()
 
     asyncio.run(add())
+
+
+def admin_client(server: Server) -> httpx.Client:
+    return httpx.Client(base_url=server.base_url, headers=server.admin_headers, timeout=60)
+
+
+def new_tenant(server: Server, name: str, **fields: object) -> tuple[str, str]:
+    """A tenant made through the admin REST, and a key for it: (tenant id, key)."""
+    with admin_client(server) as admin:
+        created = admin.post("/admin/tenants", json={"name": name} | fields)
+        assert created.status_code == 201, created.text
+        tenant_id = created.json()["id"]
+        key = admin.post(f"/admin/tenants/{tenant_id}/keys", json={})
+        assert key.status_code == 201, key.text
+    return tenant_id, key.json()["key"]
