@@ -110,13 +110,17 @@ async def run_load(
     concurrency: int,
     deadline: float,
     progress: Progress | None = None,
+    api_key: str | None = None,
 ) -> tuple[list[RequestResult], float]:
     url = base_url.rstrip("/") + "/v1/completions"
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
     semaphore = asyncio.Semaphore(concurrency)
     task_id = progress.add_task("requests", total=len(prompts)) if progress else None
     limits = httpx.Limits(max_connections=concurrency, max_keepalive_connections=concurrency)
 
-    async with httpx.AsyncClient(timeout=httpx.Timeout(deadline), limits=limits) as client:
+    async with httpx.AsyncClient(
+        timeout=httpx.Timeout(deadline), limits=limits, headers=headers
+    ) as client:
 
         async def bounded(i: int, prompt: list[int]) -> RequestResult:
             async with semaphore:
@@ -202,6 +206,7 @@ def run_serve_bench(
     label: str = "server",
     warmup: int = 4,
     console: Console | None = None,
+    api_key: str | None = None,
 ) -> dict[str, Any]:
     """Drive one workload against one server; returns the summary row."""
     if workload not in WORKLOADS:
@@ -229,10 +234,13 @@ def run_serve_bench(
                     output_len,
                     concurrency,
                     deadline,
+                    api_key=api_key,
                 )
             )
         results, elapsed = asyncio.run(
-            run_load(base_url, models, prompts, output_len, concurrency, deadline, progress)
+            run_load(
+                base_url, models, prompts, output_len, concurrency, deadline, progress, api_key
+            )
         )
     row = {
         "label": label,
@@ -263,6 +271,11 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--warmup", type=int, default=4, help="untimed requests sent first")
     p.add_argument("--cpu", type=int, default=None, help="pin this client to one core")
     p.add_argument("--json", type=Path, default=None)
+    p.add_argument(
+        "--api-key",
+        default=os.environ.get("LORAGATE_API_KEY"),
+        help="bearer key (default: $LORAGATE_API_KEY); a vLLM server ignores it",
+    )
     args = p.parse_args(argv)
     if args.cpu is not None:
         os.sched_setaffinity(0, {args.cpu})
@@ -280,6 +293,7 @@ def main(argv: list[str] | None = None) -> None:
         deadline=args.deadline,
         label=args.label,
         console=console,
+        api_key=args.api_key,
     )
     console.print(results_table([row]))
     if args.json is not None:

@@ -82,6 +82,23 @@ def test_engine_death_restart_and_orderly_shutdown(demo_model_dir: Path, tmp_pat
         resp = httpx.post(f"{url}/v1/completions", json=body, headers=auth, timeout=60)
         assert resp.status_code == 200
 
+        # The operators' commands act on the server's database and sign tokens it accepts.
+        def loragate(*args: str) -> str:
+            done = subprocess.run(
+                [command[0], *args], cwd=tmp_path, capture_output=True, text=True, check=True
+            )
+            return done.stdout.strip()
+
+        token = loragate("admin", "token", "--ttl", "10m")
+        admin = {"Authorization": f"Bearer {token}"}
+        tenants = httpx.get(f"{url}/admin/tenants", headers=admin)
+        assert tenants.status_code == 200 and tenants.json()["data"][0]["name"] == "demo"
+        loragate("tenants", "create", "cli-made")
+        assert "cli-made" in loragate("tenants", "list")
+        cli_key = {"Authorization": f"Bearer {loragate('keys', 'create', 'cli-made')}"}
+        resp = httpx.post(f"{url}/v1/completions", json=body, headers=cli_key, timeout=60)
+        assert resp.status_code == 200
+
         # The engine dies under a running request: the request ends with a 503-type error.
         events: list[dict] = []
         first = threading.Event()

@@ -14,7 +14,7 @@ import openai
 import pytest
 from joserfc import jwt
 from joserfc.jwk import KeySet, OctKey, RSAKey
-from live_server import TEST_SECRET, Server, admin_client, new_tenant
+from live_server import TEST_SECRET, Server, admin_client, build_test_app, live_server, new_tenant
 
 from gateway.admin_auth import AdminAuth
 from gateway.errors import APIError
@@ -154,3 +154,23 @@ def test_issuer_audience_and_rs256_against_a_jwks_file(tmp_path: Path) -> None:
     assert verify(jwt.encode(header, claims, other)) == 401
     # An HS256 token signed with the public key's bytes (algorithm confusion) is refused.
     assert verify(_token(claims, OctKey.import_key(b"p" * 32))) == 401
+
+
+def test_metrics_are_open_unless_metrics_auth(
+    tenancy_server: Server, tenancy_engine: object, demo_model_dir: Path, tmp_path: Path
+) -> None:
+    assert httpx.get(f"{tenancy_server.base_url}/metrics").status_code == 200
+    app = build_test_app(
+        tenancy_engine,  # type: ignore[arg-type]
+        MODEL,
+        tmp_path / "guarded",
+        demo_model_dir,
+        settings={"metrics_auth": True},
+    )
+    with live_server(app, tenancy_engine) as guarded:  # type: ignore[arg-type]
+        assert httpx.get(f"{guarded.base_url}/metrics").status_code == 401
+        tenant = {"Authorization": f"Bearer {guarded.tenancy.api_key}"}
+        assert httpx.get(f"{guarded.base_url}/metrics", headers=tenant).status_code == 401
+        ok = httpx.get(f"{guarded.base_url}/metrics", headers=guarded.admin_headers)
+        assert ok.status_code == 200 and "loragate:num_requests_running" in ok.text
+        assert httpx.get(f"{guarded.base_url}/health").status_code == 200  # always open
