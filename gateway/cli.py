@@ -176,6 +176,11 @@ _bench_command(
     "W1 batches clean and with one request that fails its steps (`--help` lists the options).",
 )
 _bench_command(
+    "upload",
+    "bench.upload",
+    "Time to register an adapter through the admin REST (`--help` lists the options).",
+)
+_bench_command(
     "guided",
     "bench.guided",
     "Guided vs unguided decode on W1, and grammar compile times (`--help` lists the options).",
