@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from engine.async_engine import EngineClient
 from engine.request import SamplingParams
 
 
@@ -53,3 +54,15 @@ def poisoned(fail_from: int = 1) -> tuple[list[int], PoisonedParams]:
     params = PoisonedParams(temperature=0, max_tokens=10, ignore_eos=True)
     params.fail_from = fail_from
     return SHARED + [5, 6, 7], params
+
+
+async def tokens_or_error(
+    engine: EngineClient, request_id: str, prompt: list[int], params: SamplingParams
+) -> list[int] | str:
+    """A request's tokens, or the error it ended with."""
+    tokens: list[int] = []
+    async for update in engine.generate(request_id, prompt, params):
+        if update.error:
+            return update.error
+        tokens.extend(update.new_token_ids)
+    return tokens

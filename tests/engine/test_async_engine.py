@@ -6,7 +6,7 @@ import asyncio
 from pathlib import Path
 
 import pytest
-from poison import poisoned, victims
+from poison import poisoned, tokens_or_error, victims
 
 from engine import LLM, EngineConfig, LLMEngine, SamplingParams
 from engine.async_engine import AsyncEngine, EngineDead, EngineOverloaded
@@ -109,15 +109,9 @@ async def test_a_poisoned_request_fails_alone(core: LLMEngine, demo_model_dir: P
     engine = AsyncEngine(core)
     engine.start()
 
-    async def run(request_id: str, prompt: list[int], params: SamplingParams) -> list[int] | str:
-        tokens: list[int] = []
-        async for update in engine.generate(request_id, prompt, params):
-            if update.error:
-                return update.error
-            tokens.extend(update.new_token_ids)
-        return tokens
-
-    got = await asyncio.gather(*(run(f"v{i}", p, s) for i, (p, s) in enumerate(requests)))
+    got = await asyncio.gather(
+        *(tokens_or_error(engine, f"v{i}", p, s) for i, (p, s) in enumerate(requests))
+    )
     error = got.pop(9)
     assert isinstance(error, str) and "Poison" in error
     assert got == clean

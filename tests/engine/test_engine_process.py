@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 import pytest_asyncio
-from poison import poisoned, victims
+from poison import poisoned, tokens_or_error, victims
 
 from adapters.peft import describe_base
 from adapters.registry import AdapterRegistry
@@ -143,17 +143,11 @@ async def test_a_poisoned_request_fails_alone(engine: EngineProcess, demo_model_
     offline = LLM(str(demo_model_dir), kv_cache_memory=32 << 20, max_model_len=256)
     clean = [o.outputs[0].token_ids for o in offline.generate(*zip(*victims(), strict=True))]
 
-    async def run(request_id: str, prompt: list[int], params: SamplingParams) -> list[int] | str:
-        tokens: list[int] = []
-        async for update in engine.generate(request_id, prompt, params):
-            if update.error:
-                return update.error
-            tokens.extend(update.new_token_ids)
-        return tokens
-
     engine.max_waiting = len(requests)  # the module's engine queues two; these all queue
     try:
-        got = await asyncio.gather(*(run(f"v{i}", p, s) for i, (p, s) in enumerate(requests)))
+        got = await asyncio.gather(
+            *(tokens_or_error(engine, f"v{i}", p, s) for i, (p, s) in enumerate(requests))
+        )
     finally:
         engine.max_waiting = 2
     error = got.pop(4)
