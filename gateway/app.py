@@ -10,9 +10,10 @@ from engine.async_engine import EngineClient
 from gateway.body import BodySizeLimit
 from gateway.errors import ErrorBoundary, install_error_handlers
 from gateway.metrics import Metrics
+from gateway.request_limits import RequestLimits
 from gateway.routers import admin, admin_adapters, lora
 from gateway.routers.openai import health_router, router
-from gateway.serving import OpenAIServing, RequestLimits
+from gateway.serving import OpenAIServing
 from gateway.tenancy import Tenancy
 
 ADAPTER_UPLOADS = "/admin/adapters"

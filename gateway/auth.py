@@ -18,7 +18,7 @@ import logging
 import time
 from collections import OrderedDict
 from dataclasses import dataclass
-from datetime import UTC, datetime, timedelta
+from datetime import datetime, timedelta
 
 from gateway.errors import APIError
 from tenants.db import Database
@@ -119,7 +119,7 @@ class TenantAuth:
             return APIError(
                 403, "This API key has been revoked.", type="permission_error", code="key_revoked"
             )
-        if key.expires_at is not None and _aware(key.expires_at) <= utcnow():
+        if key.expires_at is not None and key.expires_at <= utcnow():
             return _unauthorized("This API key has expired.")
         if tenant.status != TENANT_ACTIVE:
             return APIError(
@@ -133,7 +133,7 @@ class TenantAuth:
 
     def _note_use(self, key: ApiKey) -> None:
         now = utcnow()
-        last = self._last_used.get(key.id) or (key.last_used_at and _aware(key.last_used_at))
+        last = self._last_used.get(key.id) or key.last_used_at
         if last is not None and now - last < LAST_USED_INTERVAL:
             return
         self._last_used[key.id] = now
@@ -147,8 +147,3 @@ class TenantAuth:
                 await touch_keys(session, key_ids=[key_id], when=when)
         except Exception:  # noqa: BLE001 - bookkeeping must never fail a request
             logger.warning("could not record the use of key %s", key_id, exc_info=True)
-
-
-def _aware(value: datetime) -> datetime:
-    """SQLite returns naive datetimes for timezone-aware columns: they are UTC."""
-    return value if value.tzinfo is not None else value.replace(tzinfo=UTC)

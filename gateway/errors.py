@@ -99,13 +99,12 @@ def install_error_handlers(app: FastAPI) -> None:
             err.headers = (err.headers or {}) | {"Allow": ", ".join(_allowed(request))}
         return _response(err)
 
+    async def on_engine_error(_: Request, exc: Exception) -> JSONResponse:
+        err = api_error(exc)
+        assert err is not None
+        return _response(err)
+
     for kind in (EngineOverloaded, EngineDead, RuntimeError):
-
-        async def on_engine_error(_: Request, exc: Exception) -> JSONResponse:
-            err = api_error(exc)
-            assert err is not None
-            return _response(err)
-
         app.add_exception_handler(kind, on_engine_error)
 
 

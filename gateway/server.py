@@ -103,7 +103,7 @@ def run_server(settings: Settings, with_progress: Callable[[Any], Any]) -> None:
     from engine.async_engine import AsyncEngine, EngineClient
     from engine.engine_process import EngineProcess, retain_freed_memory
     from gateway.app import build_app
-    from gateway.serving import RequestLimits
+    from gateway.request_limits import RequestLimits
 
     modules = lora_modules(settings)
     name = settings.served_model_name or Path(settings.model).resolve().name

@@ -27,7 +27,14 @@ from gateway.adapter_catalog import AdapterCatalog
 from gateway.auth import RequestTenant
 from gateway.errors import APIError, api_error
 from gateway.metrics import Metrics
-from gateway.protocol import MAX_CHOICES, ChatCompletionRequest, CompletionRequest, FieldError
+from gateway.protocol import ChatCompletionRequest, CompletionRequest, FieldError
+from gateway.request_limits import (
+    EMPTY_PROMPT,
+    INVALID_GRAMMAR,
+    INVALID_VALUE,
+    RequestLimits,
+    ServerBounds,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -93,33 +100,6 @@ class _Timer:
             m.request_success.labels(finish_reason=choice.finish_reason or "abort").inc()
 
 
-# A prompt's characters per token of max_model_len, past which it is refused untokenized.
-CHARS_PER_TOKEN = 32
-
-# The codes of 400s that no schema can foresee: limits of this server and this model, values
-# that must agree with each other, grammars that do not compile. A 400 without a code is a
-# value the OpenAPI schema itself rules out.
-ABOVE_LIMIT = "above_server_limit"
-BAD_TOKEN = "invalid_token_id"
-EMPTY_PROMPT = "empty_prompt"
-INVALID_VALUE = "invalid_value"
-INVALID_GRAMMAR = "invalid_grammar"
-
-
-@dataclass(frozen=True, slots=True)
-class RequestLimits:
-    """The bounds that are the server's settings (README, "Request bounds")."""
-
-    max_n: int = 16
-    max_prompt_chars: int | None = None  # None: CHARS_PER_TOKEN x max_model_len
-
-    def __post_init__(self) -> None:
-        if self.max_n < 1:
-            raise ValueError("max_n must be at least 1")
-        if self.max_prompt_chars is not None and self.max_prompt_chars < 1:
-            raise ValueError("max_prompt_chars must be positive")
-
-
 class OpenAIServing:
     def __init__(
         self,
@@ -134,9 +114,8 @@ class OpenAIServing:
         self.tokenizer: Any = engine.tokenizer
         self.metrics = metrics
         self.catalog = catalog  # None: LoRA is off
-        self.limits = limits or RequestLimits()
-        self.max_prompt_chars = self.limits.max_prompt_chars or (
-            CHARS_PER_TOKEN * engine.max_model_len
+        self.bounds = ServerBounds(
+            limits or RequestLimits(), engine.vocab_size, engine.max_model_len
         )
 
     async def resolve_model(self, name: str, tenant: RequestTenant) -> LoRARequest | None:
@@ -163,12 +142,16 @@ class OpenAIServing:
         params = self._params(body, body.max_tokens, body.logprobs)
         for prompt in prompts:
             if isinstance(prompt, str):
-                self._check_prompt_chars(len(prompt), "prompt")
-            elif max(prompt) >= self.engine.vocab_size:
-                raise APIError(400, self._out_of_vocab(max(prompt)), param="prompt", code=BAD_TOKEN)
-        # Tokenized here, off the event loop, so that a long prompt delays neither other
-        # clients nor the engine's steps.
-        token_ids = await asyncio.to_thread(self._tokenize, prompts)
+                self.bounds.check_prompt_chars(len(prompt), "prompt")
+            else:
+                self.bounds.check_token_ids(prompt, "prompt")
+        # Text is tokenized here, off the event loop, so that a long prompt delays neither
+        # other clients nor the engine's steps.
+        token_ids = (
+            await asyncio.to_thread(self._tokenize, prompts)
+            if any(isinstance(p, str) for p in prompts)
+            else cast(list[list[int]], prompts)
+        )
         if not all(token_ids):
             raise APIError(400, "the prompt is empty", param="prompt", code=EMPTY_PROMPT)
         return await self._respond(body, token_ids, params, lora, tenant, chat=False)
@@ -179,7 +162,7 @@ class OpenAIServing:
         lora = await self.resolve_model(body.model, tenant)
         self._check_bounds(body, 1)
         messages = [{"role": m.role, "content": m.text()} for m in body.messages]
-        self._check_prompt_chars(sum(len(m["content"]) for m in messages), "messages")
+        self.bounds.check_prompt_chars(sum(len(m["content"]) for m in messages), "messages")
         params = self._params(body, body.requested_max_tokens, body.num_logprobs)
         try:
             encoded = await asyncio.to_thread(
@@ -216,40 +199,9 @@ class OpenAIServing:
 
     def _check_bounds(self, body: Any, num_prompts: int) -> None:
         """The bounds that depend on this server: --max-n and the vocabulary."""
-        if body.n > self.limits.max_n:
-            raise APIError(
-                400,
-                f"n must be at most {self.limits.max_n} on this server",
-                param="n",
-                code=ABOVE_LIMIT,
-            )
-        if num_prompts * body.n > MAX_CHOICES:
-            raise APIError(
-                400,
-                f"{num_prompts} prompts x n={body.n} asks for more than {MAX_CHOICES} choices",
-                param="n",
-                code=ABOVE_LIMIT,
-            )
-        vocab = self.engine.vocab_size
-        for param in ("stop_token_ids", "logit_bias"):
-            out_of_vocab = [t for t in getattr(body, param) or () if t >= vocab]
-            if out_of_vocab:
-                raise APIError(
-                    400, self._out_of_vocab(out_of_vocab[0]), param=param, code=BAD_TOKEN
-                )
-
-    def _out_of_vocab(self, token_id: int) -> str:
-        return f"token id {token_id} is outside the vocabulary [0, {self.engine.vocab_size})"
-
-    def _check_prompt_chars(self, num_chars: int, param: str) -> None:
-        if num_chars > self.max_prompt_chars:
-            raise APIError(
-                400,
-                f"the prompt has {num_chars} characters; this server takes at most "
-                f"{self.max_prompt_chars} (--max-prompt-chars)",
-                param=param,
-                code="string_above_max_length",
-            )
+        self.bounds.check_choices(body.n, num_prompts)
+        self.bounds.check_token_ids(body.stop_token_ids, "stop_token_ids")
+        self.bounds.check_token_ids(body.logit_bias, "logit_bias")
 
     @staticmethod
     def _params(body: Any, max_tokens: int | None, logprobs: int | None) -> SamplingParams:

@@ -28,10 +28,16 @@ def utcnow() -> datetime:
 
 
 class UTCDateTime(TypeDecorator[datetime]):
-    """A timezone-aware timestamp on every database: SQLite hands back naive ones (UTC)."""
+    """A timezone-aware timestamp on every database, UTC where none is given: a naive value
+    going in is taken as UTC, and SQLite's naive values coming out are UTC."""
 
     impl = DateTime(timezone=True)
     cache_ok = True
+
+    def process_bind_param(self, value: datetime | None, dialect: Dialect) -> datetime | None:
+        if value is not None and value.tzinfo is None:
+            return value.replace(tzinfo=UTC)
+        return value
 
     def process_result_value(self, value: datetime | None, dialect: Dialect) -> datetime | None:
         if value is not None and value.tzinfo is None:

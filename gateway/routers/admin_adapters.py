@@ -24,7 +24,7 @@ from adapters.peft import CONFIG_FILE, WEIGHTS_FILE, AdapterError
 from gateway.body import StrictJSONRoute
 from gateway.deps import AdminDep, TenancyDep
 from gateway.errors import APIError
-from gateway.routers.responses import ADMIN_ERRORS, _error, not_found
+from gateway.routers.responses import ADMIN_ERRORS, error_response, not_found
 from gateway.tenancy import Tenancy
 from tenants.adapters import AdapterExists, get_adapter, list_adapters
 from tenants.models import Adapter
@@ -114,7 +114,7 @@ async def _owner(tenancy: Tenancy, tenant_id: str | None) -> str | None:
     status_code=201,
     response_model=AdapterPublic,
     openapi_extra=_REQUEST_BODY,
-    responses={415: _error("Neither multipart/form-data nor application/json.")},
+    responses={415: error_response("Neither multipart/form-data nor application/json.")},
 )
 async def create(request: Request, tenancy: TenancyDep, _: AdminDep) -> Adapter:
     content_type = request.headers.get("content-type", "").split(";")[0].strip().lower()
@@ -178,6 +178,14 @@ async def _from_path(request: Request, tenancy: Tenancy) -> Adapter:
     return await tenancy.catalog.add_local(owner_id=owner, name=body.name, path=path)
 
 
+async def _adapter(tenancy: Tenancy, adapter_id: str) -> Adapter:
+    async with tenancy.db.session() as session:
+        adapter = await get_adapter(session, adapter_id=adapter_id)
+    if adapter is None:
+        raise not_found("adapter", "adapter_id")
+    return adapter
+
+
 def _text(value: object, param: str) -> str:
     if not isinstance(value, str):
         raise APIError(400, f"{param} must be a text field", param=param)
@@ -203,20 +211,12 @@ async def list_all(
 
 @router.get("/adapters/{adapter_id}", response_model=AdapterPublic)
 async def read(adapter_id: str, tenancy: TenancyDep, _: AdminDep) -> Adapter:
-    async with tenancy.db.session() as session:
-        adapter = await get_adapter(session, adapter_id=adapter_id)
-    if adapter is None:
-        raise not_found("adapter", "adapter_id")
-    return adapter
+    return await _adapter(tenancy, adapter_id)
 
 
 @router.delete("/adapters/{adapter_id}", status_code=204, response_class=Response)
 async def delete(adapter_id: str, tenancy: TenancyDep, _: AdminDep) -> Response:
     """New requests naming it get 404 at once; the engine unloads it once its running requests
     finish, and its files go with the last adapter that references them."""
-    async with tenancy.db.session() as session:
-        adapter = await get_adapter(session, adapter_id=adapter_id)
-    if adapter is None:
-        raise not_found("adapter", "adapter_id")
-    await tenancy.catalog.remove(adapter)
+    await tenancy.catalog.remove(await _adapter(tenancy, adapter_id))
     return Response(status_code=204)

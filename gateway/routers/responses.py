@@ -21,7 +21,7 @@ class ErrorBody(BaseModel):
     error: ErrorDetail
 
 
-def _error(description: str, **extra: Any) -> dict[str, Any]:
+def error_response(description: str, **extra: Any) -> dict[str, Any]:
     return {"model": ErrorBody, "description": description} | extra
 
 
@@ -29,21 +29,21 @@ _RETRY = {"headers": {"Retry-After": {"schema": {"type": "integer"}, "descriptio
 
 # Every route: a body that is not JSON (400), too large (413), a bug (500).
 COMMON_ERRORS: dict[int | str, dict[str, Any]] = {
-    400: _error("Invalid request: a field out of bounds, or a body that is not JSON."),
-    413: _error("The request body is too large."),
-    500: _error("A request that alone made an engine step fail, or a server bug."),
+    400: error_response("Invalid request: a field out of bounds, or a body that is not JSON."),
+    413: error_response("The request body is too large."),
+    500: error_response("A request that alone made an engine step fail, or a server bug."),
 }
 OPENAI_ERRORS: dict[int | str, dict[str, Any]] = COMMON_ERRORS | {
-    401: _error("Missing, unknown or expired API key (`invalid_api_key`)."),
-    403: _error("Revoked key (`key_revoked`) or suspended tenant (`tenant_suspended`)."),
-    404: _error("No such model for this tenant (`model_not_found`)."),
-    503: _error("The queue is full or the engine is restarting.", **_RETRY),
+    401: error_response("Missing, unknown or expired API key (`invalid_api_key`)."),
+    403: error_response("Revoked key (`key_revoked`) or suspended tenant (`tenant_suspended`)."),
+    404: error_response("No such model for this tenant (`model_not_found`)."),
+    503: error_response("The queue is full or the engine is restarting.", **_RETRY),
 }
 ADMIN_ERRORS: dict[int | str, dict[str, Any]] = COMMON_ERRORS | {
-    401: _error("Missing, malformed, expired or wrongly signed admin token."),
-    403: _error("The token lacks the `admin` scope."),
-    404: _error("No such tenant, key or adapter."),
-    409: _error("The name is taken."),
+    401: error_response("Missing, malformed, expired or wrongly signed admin token."),
+    403: error_response("The token lacks the `admin` scope."),
+    404: error_response("No such tenant, key or adapter."),
+    409: error_response("The name is taken."),
 }
 
 

@@ -57,6 +57,9 @@ def test_a_key_works_until_it_expires_is_revoked_or_its_tenant_is_suspended(
         past = (datetime.now(UTC) - timedelta(seconds=1)).isoformat()
         expired = admin.post(f"/admin/tenants/{tenant_id}/keys", json={"expires_at": past})
         _error(_complete(server, expired.json()["key"]), 401, "invalid_api_key")
+        naive = (datetime.now(UTC) - timedelta(seconds=1)).replace(tzinfo=None).isoformat()
+        expired = admin.post(f"/admin/tenants/{tenant_id}/keys", json={"expires_at": naive})
+        _error(_complete(server, expired.json()["key"]), 401, "invalid_api_key")  # taken as UTC
 
         second = admin.post(f"/admin/tenants/{tenant_id}/keys", json={"name": "ci"}).json()
         assert _complete(server, second["key"]).status_code == 200
@@ -76,7 +79,7 @@ def test_a_key_works_until_it_expires_is_revoked_or_its_tenant_is_suspended(
         assert _complete(server, key).status_code == 200
 
         listed = admin.get(f"/admin/tenants/{tenant_id}/keys").json()["data"]
-        assert len(listed) == 3 and all("key" not in entry for entry in listed)
+        assert len(listed) == 4 and all("key" not in entry for entry in listed)
         assert key not in json.dumps(listed) and second["key"] not in json.dumps(listed)
         # last_used_at is written off the request path; it arrives shortly.
         for _ in range(100):
