@@ -45,6 +45,7 @@ class Settings(BaseSettings):
     enable_prefix_caching: bool = True
     enable_chunked_prefill: bool = True
     max_waiting: int = 1024
+    scheduling_policy: Literal["fair", "fcfs"] = "fair"
     dtype: str = "auto"
     device: str = "auto"
     seed: int = 0
@@ -76,6 +77,13 @@ class Settings(BaseSettings):
     database_url: str = "sqlite+aiosqlite:///./loragate.db"
     db_upgrade: bool = True  # run the migrations to head at start
     redis_url: str | None = None
+    redis_failure_mode: Literal["open", "closed"] = "open"
+    # Limits a tenant gets at creation when the admin names none; None: unlimited.
+    default_rpm_limit: int | None = Field(default=None, ge=1)
+    default_tpm_limit: int | None = Field(default=None, ge=1)
+    default_max_concurrency: int | None = Field(default=None, ge=1)
+    default_monthly_token_quota: int | None = Field(default=None, ge=0)
+    metrics_max_tenants: int = Field(default=100, ge=0)
     secret_key: SecretStr | None = None
     auth: bool = True  # False: every request is the demo tenant (loopback only)
     metrics_auth: bool = False  # /metrics needs an admin token

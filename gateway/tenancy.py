@@ -9,7 +9,7 @@ command line can print it.
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from adapters.peft import BaseModelInfo
 from adapters.store import AdapterStore
@@ -38,6 +38,8 @@ class Tenancy:
     metrics_auth: bool = False
     allow_local_adapter_paths: bool = False
     max_adapter_bytes: int = 1 << 30
+    # Limits of a tenant created without them (admin REST): field name -> value or None.
+    default_limits: dict[str, int | None] = field(default_factory=dict)
 
     async def close(self) -> None:
         await self.db.close()
@@ -74,6 +76,12 @@ def open_tenancy(settings: Settings, base: BaseModelInfo, served_model_name: str
         metrics_auth=settings.metrics_auth,
         allow_local_adapter_paths=settings.allow_local_adapter_paths,
         max_adapter_bytes=settings.max_adapter_bytes,
+        default_limits={
+            "rpm_limit": settings.default_rpm_limit,
+            "tpm_limit": settings.default_tpm_limit,
+            "max_concurrency": settings.default_max_concurrency,
+            "monthly_token_quota": settings.default_monthly_token_quota,
+        },
     )
 
 

@@ -45,14 +45,35 @@ class _In(BaseModel):
     model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
 
 
-class TenantCreate(_In):
+# Per-tenant limits; null is unlimited. A limit of 2^53 or more is as good as none.
+RequestLimit = Annotated[int, Field(ge=1, lt=1 << 53)]
+TokenQuota = Annotated[int, Field(ge=0, lt=1 << 53)]
+LIMIT_FIELDS = ("rpm_limit", "tpm_limit", "max_concurrency", "monthly_token_quota")
+
+
+class _Limits(_In):
+    rpm_limit: RequestLimit | None = Field(None, description="Requests per minute.")
+    tpm_limit: RequestLimit | None = Field(
+        None, description="Tokens per minute: prompt + max_tokens reserved, actual kept."
+    )
+    max_concurrency: RequestLimit | None = Field(None, description="Requests in flight.")
+    monthly_token_quota: TokenQuota | None = Field(
+        None, description="Prompt + completion tokens per calendar month (UTC)."
+    )
+
+
+class TenantCreate(_Limits):
+    """A limit left out takes the server's default (--default-rpm-limit, ...); null is
+    unlimited."""
+
     name: TenantName
     weight: float = Field(1.0, gt=0.0, le=1000.0)
     cache_group: TenantName | None = None
 
 
-class TenantUpdate(_In):
-    """Fields to change; null leaves one as it is (cache_group: null leaves the group)."""
+class TenantUpdate(_Limits):
+    """Fields to change. null leaves a field as it is, but for cache_group (null leaves the
+    group) and the limits (null lifts the limit)."""
 
     name: TenantName | None = None
     status: Literal["active", "suspended"] | None = None
@@ -69,6 +90,10 @@ class TenantPublic(BaseModel):
     status: Literal["active", "suspended"]
     weight: float
     cache_group: str | None
+    rpm_limit: int | None
+    tpm_limit: int | None
+    max_concurrency: int | None
+    monthly_token_quota: int | None
     created_at: datetime
 
 
@@ -115,9 +140,13 @@ async def _tenant(tenancy: Tenancy, tenant_id: str) -> Tenant:
 
 @router.post("/tenants", status_code=201, response_model=TenantPublic)
 async def create(body: TenantCreate, tenancy: TenancyDep, _: AdminDep) -> Tenant:
+    fields = body.model_dump()
+    for name in LIMIT_FIELDS:
+        if name not in body.model_fields_set:
+            fields[name] = tenancy.default_limits.get(name)
     try:
         async with tenancy.db.session() as session, session.begin():
-            return await create_tenant(session, **body.model_dump())
+            return await create_tenant(session, **fields)
     except TenantExists as exc:
         raise APIError(409, str(exc), param="name", code="tenant_exists") from exc
 
@@ -135,12 +164,12 @@ async def read(tenant_id: str, tenancy: TenancyDep, _: AdminDep) -> Tenant:
 
 @router.patch("/tenants/{tenant_id}", response_model=TenantPublic)
 async def update(tenant_id: str, body: TenantUpdate, tenancy: TenancyDep, _: AdminDep) -> Tenant:
-    """Rename, re-weigh, regroup; `status` suspends (`suspended`) or reactivates (`active`)."""
-    # null leaves a field as it is, but for cache_group, where it leaves the group.
+    """Rename, re-weigh, regroup, change limits; `status` suspends (`suspended`) or
+    reactivates (`active`)."""
     changes = {
         k: v
         for k, v in body.model_dump(exclude_unset=True).items()
-        if v is not None or k == "cache_group"
+        if v is not None or k == "cache_group" or k in LIMIT_FIELDS
     }
     try:
         async with tenancy.db.session() as session, session.begin():
@@ -150,7 +179,7 @@ async def update(tenant_id: str, body: TenantUpdate, tenancy: TenancyDep, _: Adm
             await update_tenant(session, tenant=tenant, **changes)
     except TenantExists as exc:
         raise APIError(409, str(exc), param="name", code="tenant_exists") from exc
-    tenancy.auth.forget()  # a suspension or a new cache group applies at once
+    tenancy.auth.forget()  # a suspension, a new cache group or new limits apply at once
     return tenant
 
 
