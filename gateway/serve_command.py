@@ -76,6 +76,8 @@ HELP: dict[str, str] = {
     "admin_jwt_jwks": "RS256: JWKS file or URL of the identity provider.",
     "admin_jwt_issuer": "Required `iss` of admin tokens.",
     "admin_jwt_audience": "Required `aud` of admin tokens.",
+    "usage_spool_dir": "Usage rows' durable spool. Default: loragate-spool beside a SQLite db.",
+    "usage_flush_interval": "Seconds between the usage ledger's batched database writes.",
 }
 
 

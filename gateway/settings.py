@@ -100,6 +100,10 @@ class Settings(BaseSettings):
     admin_jwt_jwks: str | None = None
     admin_jwt_issuer: str | None = None
     admin_jwt_audience: str | None = None
+    # The usage ledger's spool (tenants/ledger.py); None: `loragate-spool` beside a SQLite
+    # database, else in the working directory.
+    usage_spool_dir: Path | None = None
+    usage_flush_interval: float = Field(default=0.5, gt=0.0, le=60.0)
 
     @field_validator("lora_modules", mode="before")
     @classmethod
@@ -114,6 +118,15 @@ class Settings(BaseSettings):
         if self.database_url.startswith(prefix):
             return Path(self.database_url.removeprefix(prefix)).parent / "loragate.secret"
         return Path("loragate.secret")
+
+    @property
+    def resolved_usage_spool_dir(self) -> Path:
+        if self.usage_spool_dir is not None:
+            return self.usage_spool_dir
+        prefix = "sqlite+aiosqlite:///"
+        if self.database_url.startswith(prefix):
+            return Path(self.database_url.removeprefix(prefix)).parent / "loragate-spool"
+        return Path("loragate-spool")
 
     def resolved_secret_key(self) -> bytes:
         """The secret key: configured, or read from (first made into) the key file. Raises
