@@ -1,4 +1,4 @@
-"""The tenancy tables (SQLAlchemy 2): tenants, their API keys, and adapters.
+"""The tenancy tables (SQLAlchemy 2): tenants, their API keys, adapters, and the usage ledger.
 
 Alembic owns the schema (migrations/); the app never calls `create_all` outside tests, and
 a test holds the models and the migrations to each other. Ids are short random strings with
@@ -11,11 +11,21 @@ import secrets
 from datetime import UTC, datetime
 from typing import Any
 
-from sqlalchemy import JSON, BigInteger, DateTime, Dialect, ForeignKey, String, UniqueConstraint
+from sqlalchemy import (
+    JSON,
+    BigInteger,
+    DateTime,
+    Dialect,
+    ForeignKey,
+    Index,
+    String,
+    UniqueConstraint,
+)
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
 from sqlalchemy.types import TypeDecorator
 
 TENANT_ACTIVE, TENANT_SUSPENDED = "active", "suspended"
+USAGE_STATUSES = ("ok", "aborted", "error")
 PUBLIC_SCOPE = "public"  # an adapter every tenant may use
 
 
@@ -109,3 +119,40 @@ class Adapter(Base):
     storage_path: Mapped[str] = mapped_column(String(512))
     status: Mapped[str] = mapped_column(String(16), default="ready")
     created_at: Mapped[datetime] = mapped_column(default=utcnow)
+
+
+class Usage(Base):
+    """One row per request, append-only: what billing sums. Written by the ledger
+    (tenants/ledger.py) from its spool, insert-or-ignore on `request_id`, so a replayed spool
+    segment never counts a request twice.
+
+    No foreign keys: a billing row outlives the tenant, key or adapter it names (deleting a
+    tenant must not delete, or be blocked by, what it owes).
+
+    `created_epoch` repeats `created_at` as whole Unix seconds (UTC). Buckets of a minute, an
+    hour or a day are then integer arithmetic (`created_epoch - created_epoch % 3600`) that
+    SQLite and PostgreSQL compute alike and an index serves, where `created_at` would need
+    date_trunc on one and strftime over a text column on the other.
+    """
+
+    __tablename__ = "usage"
+    __table_args__ = (
+        Index("ix_usage_tenant_id_created_epoch", "tenant_id", "created_epoch"),
+        Index("ix_usage_created_epoch", "created_epoch"),
+    )
+
+    request_id: Mapped[str] = mapped_column(String(128), primary_key=True)
+    tenant_id: Mapped[str] = mapped_column(String(32))
+    key_id: Mapped[str | None] = mapped_column(String(32))
+    model: Mapped[str] = mapped_column(String(256))
+    adapter_name: Mapped[str | None] = mapped_column(String(128))
+    adapter_sha256: Mapped[str | None] = mapped_column(String(64))
+    prompt_tokens: Mapped[int]
+    cached_tokens: Mapped[int]
+    completion_tokens: Mapped[int]
+    finish_reason: Mapped[str | None] = mapped_column(String(32))
+    status: Mapped[str] = mapped_column(String(16))  # USAGE_STATUSES
+    ttft: Mapped[float | None]  # seconds to the first token; None: none came
+    latency: Mapped[float]  # seconds, arrival to the last byte (or the abort)
+    created_at: Mapped[datetime]
+    created_epoch: Mapped[int] = mapped_column(BigInteger)

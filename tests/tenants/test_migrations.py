@@ -11,7 +11,7 @@ from sqlalchemy.engine import make_url
 from tenants.db import async_url, current_revision, downgrade, upgrade
 from tenants.models import Base
 
-TABLES = {"tenants", "api_keys", "adapters"}
+TABLES = {"tenants", "api_keys", "adapters", "usage"}
 
 
 def _sync_engine(url: str):  # type: ignore[no-untyped-def]
