@@ -19,6 +19,7 @@ from gateway.auth import RequestTenant, TenantAuth, request_tenant
 from gateway.settings import Settings
 from tenants.db import Database, upgrade
 from tenants.keys import create_key
+from tenants.ledger import Ledger
 from tenants.tenants import count_tenants, create_tenant, get_tenant_by_name
 
 logger = logging.getLogger(__name__)
@@ -32,6 +33,7 @@ class Tenancy:
     auth: TenantAuth
     admin: AdminAuth
     catalog: AdapterCatalog
+    ledger: Ledger
     secret_key: bytes
     # --no-auth: every /v1 request runs as this tenant.
     no_auth_tenant: RequestTenant | None = None
@@ -41,7 +43,13 @@ class Tenancy:
     # Limits of a tenant created without them (admin REST): field name -> value or None.
     default_limits: dict[str, int | None] = field(default_factory=dict)
 
+    async def start(self) -> None:
+        """Start the background work (the usage ledger's writer) in the event loop that
+        serves: the database's connections belong to it."""
+        await self.ledger.start()
+
     async def close(self) -> None:
+        await self.ledger.close()  # its last rows reach the database before it closes
         await self.db.close()
 
 
@@ -72,6 +80,9 @@ def open_tenancy(settings: Settings, base: BaseModelInfo, served_model_name: str
         auth=TenantAuth(db, secret_key, settings.tenant_cache_ttl),
         admin=AdminAuth(settings),
         catalog=catalog,
+        ledger=Ledger(
+            db, settings.resolved_usage_spool_dir, flush_interval=settings.usage_flush_interval
+        ),
         secret_key=secret_key,
         metrics_auth=settings.metrics_auth,
         allow_local_adapter_paths=settings.allow_local_adapter_paths,
