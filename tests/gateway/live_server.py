@@ -8,7 +8,7 @@ import contextlib
 import socket
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -45,6 +45,7 @@ def make_tenancy(
 ) -> ServerTenancy:
     """Migrate a database (a SQLite file under `root` by default), make tenant `tester` with one
     key, and mint an admin token, all as `loragate serve` would."""
+    settings.setdefault("usage_spool_dir", root / "loragate-spool")
     config = Settings(
         model=str(model_dir),
         database_url=database_url or f"sqlite+aiosqlite:///{root / 'loragate.db'}",
@@ -118,8 +119,17 @@ def free_port() -> int:
 
 @contextlib.contextmanager
 def live_server(app: FastAPI, engine: EngineClient) -> Iterator[Server]:
-    """Serve `app` (built with a ServerTenancy's tenancy) on a free port until the block exits."""
+    """Serve `app` (built with a ServerTenancy's tenancy) on a free port until the block exits.
+    The tenancy starts (the usage ledger's writer) and closes in the loop that serves."""
     tenancy: ServerTenancy = app.state.server_tenancy
+
+    @contextlib.asynccontextmanager
+    async def lifespan(_: object) -> AsyncIterator[None]:
+        await tenancy.tenancy.start()
+        yield
+        await tenancy.tenancy.close()
+
+    app.router.lifespan_context = lifespan
     port = free_port()
     uv = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
     thread = threading.Thread(target=uv.run, daemon=True)
