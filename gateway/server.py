@@ -146,6 +146,7 @@ def run_server(settings: Settings, with_progress: Callable[[Any], Any]) -> None:
 
     @contextlib.asynccontextmanager
     async def lifespan(_: object):  # type: ignore[no-untyped-def]
+        await tenancy.start()  # in uvicorn's loop, which the tenancy's connections belong to
         yield
         await engine.shutdown(settings.shutdown_grace)
         await tenancy.close()
