@@ -11,7 +11,7 @@ from gateway.body import BodySizeLimit
 from gateway.errors import ErrorBoundary, install_error_handlers
 from gateway.metrics import Metrics
 from gateway.request_limits import RequestLimits
-from gateway.routers import admin, admin_adapters, lora
+from gateway.routers import admin, admin_adapters, lora, usage
 from gateway.routers.openai import health_router, router
 from gateway.serving import OpenAIServing
 from gateway.tenancy import Tenancy
@@ -53,7 +53,14 @@ def build_app(
         overrides={ADAPTER_UPLOADS: tenancy.max_adapter_bytes},
     )
     app.add_middleware(ErrorBoundary)
-    routers = [router, admin.router, admin_adapters.router, health_router]
+    routers = [
+        router,
+        usage.router,
+        admin.router,
+        usage.admin_router,
+        admin_adapters.router,
+        health_router,
+    ]
     if allow_runtime_lora_updating:
         if catalog is None:
             raise ValueError("runtime LoRA updating needs LoRA enabled")

@@ -1,0 +1,253 @@
+"""The usage ledger's read side: token sums for billing and for tenants.
+
+- `GET /admin/usage` (admin token): sums over a time range, for one tenant or all, in one row
+  or grouped by day, model, adapter or key; JSON, or CSV with `Accept: text/csv`.
+- `GET /admin/usage/completions` (admin token): buckets of a minute, an hour or a day in the
+  shape of OpenAI's Usage API (`/v1/organization/usage/completions`), for tools built for it.
+- `GET /v1/usage` (a tenant's key): the summary of `/admin/usage`, of the caller's tenant only.
+
+`from` and `to` are ISO 8601 dates or date-times (`2026-11-01`, `2026-11-01T08:00:00Z`; without
+an offset, UTC), the range half-open: `from=2026-11-01&to=2026-12-01` is November. The OpenAI
+endpoint takes Unix seconds, as OpenAI's does. Rows reach the database within
+--usage-flush-interval of their request's end.
+"""
+
+from __future__ import annotations
+
+import csv
+import io
+import math
+import re
+from datetime import UTC, datetime
+from typing import Annotated, Any, Literal
+
+from fastapi import APIRouter, Query, Request, Response
+from pydantic import BaseModel, BeforeValidator, Field
+
+from gateway.body import StrictJSONRoute
+from gateway.deps import AdminDep, TenancyDep, TenantDep
+from gateway.errors import APIError
+from gateway.routers.responses import ADMIN_ERRORS, OPENAI_ERRORS
+from gateway.tenancy import Tenancy
+from tenants.usage import (
+    BUCKET_LIMITS,
+    MAX_EPOCH,
+    UsageQueryError,
+    completions_page,
+    summarize_usage,
+)
+
+# Reads: no 404 (an unknown tenant has no usage), no 409, no engine to be busy.
+_ADMIN = {k: v for k, v in ADMIN_ERRORS.items() if k not in (404, 409)}
+_TENANT = {k: v for k, v in OPENAI_ERRORS.items() if k not in (404, 503)}
+admin_router = APIRouter(
+    prefix="/admin", tags=["usage"], route_class=StrictJSONRoute, responses=_ADMIN
+)
+router = APIRouter(prefix="/v1", tags=["usage"], route_class=StrictJSONRoute, responses=_TENANT)
+
+SUMS = ("num_requests", "prompt_tokens", "cached_tokens", "completion_tokens")
+_NUMBER = re.compile(r"\s*[+-]?\d+(\.\d*)?\s*")
+
+
+def _iso_only(value: object) -> object:
+    # pydantic reads a number as Unix time; here a number is a mistake, said so.
+    if isinstance(value, str) and _NUMBER.fullmatch(value):
+        raise ValueError("an ISO 8601 date or date-time, not a number")
+    return value
+
+
+Instant = Annotated[datetime, BeforeValidator(_iso_only)]
+GroupBy = Literal["day", "model", "adapter", "key"]
+CompletionsGroup = Literal["project_id", "api_key_id", "model", "adapter"]
+MAX_ID = 64
+Id = Annotated[str, Field(max_length=MAX_ID)]
+Name = Annotated[str, Field(max_length=256)]
+_FROM = "ISO 8601 date or date-time (no offset: UTC), inclusive"
+_TO = "ISO 8601 date or date-time (no offset: UTC), exclusive"
+_LIMIT = "buckets per page: 1d: 7 by default, at most 31; 1h: 24, 168; 1m: 60, 1440"
+
+
+# -- answers --------------------------------------------------------------------------------------
+
+
+class SummaryRow(BaseModel):
+    """Sums of one group (its value under the group's name), or of everything."""
+
+    day: str | None = Field(None, description="group_by=day: YYYY-MM-DD (UTC)")
+    model: str | None = Field(None, description="group_by=model")
+    adapter: str | None = Field(None, description="group_by=adapter: null is the base model")
+    key: str | None = Field(None, description="group_by=key: the key's id; null: no key")
+    num_requests: int
+    prompt_tokens: int
+    cached_tokens: int = Field(description="prompt tokens served from the prefix cache")
+    completion_tokens: int
+
+
+class Summary(BaseModel):
+    object: Literal["list"] = "list"
+    data: list[SummaryRow]
+
+
+_SUMMARY: dict[int | str, dict[str, Any]] = {
+    200: {
+        "description": "The sums; CSV (a header row, then one row per group) when asked with "
+        "`Accept: text/csv`.",
+        "content": {"text/csv": {"schema": {"type": "string"}}},
+    }
+}
+
+
+class CompletionsResult(BaseModel):
+    object: Literal["organization.usage.completions.result"]
+    input_tokens: int
+    output_tokens: int
+    input_cached_tokens: int
+    input_audio_tokens: int
+    output_audio_tokens: int
+    num_model_requests: int
+    project_id: str | None = Field(description="group_by=project_id: the tenant's id")
+    user_id: None
+    api_key_id: str | None
+    model: str | None
+    batch: None
+    adapter: str | None = Field(description="group_by=adapter (ours): null is the base model")
+
+
+class Bucket(BaseModel):
+    object: Literal["bucket"]
+    start_time: int
+    end_time: int
+    results: list[CompletionsResult]
+
+
+class CompletionsPage(BaseModel):
+    object: Literal["page"]
+    data: list[Bucket]
+    has_more: bool
+    next_page: str | None
+
+
+# -- routes ---------------------------------------------------------------------------------------
+
+
+@admin_router.get(
+    "/usage", response_model=Summary, response_model_exclude_unset=True, responses=_SUMMARY
+)
+async def admin_summary(
+    request: Request,
+    tenancy: TenancyDep,
+    _: AdminDep,
+    tenant_id: Annotated[str | None, Query(max_length=MAX_ID)] = None,
+    start: Annotated[Instant | None, Query(alias="from", description=_FROM)] = None,
+    end: Annotated[Instant | None, Query(alias="to", description=_TO)] = None,
+    group_by: GroupBy | None = None,
+) -> Response | dict:
+    """Token sums of every tenant, or of one (`tenant_id`)."""
+    return await _summary(request, tenancy, tenant_id, start, end, group_by)
+
+
+@router.get("/usage", response_model=Summary, response_model_exclude_unset=True, responses=_SUMMARY)
+async def tenant_summary(
+    request: Request,
+    tenancy: TenancyDep,
+    tenant: TenantDep,
+    start: Annotated[Instant | None, Query(alias="from", description=_FROM)] = None,
+    end: Annotated[Instant | None, Query(alias="to", description=_TO)] = None,
+    group_by: GroupBy | None = None,
+) -> Response | dict:
+    """The caller's tenant's token sums (any of its keys)."""
+    if "tenant_id" in request.query_params:
+        raise APIError(
+            400,
+            "tenant_id: a key reads its own tenant's usage only",
+            param="tenant_id",
+            code="invalid_value",
+        )
+    return await _summary(request, tenancy, tenant.id, start, end, group_by)
+
+
+@admin_router.get("/usage/completions", response_model=CompletionsPage)
+async def completions(
+    tenancy: TenancyDep,
+    _: AdminDep,
+    start_time: Annotated[int, Query(ge=0, le=MAX_EPOCH, description="Unix seconds, inclusive")],
+    end_time: Annotated[
+        int | None, Query(ge=1, le=MAX_EPOCH + 1, description="Unix seconds, exclusive")
+    ] = None,
+    bucket_width: Literal["1m", "1h", "1d"] = "1d",
+    group_by: Annotated[list[CompletionsGroup] | None, Query(max_length=8)] = None,
+    group_by_brackets: Annotated[
+        list[CompletionsGroup] | None, Query(alias="group_by[]", max_length=8)
+    ] = None,
+    limit: Annotated[
+        int | None,
+        Query(ge=1, le=max(m for _, m in BUCKET_LIMITS.values()), description=_LIMIT),
+    ] = None,
+    page: Annotated[str | None, Query(max_length=64, description="a next_page")] = None,
+    tenant_id: Annotated[str | None, Query(max_length=MAX_ID, description="ours")] = None,
+    project_ids: Annotated[list[Id] | None, Query(max_length=100)] = None,
+    api_key_ids: Annotated[list[Id] | None, Query(max_length=100)] = None,
+    models: Annotated[list[Name] | None, Query(max_length=100)] = None,
+) -> dict:
+    """OpenAI's completions usage: a tenant is a project (`project_id`), a key's id its
+    `api_key_id`; group_by takes `adapter` too. Lists come as repeated parameters, or with
+    brackets (`group_by[]=model`) as OpenAI's SDKs send them."""
+    projects = list(project_ids or []) + ([tenant_id] if tenant_id is not None else [])
+    try:
+        async with tenancy.db.session() as session:
+            return await completions_page(
+                session,
+                start_time=start_time,
+                end_time=end_time,
+                bucket_width=bucket_width,
+                group_by=list(group_by or []) + list(group_by_brackets or []),
+                limit=limit,
+                page=page,
+                tenant_ids=projects,
+                api_key_ids=api_key_ids or [],
+                models=models or [],
+            )
+    except UsageQueryError as exc:
+        raise APIError(400, str(exc), param=exc.param, code="invalid_value") from exc
+
+
+async def _summary(
+    request: Request,
+    tenancy: Tenancy,
+    tenant_id: str | None,
+    start: datetime | None,
+    end: datetime | None,
+    group_by: str | None,
+) -> Response | dict:
+    first, stop = _epoch(start, "from"), _epoch(end, "to")
+    if first is not None and stop is not None and stop <= first:
+        raise APIError(400, "to: after from", param="to", code="invalid_value")
+    async with tenancy.db.session() as session:
+        totals = await summarize_usage(
+            session, tenant_id=tenant_id, start=first, end=stop, group_by=group_by
+        )
+    rows = [
+        ({group_by: t.group} if group_by else {}) | {name: getattr(t, name) for name in SUMS}
+        for t in totals
+    ]
+    if "text/csv" in request.headers.get("accept", ""):
+        return _csv(rows, ([group_by] if group_by else []) + list(SUMS))
+    return {"object": "list", "data": rows}
+
+
+def _epoch(value: datetime | None, param: str) -> int | None:
+    if value is None:
+        return None
+    try:
+        moment = value if value.tzinfo else value.replace(tzinfo=UTC)
+        return math.floor(moment.timestamp())
+    except (OverflowError, ValueError, OSError) as exc:
+        raise APIError(400, f"{param}: out of range", param=param, code="invalid_value") from exc
+
+
+def _csv(rows: list[dict[str, Any]], columns: list[str]) -> Response:
+    out = io.StringIO()
+    writer = csv.DictWriter(out, columns, lineterminator="\r\n")
+    writer.writeheader()
+    writer.writerows(rows)
+    return Response(out.getvalue(), media_type="text/csv")
