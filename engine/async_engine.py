@@ -54,6 +54,7 @@ class Add:
     lora: LoRARequest | None
     cache_salt: str | None
     fairness_key: str | None
+    fairness_weight: float = 1.0
 
 
 @dataclass(slots=True)
@@ -89,7 +90,8 @@ class EngineStats:
 
 def engine_stats(engine: LLMEngine) -> EngineStats:
     scheduler, lora = engine.scheduler, engine.lora
-    # list() copies are atomic under the GIL; the loop thread mutates the originals.
+    # The loop thread mutates these: list() of the running list is one step under the GIL,
+    # and the waiting queue iterates over a snapshot.
     running, waiting = list(scheduler.running), list(scheduler.waiting)
     stats = EngineStats(
         num_running=len(running),
@@ -206,8 +208,11 @@ class EngineClient(ABC):
         lora: LoRARequest | None = None,
         cache_salt: str | None = None,
         fairness_key: str | None = None,
+        fairness_weight: float = 1.0,
     ) -> AsyncIterator[SequenceUpdate]:
         """Yield every update of the request's sequences until all have finished.
+
+        `fairness_key` and `fairness_weight`: see LLMEngine.add_request.
 
         Raises ValueError for a request the engine refuses, EngineOverloaded when
         the queue is full. Leaving the iteration early (client gone) aborts it.
@@ -220,7 +225,9 @@ class EngineClient(ABC):
             self._num_pending += 1
         stream = _Stream(asyncio.get_running_loop(), params.n)
         self._streams[request_id] = stream
-        self._submit(Add(request_id, prompt, params, lora, cache_salt, fairness_key))
+        self._submit(
+            Add(request_id, prompt, params, lora, cache_salt, fairness_key, fairness_weight)
+        )
         finished = False
         try:
             while True:
@@ -393,6 +400,7 @@ def apply_message(
                 lora=message.lora,
                 cache_salt=message.cache_salt,
                 fairness_key=message.fairness_key,
+                fairness_weight=message.fairness_weight,
             )
         except Exception as exc:  # noqa: BLE001 - refused requests report to their caller
             refuse(message.request_id, exc)

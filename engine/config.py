@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 GiB = 1 << 30
+SCHEDULING_POLICIES = ("fair", "fcfs")
 
 
 @dataclass(frozen=True, slots=True)
@@ -22,6 +23,9 @@ class EngineConfig:
     max_num_batched_tokens: int = 2048
     enable_prefix_caching: bool = True
     enable_chunked_prefill: bool = True
+    # Admission order of waiting requests: "fair" weighs each fairness key's service (VTC,
+    # engine/fairness.py); "fcfs" is arrival order, fairness keys ignored.
+    scheduling_policy: str = "fair"
     seed: int = 0
     enable_lora: bool = True
     max_loras: int = 4  # adapters resident on the device (and so per step)
@@ -69,6 +73,10 @@ class EngineConfig:
             )
         if self.device not in ("auto", "cpu", "cuda"):
             raise ValueError(f"device must be auto, cpu or cuda, got {self.device!r}")
+        if self.scheduling_policy not in SCHEDULING_POLICIES:
+            raise ValueError(
+                f"scheduling_policy must be fair or fcfs, got {self.scheduling_policy!r}"
+            )
         if self.guided_compile_timeout <= 0:
             raise ValueError("guided_compile_timeout must be positive")
         for name in ("guided_cache_size", "guided_max_schema_bytes", "guided_max_schema_depth"):

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import math
 import time
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, replace
@@ -82,6 +83,7 @@ class LLMEngine:
             max_num_batched_tokens=config.max_num_batched_tokens,
             enable_chunked_prefill=config.enable_chunked_prefill,
             lora=self.lora,
+            policy=config.scheduling_policy,
         )
         self.sequences: dict[str, _Sequence] = {}
         self.parents: dict[str, list[str]] = {}
@@ -119,11 +121,18 @@ class LLMEngine:
         lora: LoRARequest | None = None,
         cache_salt: str | None = None,
         fairness_key: str | None = None,
+        fairness_weight: float = 1.0,
     ) -> list[int]:
         """Queue a request; returns its prompt token ids. Raises ValueError for
-        a request that could never run (the gateway maps it to HTTP 400)."""
+        a request that could never run (the gateway maps it to HTTP 400).
+
+        `fairness_key` (a tenant) and `fairness_weight` (its share under contention,
+        relative to other keys') steer the "fair" scheduling policy; requests without a
+        key share one."""
         if request_id in self.parents:
             raise ValueError(f"request id {request_id!r} is already running")
+        if not (math.isfinite(fairness_weight) and fairness_weight > 0):
+            raise ValueError(f"fairness_weight must be positive, got {fairness_weight}")
         prompt_ids = self.tokenize(prompt)
         self._validate(prompt_ids, params)
         if lora is not None and self.lora is None:
@@ -147,6 +156,7 @@ class LLMEngine:
                 lora=lora,
                 cache_salt=cache_salt,
                 fairness_key=fairness_key,
+                fairness_weight=fairness_weight,
             )
             detok = IncrementalDetokenizer(
                 self.tokenizer, prompt_ids, child_params.stop, child_params.skip_special_tokens
@@ -276,12 +286,12 @@ class LLMEngine:
                 self.scheduler.preempt(request)  # it hit KV the failed step never wrote
         if not culprits:
             # Every part runs alone: the batch fails only as a whole (memory, say). Shrink it
-            # by preempting the newest request, as when KV blocks run out; give up on the
+            # by preempting the request that would go if KV blocks ran out; give up on the
             # step's requests only if that keeps failing.
             self._num_unexplained_failures += 1
             if self._num_unexplained_failures <= MAX_UNEXPLAINED_FAILURES:
                 if self.scheduler.running:
-                    self.scheduler.preempt(self.scheduler.running[-1])
+                    self.scheduler.preempt(self.scheduler.preemption_victim())
                 return []
             culprits = [(r, error) for r, _ in scheduled if r.status == RequestStatus.RUNNING]
         self._num_unexplained_failures = 0

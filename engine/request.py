@@ -209,6 +209,8 @@ class Request:
         "lora_slot",
         "cache_salt",
         "fairness_key",
+        "fairness_weight",
+        "num_charged_prompt_tokens",
         "arrival_time",
         "all_token_ids",
         "num_prompt_tokens",
@@ -236,6 +238,7 @@ class Request:
         lora: LoRARequest | None = None,
         cache_salt: str | None = None,
         fairness_key: str | None = None,
+        fairness_weight: float = 1.0,
         arrival_time: float | None = None,
     ) -> None:
         self.request_id = request_id
@@ -246,6 +249,9 @@ class Request:
         self.lora_slot = -1  # the device slot pinned while running; -1: none
         self.cache_salt = cache_salt
         self.fairness_key = fairness_key
+        self.fairness_weight = fairness_weight  # its key's share under contention (fairness.py)
+        # Prompt tokens counted as its key's service: recompute after preemption is not.
+        self.num_charged_prompt_tokens = 0
         self.arrival_time = time.monotonic() if arrival_time is None else arrival_time
         self.all_token_ids: list[int] = list(prompt_token_ids)
         self.num_prompt_tokens = len(prompt_token_ids)

@@ -5,19 +5,23 @@ with its num_tokens. A fresh prompt, a prompt chunk, a prefix-cache hit and a
 recompute after preemption differ only in where num_computed_tokens starts.
 
 Each step: running requests first (in admission order), then waiting ones,
-under max_num_seqs, max_num_batched_tokens and the free KV blocks. When a
-running request cannot get a block, the most recently admitted request is
-preempted (its blocks freed, its progress reset to recompute) until it can.
+under max_num_seqs, max_num_batched_tokens and the free KV blocks. Waiting
+requests stand in one line per fairness key (engine/fairness.py): policy "fair"
+admits from the least-served key first, "fcfs" in arrival order. When a running
+request cannot get a block, a victim is preempted (its blocks freed, its progress
+reset to recompute) until it can: the most recently admitted request of the
+most-served key ("fcfs": the most recently admitted request).
 """
 
 from __future__ import annotations
 
 import contextlib
 import time
-from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from engine.config import SCHEDULING_POLICIES
+from engine.fairness import FairQueue
 from engine.kv_cache.manager import KVCacheManager
 from engine.lora import LoRALoadError, LoRAManager
 from engine.request import Request, RequestStatus
@@ -46,13 +50,18 @@ class Scheduler:
         max_num_batched_tokens: int,
         enable_chunked_prefill: bool,
         lora: LoRAManager | None = None,
+        policy: str = "fair",
     ) -> None:
+        if policy not in SCHEDULING_POLICIES:
+            raise ValueError(f"scheduling policy must be fair or fcfs, got {policy!r}")
         self.kv = kv_manager
         self.lora = lora
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.enable_chunked_prefill = enable_chunked_prefill
-        self.waiting: deque[Request] = deque()
+        self.policy = policy
+        # Waiting requests, in one line per fairness key ("fcfs": one line for all).
+        self.waiting = FairQueue(use_keys=policy == "fair")
         self.running: list[Request] = []
         self.num_preemptions = 0
         # Predicates a waiting request must pass to be admitted (its grammar is
@@ -65,42 +74,70 @@ class Scheduler:
         return bool(self.waiting or self.running)
 
     def add_request(self, request: Request) -> None:
-        self.waiting.append(request)
+        self.waiting.add(request)
 
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
-        budget = self.max_num_batched_tokens
         if self.lora is not None:
             self.lora.begin_step()
+        self._schedule_running(out)
+        # Charged once preemption is settled, before admission weighs the keys' service.
+        self.waiting.charge(out.scheduled)
+        # Admitting new work in a step that had to preempt would only thrash.
+        if not out.preempted:
+            self._admit_waiting(out)
+        return out
 
-        i = 0
-        while i < len(self.running) and budget > 0:
-            request = self.running[i]
+    def _schedule_running(self, out: SchedulerOutput) -> None:
+        # Invariant: running[:len(out.scheduled)] are the rows scheduled so far, in order
+        # (a victim taken back from out.scheduled leaves both lists).
+        while len(out.scheduled) < len(self.running):
+            budget = self.max_num_batched_tokens - out.num_batched_tokens
+            if budget <= 0:
+                break
+            request = self.running[len(out.scheduled)]
             num_new = min(request.num_tokens - request.num_computed_tokens, budget)
             if self._allocate_or_preempt(request, num_new, out):
                 out.scheduled.append((request, num_new))
-                budget -= num_new
-                i += 1
-
-        # Admitting new work in a step that had to preempt would only thrash.
-        if not out.preempted:
-            self._admit_waiting(out, budget)
-        out.num_batched_tokens = sum(n for _, n in out.scheduled)
-        return out
+                out.num_batched_tokens += num_new
 
     def _allocate_or_preempt(self, request: Request, num_new: int, out: SchedulerOutput) -> bool:
         while not self.kv.allocate_slots(request, num_new):
-            victim = self.running.pop()
-            self._preempt(victim)
+            victim = self.preemption_victim()
+            if victim is not request:
+                self._unschedule(out, victim)  # the fair victim may be a row planned earlier
+            self.preempt(victim)
             out.preempted.append(victim)
             if victim is request:
                 return False
         return True
 
-    def _admit_waiting(self, out: SchedulerOutput, budget: int) -> None:
+    def _unschedule(self, out: SchedulerOutput, request: Request) -> None:
+        """Take a request's row back out of the step's plan, if it has one. Allocating its
+        slots published the blocks this step was to write to the prefix cache: withdraw
+        them before the preemption frees them, so that no prompt can hit unwritten KV
+        (today the allocation that needed them reuses them first, tail first; this does
+        not depend on that)."""
+        for i, (planned, num_new) in enumerate(out.scheduled):
+            if planned is request:
+                del out.scheduled[i]
+                out.num_batched_tokens -= num_new
+                self.kv.roll_back_step([(request, num_new)])
+                return
+
+    def preemption_victim(self) -> Request:
+        """The running request to preempt when memory runs out (there must be one)."""
+        return self.waiting.victim(self.running)
+
+    def _admit_waiting(self, out: SchedulerOutput) -> None:
         skipped: list[Request] = []
-        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
-            request = self.waiting.popleft()
+        while len(self.running) < self.max_num_seqs:
+            budget = self.max_num_batched_tokens - out.num_batched_tokens
+            if budget <= 0:
+                break
+            request = self.waiting.pop_next()
+            if request is None:
+                break
             if not all(gate(request) for gate in self.admission_gates):
                 skipped.append(request)
                 continue
@@ -119,7 +156,7 @@ class Scheduler:
             num_new = min(num_new, budget)
             if not fits or not self.kv.allocate_slots(request, num_new, computed_blocks):
                 self._release_lora(request)
-                self.waiting.appendleft(request)
+                self.waiting.push_front(request)
                 break
             request.num_computed_tokens = num_cached
             if request.num_cached_tokens < 0:
@@ -127,9 +164,13 @@ class Scheduler:
                 request.scheduled_time = time.monotonic()
             request.status = RequestStatus.RUNNING
             self.running.append(request)
+            self.waiting.admitted(request)
             out.scheduled.append((request, num_new))
-            budget -= num_new
-        self.waiting.extendleft(reversed(skipped))
+            out.num_batched_tokens += num_new
+            self.waiting.charge([(request, num_new)])  # the next pick sees this admission
+        # Skipped requests keep their places: each goes back to the head of its key's line.
+        for request in reversed(skipped):
+            self.waiting.push_front(request)
 
     def _acquire_lora(self, request: Request) -> int | None:
         assert request.lora is not None
@@ -155,24 +196,24 @@ class Scheduler:
             self.lora.abandon(adapter_id)
 
     def preempt(self, request: Request) -> None:
-        """Send a running request back to recompute (its blocks freed)."""
+        """Send a running request back to recompute (its blocks freed), at the head of its
+        key's line."""
         self.running.remove(request)
-        self._preempt(request)
-
-    def _preempt(self, request: Request) -> None:
+        self.waiting.left_running(request)
         self._release_lora(request)
         self.kv.free(request)
         request.status = RequestStatus.PREEMPTED
         request.num_computed_tokens = 0
         request.num_preemptions += 1
         self.num_preemptions += 1
-        # Earlier-admitted victims are popped last and so end up first in line.
-        self.waiting.appendleft(request)
+        # Within a key, earlier-admitted victims are taken last and so end up first in line.
+        self.waiting.push_front(request)
 
     def finish(self, request: Request, status: RequestStatus) -> None:
         """Take a request out of the queues and free its blocks (kept in the prefix cache)."""
         if request.status == RequestStatus.RUNNING:
             self.running.remove(request)
+            self.waiting.left_running(request)
         elif not request.is_finished:
             with contextlib.suppress(ValueError):
                 self.waiting.remove(request)

@@ -185,6 +185,12 @@ _bench_command(
     "bench.guided",
     "Guided vs unguided decode on W1, and grammar compile times (`--help` lists the options).",
 )
+_bench_command(
+    "fairness",
+    "bench.fairness",
+    "A tenant flooding at 10x another's rate (fcfs vs fair TTFT) and 2:1 weighted shares "
+    "(`--help` lists the options).",
+)
 
 
 @bench_app.command("offline", context_settings=_PASSTHROUGH, add_help_option=False)

@@ -1,0 +1,191 @@
+"""Fair admission across fairness keys: one FCFS line per key, virtual token counters (VTC).
+
+After "Fairness in Serving Large Language Models" (Sheng et al., OSDI 2024). Each key has a
+counter of the weighted service its requests received:
+
+    counter += (PREFILL_TOKEN_COST * prompt tokens computed
+                + DECODE_TOKEN_COST * output tokens generated) / the request's weight
+
+charged as the scheduler plans each step (prompt chunks as they are scheduled, so a long
+prompt counts step by step). The waiting request admitted next is the head of the line of
+the backlogged key (one with waiting requests) with the least counter; within a key, first
+come first served. A key returning from idle (nothing waiting, nothing running) starts at
+no less than the least counter among the backlogged keys, or, when none is, the counter of
+the last key admitted: service it did not ask for while idle is not owed to it later.
+Preemption takes the most recently admitted running request of the most-served key.
+
+What is not charged: prompt tokens read from the prefix cache (never computed), and the
+recompute of a preempted request (the scheduler chose to throw that work away; charging it
+again would make being preempted a penalty that invites the next preemption). A step that
+fails after being planned keeps its charges: its requests fail or are recomputed, and the
+error is at most one step's tokens.
+
+Requests without a key share one line (key None). With `use_keys=False` (policy "fcfs")
+every request is in that one line and nothing is charged: plain first come first served.
+
+Cost: admission scans the backlogged keys' counters (O(backlogged keys) per admitted
+request), a returning key scans them once, a preemption scans the running requests;
+charging is O(1) per scheduled row. Backlogged keys are few at any moment even with
+thousands of tenants. A key's counter is kept while it is idle (one small object per key
+ever seen, as tenants are bounded).
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass, field
+
+from engine.request import Request
+
+# The paper's weights: an output token costs twice a prompt token (w_p = 1, w_q = 2).
+PREFILL_TOKEN_COST = 1.0
+DECODE_TOKEN_COST = 2.0
+
+
+@dataclass(slots=True, eq=False)
+class _Line:
+    """One key's waiting requests (in line order), counter and running-request count."""
+
+    key: str | None
+    waiting: deque[Request] = field(default_factory=deque)
+    counter: float = 0.0
+    num_running: int = 0
+
+
+class FairQueue:
+    """The scheduler's waiting requests, in one line per fairness key, and the keys' virtual
+    token counters.
+
+    Iterating yields every waiting request, each key's in line order, keys in the order they
+    became backlogged (a snapshot: safe to take from another thread for stats).
+    """
+
+    def __init__(self, *, use_keys: bool = True) -> None:
+        self.use_keys = use_keys
+        self._lines: dict[str | None, _Line] = {}
+        # Lines with waiting requests, in the order they became backlogged.
+        self._backlog: dict[str | None, _Line] = {}
+        self._last_admitted: _Line | None = None
+        self._num_waiting = 0
+
+    def __len__(self) -> int:
+        return self._num_waiting
+
+    def __iter__(self) -> Iterator[Request]:
+        # list() of a dict view or a deque is one C call under the GIL: no "changed during
+        # iteration" when a stats reader races the loop thread.
+        lines = list(self._backlog.values())
+        return iter([request for line in lines for request in list(line.waiting)])
+
+    def counter(self, key: str | None) -> float:
+        """The key's virtual token counter (0 for a key never seen)."""
+        line = self._lines.get(key if self.use_keys else None)
+        return 0.0 if line is None else line.counter
+
+    # -- the lines --------------------------------------------------------------------------
+
+    def add(self, request: Request) -> None:
+        """A new request, at the back of its key's line."""
+        line = self._line(request)
+        if self.use_keys and not line.waiting and line.num_running == 0:
+            line.counter = max(line.counter, self._floor())
+        self._push(line, request, front=False)
+
+    def push_front(self, request: Request) -> None:
+        """A request back at the head of its key's line: preempted, or taken out to be
+        admitted and not admitted after all."""
+        self._push(self._line(request), request, front=True)
+
+    def pop_next(self) -> Request | None:
+        """Take the next request to admit: the head of the least-served backlogged key's line
+        (ties: the older head first); None when nothing waits."""
+        if not self._backlog:
+            return None
+        if len(self._backlog) == 1:
+            line = next(iter(self._backlog.values()))
+        else:
+            line = min(self._backlog.values(), key=_priority)
+        request = line.waiting.popleft()
+        if not line.waiting:
+            del self._backlog[line.key]
+        self._num_waiting -= 1
+        return request
+
+    def remove(self, request: Request) -> None:
+        """Take a waiting request out of line; ValueError if it is not waiting."""
+        line = self._lines.get(self._key(request))
+        if line is None:
+            raise ValueError(f"{request!r} is not waiting")
+        line.waiting.remove(request)
+        self._num_waiting -= 1
+        if not line.waiting:
+            del self._backlog[line.key]
+
+    # -- running requests and their service -------------------------------------------------
+
+    def admitted(self, request: Request) -> None:
+        line = self._line(request)
+        line.num_running += 1
+        self._last_admitted = line
+
+    def left_running(self, request: Request) -> None:
+        """A running request finished or was preempted."""
+        self._line(request).num_running -= 1
+
+    def charge(self, rows: Iterable[tuple[Request, int]]) -> None:
+        """Count scheduled rows' service: for each (request, tokens it computes this step),
+        the prompt tokens it computes for the first time, and the token it samples if it
+        reaches the end of its sequence."""
+        if not self.use_keys:
+            return
+        lines = self._lines
+        for request, num_new in rows:
+            start = request.num_computed_tokens
+            end = start + num_new
+            cost = DECODE_TOKEN_COST if end == request.num_tokens else 0.0
+            charged = request.num_charged_prompt_tokens
+            if end > charged and charged < request.num_prompt_tokens:
+                new_end = min(end, request.num_prompt_tokens)
+                cost += PREFILL_TOKEN_COST * (new_end - max(start, charged))
+                request.num_charged_prompt_tokens = new_end
+            lines[request.fairness_key].counter += cost / request.fairness_weight
+
+    def victim(self, running: list[Request]) -> Request:
+        """The request to preempt: the most recently admitted running request (`running` is
+        in admission order) of the key with the highest counter among running requests."""
+        if not self.use_keys:
+            return running[-1]
+        lines = self._lines
+        top = max(lines[r.fairness_key].counter for r in running)
+        return next(r for r in reversed(running) if lines[r.fairness_key].counter == top)
+
+    # -- internals --------------------------------------------------------------------------
+
+    def _key(self, request: Request) -> str | None:
+        return request.fairness_key if self.use_keys else None
+
+    def _line(self, request: Request) -> _Line:
+        key = self._key(request)
+        line = self._lines.get(key)
+        if line is None:
+            line = self._lines[key] = _Line(key)
+        return line
+
+    def _push(self, line: _Line, request: Request, *, front: bool) -> None:
+        if front:
+            line.waiting.appendleft(request)
+        else:
+            line.waiting.append(request)
+        self._backlog.setdefault(line.key, line)
+        self._num_waiting += 1
+
+    def _floor(self) -> float:
+        """Where a key returning from idle starts, at least."""
+        if self._backlog:
+            return min(line.counter for line in self._backlog.values())
+        return 0.0 if self._last_admitted is None else self._last_admitted.counter
+
+
+def _priority(line: _Line) -> tuple[float, float]:
+    return line.counter, line.waiting[0].arrival_time
