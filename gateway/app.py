@@ -7,6 +7,7 @@ import time
 from fastapi import FastAPI
 
 from engine.async_engine import EngineClient
+from gateway.admission import Admission
 from gateway.body import BodySizeLimit
 from gateway.errors import ErrorBoundary, install_error_handlers
 from gateway.metrics import Metrics
@@ -28,6 +29,7 @@ def build_app(
     enable_lora: bool = True,
     allow_runtime_lora_updating: bool = False,
     limits: RequestLimits | None = None,
+    metrics_max_tenants: int = 100,
 ) -> FastAPI:
     app = FastAPI(
         title="loragate",
@@ -36,12 +38,19 @@ def build_app(
         redoc_url=None,
     )
     app.state.tenancy = tenancy
-    app.state.metrics = Metrics(engine)
+    metrics = app.state.metrics = Metrics(engine, metrics_max_tenants)
+    metrics.watch_tenancy(tenancy.limiter, tenancy.ledger)
     catalog = tenancy.catalog if enable_lora else None
     if catalog is not None:
         catalog.on_unreferenced = engine.unload_lora
     app.state.serving = OpenAIServing(
-        engine, served_model_name, app.state.metrics, catalog, limits or RequestLimits()
+        engine,
+        served_model_name,
+        metrics,
+        Admission(tenancy.limiter, metrics.tenants),
+        tenancy.ledger,
+        catalog,
+        limits or RequestLimits(),
     )
     app.state.started_at = int(time.time())
     install_error_handlers(app)

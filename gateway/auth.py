@@ -21,6 +21,7 @@ from dataclasses import dataclass
 from datetime import datetime, timedelta
 
 from gateway.errors import APIError
+from gateway.ratelimit import TenantLimits
 from tenants.db import Database
 from tenants.keys import find_key, hash_key, touch_keys
 from tenants.models import TENANT_ACTIVE, ApiKey, Tenant, utcnow
@@ -40,6 +41,7 @@ class RequestTenant:
     weight: float
     cache_salt: str
     key_id: str | None = None
+    limits: TenantLimits = TenantLimits()
 
 
 def cache_salt(secret_key: bytes, tenant: Tenant) -> str:
@@ -50,8 +52,14 @@ def cache_salt(secret_key: bytes, tenant: Tenant) -> str:
 
 
 def request_tenant(secret_key: bytes, tenant: Tenant, key_id: str | None = None) -> RequestTenant:
+    limits = TenantLimits(
+        rpm=tenant.rpm_limit,
+        tpm=tenant.tpm_limit,
+        max_concurrency=tenant.max_concurrency,
+        monthly_tokens=tenant.monthly_token_quota,
+    )
     return RequestTenant(
-        tenant.id, tenant.name, tenant.weight, cache_salt(secret_key, tenant), key_id
+        tenant.id, tenant.name, tenant.weight, cache_salt(secret_key, tenant), key_id, limits
     )
 
 

@@ -130,6 +130,15 @@ def _param(loc: tuple | list) -> str | None:
 _TYPE_TAGS = {"str", "int", "float", "bool", "list", "dict", "none"}
 
 
+def _count_rejection(scope: Scope, status: int) -> None:
+    """A /v1 request refused before the engine (400, 401, 403, 404, 413, 429, ...) writes no
+    usage row; it is counted here instead."""
+    if 400 <= status < 500 and scope.get("path", "").startswith("/v1/"):
+        metrics = getattr(scope["app"].state, "metrics", None)
+        if metrics is not None:
+            metrics.tenants.rejected.labels(status=str(status)).inc()
+
+
 class ErrorBoundary:
     """Outermost middleware. Gives each request an id (its `x-request-id` header); turns an
     exception that no handler took into an OpenAI-shaped 500 naming that id (logged with
@@ -151,6 +160,7 @@ class ErrorBoundary:
             if message["type"] == "http.response.start":
                 started = True
                 MutableHeaders(scope=message).append(REQUEST_ID_HEADER, request_id)
+                _count_rejection(scope, message["status"])
             elif message["type"] == "http.response.body" and not message.get("more_body"):
                 ended = True
             await send(message)
@@ -176,4 +186,5 @@ class ErrorBoundary:
         err: APIError, request_id: str, scope: Scope, receive: Receive, send: Send
     ) -> None:
         headers = {REQUEST_ID_HEADER: request_id} | (err.headers or {})
+        _count_rejection(scope, err.status)
         await JSONResponse(err.body(), err.status, headers=headers)(scope, receive, send)

@@ -15,6 +15,8 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
 from engine.async_engine import EngineClient, EngineStats
+from gateway.ratelimit import RateLimiter
+from tenants.ledger import Ledger, UsageRecord
 
 _LATENCY_BUCKETS = (
     0.005,
@@ -108,11 +110,53 @@ class _EngineCollector(Collector):
         )
 
 
+class _TenancyCollector(Collector):
+    """The limiter's and the usage ledger's own counters, read at scrape time."""
+
+    def __init__(self, limiter: RateLimiter, ledger: Ledger) -> None:
+        self.limiter = limiter
+        self.ledger = ledger
+
+    def collect(self) -> Iterator[GaugeMetricFamily | CounterMetricFamily]:
+        limiter, ledger = self.limiter, self.ledger
+        yield CounterMetricFamily(
+            "loragate:ratelimit_redis_errors",
+            "Limiter calls Redis did not answer (open mode: limited in process instead).",
+            value=getattr(limiter, "num_redis_errors", 0),
+        )
+        yield GaugeMetricFamily(
+            "loragate:ratelimit_fallback_active",
+            "1 while Redis is unreachable and limits are kept in process.",
+            value=int(bool(getattr(limiter, "using_fallback", False))),
+        )
+        yield CounterMetricFamily(
+            "loragate:usage_rows_spooled",
+            "Usage rows appended to the durable spool.",
+            value=ledger.num_spooled,
+        )
+        yield CounterMetricFamily(
+            "loragate:usage_rows_written",
+            "Usage rows written to the database.",
+            value=ledger.num_written,
+        )
+        yield GaugeMetricFamily(
+            "loragate:usage_rows_pending",
+            "Usage rows spooled, not yet in the database.",
+            value=ledger.num_pending,
+        )
+        yield CounterMetricFamily(
+            "loragate:usage_db_errors",
+            "Failed attempts to write usage rows to the database (they stay spooled).",
+            value=ledger.num_db_errors,
+        )
+
+
 class Metrics:
-    def __init__(self, engine: EngineClient) -> None:
+    def __init__(self, engine: EngineClient, max_tenants: int = 100) -> None:
         self.registry = CollectorRegistry()
         self.registry.register(_EngineCollector(engine))
         r = self.registry
+        self.tenants = TenantMetrics(r, max_tenants)
         self.prompt_tokens = Counter(
             "loragate:prompt_tokens", "Prompt tokens processed.", registry=r
         )
@@ -146,3 +190,69 @@ class Metrics:
             buckets=_LATENCY_BUCKETS,
             registry=r,
         )
+
+    def watch_tenancy(self, limiter: RateLimiter, ledger: Ledger) -> None:
+        self.registry.register(_TenancyCollector(limiter, ledger))
+
+
+OTHER_TENANTS = "other"
+
+
+class TenantLabels:
+    """A tenant id as a label value, with bounded cardinality: the first `max_tenants` tenants
+    seen get series of their own, every later one shares `other`, so that a gateway with
+    thousands of tenants does not give Prometheus thousands of series per metric."""
+
+    def __init__(self, max_tenants: int) -> None:
+        self.max_tenants = max_tenants
+        self._known: set[str] = set()
+
+    def __call__(self, tenant_id: str) -> str:
+        if tenant_id in self._known:
+            return tenant_id
+        if len(self._known) < self.max_tenants:
+            self._known.add(tenant_id)
+            return tenant_id
+        return OTHER_TENANTS
+
+
+class TenantMetrics:
+    """Per-tenant series: requests by how they ended, tokens by kind, rate-limit refusals;
+    and requests refused before the engine, by status."""
+
+    def __init__(self, registry: CollectorRegistry, max_tenants: int) -> None:
+        self.label = TenantLabels(max_tenants)
+        self.requests = Counter(
+            "loragate:tenant_requests",
+            "Requests that reached the engine, by tenant and how they ended.",
+            ["tenant", "status"],
+            registry=registry,
+        )
+        self.tokens = Counter(
+            "loragate:tenant_tokens",
+            "Tokens billed, by tenant and kind (prompt, cached, completion).",
+            ["tenant", "kind"],
+            registry=registry,
+        )
+        self.limited = Counter(
+            "loragate:tenant_rate_limited",
+            "Requests refused by a rate limit or quota, by tenant and code.",
+            ["tenant", "code"],
+            registry=registry,
+        )
+        self.rejected = Counter(
+            "loragate:requests_rejected",
+            "/v1 requests answered with an error before reaching the engine, by status.",
+            ["status"],
+            registry=registry,
+        )
+
+    def observe(self, row: UsageRecord) -> None:
+        tenant = self.label(row.tenant_id)
+        self.requests.labels(tenant=tenant, status=row.status).inc()
+        self.tokens.labels(tenant=tenant, kind="prompt").inc(row.prompt_tokens)
+        self.tokens.labels(tenant=tenant, kind="cached").inc(row.cached_tokens)
+        self.tokens.labels(tenant=tenant, kind="completion").inc(row.completion_tokens)
+
+    def rate_limited(self, tenant_id: str, code: str) -> None:
+        self.limited.labels(tenant=self.label(tenant_id), code=code).inc()

@@ -55,6 +55,7 @@ def engine_config(settings: Settings) -> EngineConfig:
         max_loras=s.max_loras,
         max_lora_rank=s.max_lora_rank,
         max_cpu_loras=s.max_cpu_loras,
+        scheduling_policy=s.scheduling_policy,
         guided_compile_timeout=s.guided_compile_timeout,
         guided_cache_size=s.guided_cache_size,
         guided_max_schema_bytes=s.guided_max_schema_bytes,
@@ -142,6 +143,7 @@ def run_server(settings: Settings, with_progress: Callable[[Any], Any]) -> None:
         enable_lora=settings.enable_lora,
         allow_runtime_lora_updating=settings.allow_runtime_lora_updating and settings.enable_lora,
         limits=RequestLimits(max_n=settings.max_n, max_prompt_chars=settings.max_prompt_chars),
+        metrics_max_tenants=settings.metrics_max_tenants,
     )
 
     @contextlib.asynccontextmanager

@@ -12,11 +12,11 @@ import json
 import logging
 import time
 import uuid
-from collections.abc import AsyncGenerator, AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable, Coroutine
 from dataclasses import dataclass, field
 from typing import Any, cast
 
-from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from engine.async_engine import EngineClient
 from engine.guided import GuidedSpecError
@@ -24,8 +24,10 @@ from engine.lora import LoRARequest
 from engine.outputs import SequenceUpdate
 from engine.request import GuidedSpec, SamplingParams
 from gateway.adapter_catalog import AdapterCatalog
+from gateway.admission import Admission
 from gateway.auth import RequestTenant
 from gateway.errors import APIError, api_error
+from gateway.metering import STATUS_ABORTED, STATUS_ERROR, STATUS_OK, Meter, UsageFigures
 from gateway.metrics import Metrics
 from gateway.protocol import ChatCompletionRequest, CompletionRequest, FieldError
 from gateway.request_limits import (
@@ -35,8 +37,15 @@ from gateway.request_limits import (
     RequestLimits,
     ServerBounds,
 )
+from tenants.ledger import Ledger
 
 logger = logging.getLogger(__name__)
+
+# Resolves when the client has hung up (a whole response is then not worth computing).
+Disconnected = Callable[[], Awaitable[None]]
+
+# What nginx logs for a client that hung up before its answer; no client ever reads it.
+CLIENT_CLOSED_REQUEST = 499
 
 
 @dataclass(slots=True)
@@ -63,6 +72,11 @@ class _Usage:
     @property
     def prompt_tokens(self) -> int:
         return sum(self.prompts.values())
+
+    def figures(self, choices: list[_Choice]) -> UsageFigures:
+        return UsageFigures(
+            self.prompt_tokens, sum(self.cached.values()), sum(len(c.token_ids) for c in choices)
+        )
 
     def body(self, choices: list[_Choice]) -> dict[str, Any]:
         completion = sum(len(c.token_ids) for c in choices)
@@ -106,10 +120,14 @@ class OpenAIServing:
         engine: EngineClient,
         served_model_name: str,
         metrics: Metrics,
+        admission: Admission,
+        ledger: Ledger,
         catalog: AdapterCatalog | None = None,
         limits: RequestLimits | None = None,
     ) -> None:
         self.engine = engine
+        self.admission = admission
+        self.ledger = ledger
         self.model_name = served_model_name
         self.tokenizer: Any = engine.tokenizer
         self.metrics = metrics
@@ -134,8 +152,11 @@ class OpenAIServing:
     # -- routes -------------------------------------------------------------------------------
 
     async def completions(
-        self, body: CompletionRequest, tenant: RequestTenant
-    ) -> JSONResponse | StreamingResponse:
+        self,
+        body: CompletionRequest,
+        tenant: RequestTenant,
+        disconnected: Disconnected | None = None,
+    ) -> Response:
         lora = await self.resolve_model(body.model, tenant)
         prompts = self._completion_prompts(body.prompt)
         self._check_bounds(body, len(prompts))
@@ -154,11 +175,16 @@ class OpenAIServing:
         )
         if not all(token_ids):
             raise APIError(400, "the prompt is empty", param="prompt", code=EMPTY_PROMPT)
-        return await self._respond(body, token_ids, params, lora, tenant, chat=False)
+        return await self._respond(
+            body, token_ids, params, lora, tenant, chat=False, disconnected=disconnected
+        )
 
     async def chat(
-        self, body: ChatCompletionRequest, tenant: RequestTenant
-    ) -> JSONResponse | StreamingResponse:
+        self,
+        body: ChatCompletionRequest,
+        tenant: RequestTenant,
+        disconnected: Disconnected | None = None,
+    ) -> Response:
         lora = await self.resolve_model(body.model, tenant)
         self._check_bounds(body, 1)
         messages = [{"role": m.role, "content": m.text()} for m in body.messages]
@@ -177,7 +203,9 @@ class OpenAIServing:
                 400, f"chat template failed: {exc}", param="messages", code=INVALID_VALUE
             ) from exc
         prompt_ids = list(cast(list[int], encoded["input_ids"]))
-        return await self._respond(body, [prompt_ids], params, lora, tenant, chat=True)
+        return await self._respond(
+            body, [prompt_ids], params, lora, tenant, chat=True, disconnected=disconnected
+        )
 
     # -- helpers ------------------------------------------------------------------------------
 
@@ -227,39 +255,32 @@ class OpenAIServing:
         lora: LoRARequest | None,
         tenant: RequestTenant,
         chat: bool,
-    ) -> JSONResponse | StreamingResponse:
+        disconnected: Disconnected | None = None,
+    ) -> Response:
         timer = _Timer(self.metrics)  # time to first token includes a grammar's compile
         if params.guided is not None:
             await self._compile_grammar(params.guided, body.guided_param)
         request_id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
-        streams = [
-            # The salt and the fairness key are the tenant's, never the client's.
-            self.engine.generate(
-                f"{request_id}-{i}",
-                prompt,
-                params,
-                lora=lora,
-                cache_salt=tenant.cache_salt,
-                fairness_key=tenant.id,
-            )
-            for i, prompt in enumerate(prompts)
-        ]
-        updates = _merge(streams)
-        # Pull the first update before answering, so refusals become HTTP errors.
+        ticket = await self.admission.admit(tenant, request_id, self._reserved(prompts, params))
         try:
-            first = await anext(updates)
-        except StopAsyncIteration:
-            first = None
-        except BaseException as exc:
-            await updates.aclose()  # the other prompts' requests end too
-            if not isinstance(exc, ValueError):
-                raise
-            code, param = INVALID_VALUE, None
-            if isinstance(exc, GuidedSpecError):
-                code, param = INVALID_GRAMMAR, body.guided_param
-            elif "context length" in str(exc):
-                code, param = "context_length_exceeded", "messages" if chat else "prompt"
-            raise APIError(400, str(exc), param=param, code=code) from exc
+            first, updates = await self._start(
+                body, request_id, prompts, params, lora, tenant, chat
+            )
+        except BaseException:
+            ticket.release_nowait(0)  # refused by the engine: nothing used
+            raise
+        # From here on the request has reached the engine: it ends with exactly one usage row.
+        meter = Meter(
+            self.ledger,
+            ticket,
+            self.metrics.tenants,
+            tenant,
+            request_id,
+            self.model_name,
+            None if lora is None else body.model,
+            lora,
+            timer.start,
+        )
         choices = [_Choice(i) for i in range(len(prompts) * params.n)]
         usage = _Usage()
         created = int(time.time())
@@ -276,13 +297,21 @@ class OpenAIServing:
                 usage,
                 params.n,
                 timer,
+                meter,
             )
-            return StreamingResponse(chunks, media_type="text/event-stream")
-        # Closed however the loop ends, so that a failed choice aborts its siblings.
-        async with contextlib.aclosing(_chain(first, updates)) as chain:
-            async for prompt_index, update in chain:
-                timer.update(update)
-                self._apply(choices, usage, prompt_index, update, params.n)
+            return _MeteredStream(
+                chunks,
+                on_close=lambda: meter.end_nowait(
+                    usage.figures(choices), _finish_reason(choices), STATUS_ABORTED
+                ),
+                updates=updates,
+                media_type="text/event-stream",
+                headers=ticket.headers,
+            )
+        collect = self._collect(first, updates, choices, usage, params.n, timer, meter)
+        if not await _unless_disconnected(collect, disconnected):
+            # Nobody is left to answer; the engine's requests are aborted, the row written.
+            return Response(status_code=CLIENT_CLOSED_REQUEST)
         timer.finish(choices, usage)
         return JSONResponse(
             {
@@ -292,8 +321,84 @@ class OpenAIServing:
                 "model": body.model,
                 "choices": [self._final_choice(c, chat) for c in choices],
                 "usage": usage.body(choices),
-            }
+            },
+            headers=ticket.headers,
         )
+
+    async def _collect(
+        self,
+        first: tuple[int, SequenceUpdate] | None,
+        updates: AsyncGenerator[tuple[int, SequenceUpdate]],
+        choices: list[_Choice],
+        usage: _Usage,
+        n: int,
+        timer: _Timer,
+        meter: Meter,
+    ) -> None:
+        """A whole response's updates, metered however they end."""
+        status = STATUS_ERROR
+        try:
+            # Closed however the loop ends, so that a failed choice aborts its siblings.
+            async with contextlib.aclosing(_chain(first, updates)) as chain:
+                async for prompt_index, update in chain:
+                    timer.update(update)
+                    meter.first_token()
+                    self._apply(choices, usage, prompt_index, update, n)
+            status = _status(choices)
+        except asyncio.CancelledError:
+            meter.end_nowait(usage.figures(choices), _finish_reason(choices), STATUS_ABORTED)
+            raise
+        finally:
+            await meter.end(usage.figures(choices), _finish_reason(choices), status)
+
+    def _reserved(self, prompts: list[list[int]], params: SamplingParams) -> int:
+        """Tokens the limiter reserves: each prompt, and each sample's max_tokens (what remains
+        of the context where none is given). The actual count replaces it at the end."""
+        max_len = self.engine.max_model_len
+        return sum(
+            len(p) + params.n * (params.max_tokens or max(0, max_len - len(p))) for p in prompts
+        )
+
+    async def _start(
+        self,
+        body: Any,
+        request_id: str,
+        prompts: list[list[int]],
+        params: SamplingParams,
+        lora: LoRARequest | None,
+        tenant: RequestTenant,
+        chat: bool,
+    ) -> tuple[tuple[int, SequenceUpdate] | None, AsyncGenerator[tuple[int, SequenceUpdate]]]:
+        """Submit every prompt and wait for the first update, so that the engine's refusals
+        (context length, a grammar) become HTTP errors before anything is answered."""
+        streams = [
+            # The salt, the fairness key and its weight are the tenant's, never the client's.
+            self.engine.generate(
+                f"{request_id}-{i}",
+                prompt,
+                params,
+                lora=lora,
+                cache_salt=tenant.cache_salt,
+                fairness_key=tenant.id,
+                fairness_weight=tenant.weight,
+            )
+            for i, prompt in enumerate(prompts)
+        ]
+        updates = _merge(streams)
+        try:
+            return await anext(updates), updates
+        except StopAsyncIteration:
+            return None, updates
+        except BaseException as exc:
+            await updates.aclose()  # the other prompts' requests end too
+            if not isinstance(exc, ValueError):
+                raise
+            code, param = INVALID_VALUE, None
+            if isinstance(exc, GuidedSpecError):
+                code, param = INVALID_GRAMMAR, body.guided_param
+            elif "context length" in str(exc):
+                code, param = "context_length_exceeded", "messages" if chat else "prompt"
+            raise APIError(400, str(exc), param=param, code=code) from exc
 
     @staticmethod
     def _apply(
@@ -377,6 +482,7 @@ class OpenAIServing:
         usage: _Usage,
         n: int,
         timer: _Timer,
+        meter: Meter,
     ) -> AsyncIterator[str]:
         obj = "chat.completion.chunk" if chat else "text_completion"
 
@@ -404,37 +510,105 @@ class OpenAIServing:
                     for c in choices
                 ]
             )
+        status = STATUS_OK
         try:
-            async for prompt_index, update in _chain(first, updates):
-                timer.update(update)
-                choice = self._apply(choices, usage, prompt_index, update, n)
-                delta = choice.text[choice.num_sent_chars :]
-                choice.num_sent_chars = len(choice.text)
-                if not delta and not update.finished:
-                    continue
-                logprobs = (
-                    self._logprobs(update.new_token_ids, update.new_logprobs, chat)
-                    if update.new_logprobs
-                    else None
-                )
-                body: dict[str, Any] = {"index": choice.index}
-                if chat:
-                    body["delta"] = {"content": delta} if delta else {}
-                else:
-                    body["text"] = delta
-                body["logprobs"] = logprobs
-                body["finish_reason"] = update.finish_reason
-                yield chunk([body])
+            async with contextlib.aclosing(_chain(first, updates)) as chain:
+                async for prompt_index, update in chain:
+                    timer.update(update)
+                    meter.first_token()
+                    choice = self._apply(choices, usage, prompt_index, update, n)
+                    delta = choice.text[choice.num_sent_chars :]
+                    choice.num_sent_chars = len(choice.text)
+                    if not delta and not update.finished:
+                        continue
+                    logprobs = (
+                        self._logprobs(update.new_token_ids, update.new_logprobs, chat)
+                        if update.new_logprobs
+                        else None
+                    )
+                    body: dict[str, Any] = {"index": choice.index}
+                    if chat:
+                        body["delta"] = {"content": delta} if delta else {}
+                    else:
+                        body["text"] = delta
+                    body["logprobs"] = logprobs
+                    body["finish_reason"] = update.finish_reason
+                    yield chunk([body])
+            status = _status(choices)
         except Exception as exc:  # noqa: BLE001 - the stream has begun: report it in the stream
+            status = STATUS_ERROR
             err = api_error(exc)
             if err is None:
                 logger.exception("stream %s failed", request_id)
                 err = APIError(500, f"internal server error ({request_id})", type="internal_error")
             yield f"data: {json.dumps(err.body())}\n\n"
         timer.finish(choices, usage)
+        # Durable before the stream's last bytes: the client that saw [DONE] is billed.
+        await meter.end(usage.figures(choices), _finish_reason(choices), status)
         if include_usage:
             yield chunk([], usage.body(choices))
         yield "data: [DONE]\n\n"
+
+
+def _status(choices: list[_Choice]) -> str:
+    """How a request whose updates all arrived ended: cut short by the engine (an abort, at
+    shutdown) or finished."""
+    return STATUS_ABORTED if any(c.finish_reason == "abort" for c in choices) else STATUS_OK
+
+
+def _finish_reason(choices: list[_Choice]) -> str | None:
+    """The usage row's finish reason: the first choice's (`abort` if it never finished)."""
+    return choices[0].finish_reason or "abort" if choices else None
+
+
+class _MeteredStream(StreamingResponse):
+    """A stream whose request is metered however the response ends. The chunks' generator
+    records the row itself when it runs to the end; `on_close` covers the rest: a client gone
+    mid-stream, or before the first chunk, when the generator never ran at all."""
+
+    def __init__(
+        self,
+        content: AsyncGenerator[str],
+        on_close: Callable[[], None],
+        updates: AsyncGenerator[Any],
+        **kwargs: Any,
+    ) -> None:
+        super().__init__(content, **kwargs)
+        self._content = content
+        self._on_close = on_close
+        self._updates = updates
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            self._on_close()
+            await self._content.aclose()
+            await self._updates.aclose()  # aborts the engine's requests if they still run
+
+
+async def _unless_disconnected(
+    work: Coroutine[Any, Any, None], disconnected: Disconnected | None
+) -> bool:
+    """Run `work` unless the client hangs up first (then cancel it: a whole response nobody
+    waits for is not worth computing). True if it ran to the end; its errors propagate."""
+    if disconnected is None:
+        await work
+        return True
+    task = asyncio.ensure_future(work)
+    watcher = asyncio.ensure_future(disconnected())
+    try:
+        await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watcher.cancel()
+        if not task.done():
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+    if task.cancelled():
+        return False
+    task.result()
+    return True
 
 
 async def _chain(

@@ -9,18 +9,22 @@ command line can print it.
 from __future__ import annotations
 
 import logging
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
+from datetime import datetime
 
 from adapters.peft import BaseModelInfo
 from adapters.store import AdapterStore
 from gateway.adapter_catalog import AdapterCatalog
 from gateway.admin_auth import AdminAuth
 from gateway.auth import RequestTenant, TenantAuth, request_tenant
+from gateway.ratelimit import RateLimiter, make_limiter
 from gateway.settings import Settings
 from tenants.db import Database, upgrade
 from tenants.keys import create_key
 from tenants.ledger import Ledger
 from tenants.tenants import count_tenants, create_tenant, get_tenant_by_name
+from tenants.usage import tokens_used
 
 logger = logging.getLogger(__name__)
 
@@ -34,6 +38,7 @@ class Tenancy:
     admin: AdminAuth
     catalog: AdapterCatalog
     ledger: Ledger
+    limiter: RateLimiter
     secret_key: bytes
     # --no-auth: every /v1 request runs as this tenant.
     no_auth_tenant: RequestTenant | None = None
@@ -50,6 +55,7 @@ class Tenancy:
 
     async def close(self) -> None:
         await self.ledger.close()  # its last rows reach the database before it closes
+        await self.limiter.close()
         await self.db.close()
 
 
@@ -83,6 +89,11 @@ def open_tenancy(settings: Settings, base: BaseModelInfo, served_model_name: str
         ledger=Ledger(
             db, settings.resolved_usage_spool_dir, flush_interval=settings.usage_flush_interval
         ),
+        limiter=make_limiter(
+            settings.redis_url,
+            settings.redis_failure_mode,
+            quota_used=_monthly_usage(db),
+        ),
         secret_key=secret_key,
         metrics_auth=settings.metrics_auth,
         allow_local_adapter_paths=settings.allow_local_adapter_paths,
@@ -94,6 +105,17 @@ def open_tenancy(settings: Settings, base: BaseModelInfo, served_model_name: str
             "monthly_token_quota": settings.default_monthly_token_quota,
         },
     )
+
+
+def _monthly_usage(db: Database) -> Callable[[str, datetime], Awaitable[int]]:
+    """What the ledger says a tenant used since the month began: where a quota counter starts
+    (so a restart, or a Redis that lost its keys, does not reset a quota)."""
+
+    async def used(tenant_id: str, since: datetime) -> int:
+        async with db.session() as session:
+            return await tokens_used(session, tenant_id=tenant_id, since=since)
+
+    return used
 
 
 async def prepare(tenancy: Tenancy, settings: Settings) -> DemoKey | None:

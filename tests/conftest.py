@@ -99,3 +99,21 @@ def database_url(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[str
     finally:
         with _postgres_admin() as admin:
             admin.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
+
+
+REDIS = os.environ.get("LORAGATE_TEST_REDIS", "redis://127.0.0.1:6379/0")
+
+
+@pytest.fixture
+def redis_url() -> str:
+    """The Redis this machine kind runs; skips (fails in CI, where LORAGATE_SERVICES_REQUIRED=1)
+    when there is none. Tests keep apart by key: tenant ids are random."""
+    import redis
+
+    try:
+        redis.Redis.from_url(REDIS, socket_connect_timeout=3).ping()
+    except redis.RedisError as exc:
+        if os.environ.get("LORAGATE_SERVICES_REQUIRED") == "1":
+            raise
+        pytest.skip(f"no Redis at {REDIS}: {exc}")
+    return REDIS

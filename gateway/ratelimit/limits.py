@@ -151,6 +151,10 @@ class RateLimiter(ABC):
         raises; a second release of the same reservation does nothing."""
 
     @abstractmethod
+    async def in_flight(self, tenant_id: str) -> int:
+        """The tenant's requests holding a concurrency slot now (for operators and tests)."""
+
+    @abstractmethod
     async def close(self) -> None: ...
 
 

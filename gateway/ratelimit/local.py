@@ -145,6 +145,11 @@ class LocalLimiter(RateLimiter):
             if key in self._months:
                 self._months[key] = max(0, self._months[key] - back)
 
+    async def in_flight(self, tenant_id: str) -> int:
+        tenant = self._tenants.get(tenant_id)
+        now = self.clock()
+        return 0 if tenant is None else sum(1 for e in tenant.in_flight.values() if e > now)
+
     async def close(self) -> None:
         self._tenants.clear()
         self._months.clear()

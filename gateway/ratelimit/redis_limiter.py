@@ -137,6 +137,15 @@ class RedisLimiter(RateLimiter):
         self._answered()
         return self._verdict(tenant_id, request_id, limits, tokens, month, raw)
 
+    async def in_flight(self, tenant_id: str) -> int:
+        """Counted in Redis (every replica's requests), or in process while it is down."""
+        if self._down:
+            return await self.fallback.in_flight(tenant_id)
+        seconds, micros = await self.redis.time()
+        return int(
+            await self.redis.zcount(self.keys(tenant_id)[2], f"({seconds}.{micros:06d}", "+inf")
+        )
+
     async def release(self, reservation: Reservation, used_tokens: int) -> None:
         if reservation.backend == BACKEND_LOCAL:
             await self.fallback.release(reservation, used_tokens)

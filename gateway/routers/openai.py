@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
+from collections.abc import Awaitable, Callable
 from typing import Annotated, Any, Literal
 
 from fastapi import APIRouter, Depends, Request
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from pydantic import BaseModel
 
@@ -35,18 +36,29 @@ def get_serving(request: Request) -> OpenAIServing:
 ServingDep = Annotated[OpenAIServing, Depends(get_serving)]
 
 
+def hung_up(request: Request) -> Callable[[], Awaitable[None]]:
+    """A wait that ends when the client disconnects (the body is read by then, so the next
+    ASGI message is the disconnect)."""
+
+    async def wait() -> None:
+        while (await request.receive())["type"] != "http.disconnect":
+            pass
+
+    return wait
+
+
 @router.post("/completions", response_model=None, responses=_GENERATION)
 async def completions(
-    body: CompletionRequest, serving: ServingDep, tenant: TenantDep
-) -> JSONResponse | StreamingResponse:
-    return await serving.completions(body, tenant)
+    body: CompletionRequest, serving: ServingDep, tenant: TenantDep, request: Request
+) -> Response:
+    return await serving.completions(body, tenant, hung_up(request))
 
 
 @router.post("/chat/completions", response_model=None, responses=_GENERATION)
 async def chat_completions(
-    body: ChatCompletionRequest, serving: ServingDep, tenant: TenantDep
-) -> JSONResponse | StreamingResponse:
-    return await serving.chat(body, tenant)
+    body: ChatCompletionRequest, serving: ServingDep, tenant: TenantDep, request: Request
+) -> Response:
+    return await serving.chat(body, tenant, hung_up(request))
 
 
 @router.get("/models")

@@ -83,6 +83,14 @@ class Server:
         return {"Authorization": f"Bearer {self.tenancy.api_key}"}
 
     @property
+    def loop(self) -> asyncio.AbstractEventLoop:
+        """The loop that serves: coroutines on the app's objects run there."""
+        return self.app.state.loop  # type: ignore[no-any-return]
+
+    def run(self, coro: Any, timeout: float = 30) -> Any:
+        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout)
+
+    @property
     def admin_headers(self) -> dict[str, str]:
         return {"Authorization": f"Bearer {self.tenancy.admin_token}"}
 
@@ -125,6 +133,7 @@ def live_server(app: FastAPI, engine: EngineClient) -> Iterator[Server]:
 
     @contextlib.asynccontextmanager
     async def lifespan(_: object) -> AsyncIterator[None]:
+        app.state.loop = asyncio.get_running_loop()
         await tenancy.tenancy.start()
         yield
         await tenancy.tenancy.close()
@@ -186,3 +195,35 @@ def new_tenant(server: Server, name: str, **fields: object) -> tuple[str, str]:
         key = admin.post(f"/admin/tenants/{tenant_id}/keys", json={})
         assert key.status_code == 201, key.text
     return tenant_id, key.json()["key"]
+
+
+def usage_rows(database_url: str, **where: object) -> list[dict[str, Any]]:
+    """The usage ledger's rows in the database (a synchronous read, as billing would do it)."""
+    import sqlalchemy as sa
+
+    from tenants.db import async_url
+
+    url = sa.engine.make_url(async_url(database_url))
+    sync = {"sqlite+aiosqlite": "sqlite", "postgresql+asyncpg": "postgresql+psycopg"}
+    engine = sa.create_engine(url.set(drivername=sync[url.drivername]))
+    try:
+        with engine.connect() as conn:
+            table = sa.Table("usage", sa.MetaData(), autoload_with=conn)
+            query = sa.select(table).where(*(table.c[k] == v for k, v in where.items()))
+            return [dict(row._mapping) for row in conn.execute(query)]
+    finally:
+        engine.dispose()
+
+
+def wait_for_usage(
+    database_url: str, count: int, timeout: float = 30.0, **where: object
+) -> list[dict[str, Any]]:
+    """The rows once there are `count` of them (the ledger writes in batches off the request
+    path); fails if more, or if they do not arrive."""
+    deadline = time.monotonic() + timeout
+    while True:
+        rows = usage_rows(database_url, **where)
+        if len(rows) >= count or time.monotonic() > deadline:
+            assert len(rows) == count, f"{len(rows)} usage rows, expected {count}"
+            return rows
+        time.sleep(0.1)

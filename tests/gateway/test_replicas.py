@@ -1,0 +1,167 @@
+"""`loragate serve` processes as operators run them: two replicas on one Redis and one
+PostgreSQL hold a tenant's limit exactly (not once per replica), and a gateway killed with
+SIGKILL loses no usage row of a request it answered."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx
+import pytest
+from live_server import TEST_SECRET, free_port, usage_rows, wait_for_usage
+
+from gateway.admin_auth import mint_admin_token
+from gateway.settings import Settings
+
+MODEL = "demo"
+
+
+@dataclass(frozen=True)
+class Gateway:
+    url: str
+    pid: int
+
+
+@contextmanager
+def serve(model_dir: Path, cwd: Path, *flags: str) -> Iterator[Gateway]:
+    """A `loragate serve` process (its own process group) until the block exits."""
+    port = free_port()
+    cwd.mkdir(parents=True, exist_ok=True)
+    command = [
+        str(Path(sys.executable).parent / "loragate"),
+        "serve",
+        "--model",
+        str(model_dir),
+        "--served-model-name",
+        MODEL,
+        "--port",
+        str(port),
+        "--kv-cache-memory",
+        "64MiB",
+        "--max-model-len",
+        "256",
+        "--no-engine-process",
+        "--no-demo-tenant",
+        *flags,
+    ]
+    log = (cwd / "serve.log").open("ab")
+    server = subprocess.Popen(
+        command,
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        start_new_session=True,
+        cwd=cwd,
+        env=os.environ | {"LORAGATE_SECRET_KEY": TEST_SECRET, "PYTHONUNBUFFERED": "1"},
+    )
+    url = f"http://127.0.0.1:{port}"
+    try:
+        _wait_healthy(url, server, cwd / "serve.log")
+        yield Gateway(url, server.pid)
+    finally:
+        if server.poll() is None:
+            os.killpg(server.pid, signal.SIGTERM)
+            try:
+                server.wait(30)
+            except subprocess.TimeoutExpired:
+                os.killpg(server.pid, signal.SIGKILL)
+                server.wait()
+        log.close()
+
+
+def _wait_healthy(url: str, server: subprocess.Popen[bytes], log: Path) -> None:
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline:
+        assert server.poll() is None, log.read_text()
+        try:
+            if httpx.get(f"{url}/health", timeout=2).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.1)
+    raise AssertionError(f"never healthy:\n{log.read_text()}")
+
+
+def _admin() -> dict[str, str]:
+    token = mint_admin_token(Settings(secret_key=TEST_SECRET), 3600)
+    return {"Authorization": f"Bearer {token}"}
+
+
+def _tenant(url: str, name: str, **limits: object) -> tuple[str, str]:
+    with httpx.Client(base_url=url, headers=_admin(), timeout=30) as admin:
+        tenant = admin.post("/admin/tenants", json={"name": name} | limits)
+        assert tenant.status_code == 201, tenant.text
+        key = admin.post(f"/admin/tenants/{tenant.json()['id']}/keys", json={})
+        assert key.status_code == 201, key.text
+    return tenant.json()["id"], key.json()["key"]
+
+
+def _complete(url: str, key: str) -> httpx.Response:
+    return httpx.post(
+        f"{url}/v1/completions",
+        headers={"Authorization": f"Bearer {key}"},
+        json={"model": MODEL, "prompt": "Hello", "max_tokens": 2, "temperature": 0},
+        timeout=60,
+    )
+
+
+def test_two_replicas_on_one_redis_hold_the_limit_exactly(
+    demo_model_dir: Path, database_url: str, redis_url: str, tmp_path: Path
+) -> None:
+    """LiteLLM #40291: a limiter that reads local memory and writes Redis admits the limit
+    once per replica. Here rpm 5 admits 5 of a burst sent through both replicas, not 10."""
+    if not database_url.startswith("postgresql"):
+        pytest.skip("replicas share PostgreSQL")
+    shared = ("--database-url", database_url, "--redis-url", redis_url)
+    with (
+        serve(demo_model_dir, tmp_path / "a", *shared) as first,
+        serve(demo_model_dir, tmp_path / "b", *shared, "--no-db-upgrade") as second,
+    ):
+        a, b = first.url, second.url
+        tenant_id, key = _tenant(a, "replicated", rpm_limit=5)
+        with ThreadPoolExecutor(8) as pool:
+            answers = list(pool.map(lambda i: _complete((a, b)[i % 2], key), range(24)))
+        codes = [r.status_code for r in answers]
+        assert codes.count(200) == 5 and codes.count(429) == 19, codes
+        refused = [r for r in answers if r.status_code == 429]
+        assert all(int(r.headers["retry-after"]) >= 1 for r in refused)
+        wait_for_usage(database_url, 5, tenant_id=tenant_id)
+
+
+def test_a_killed_gateway_loses_no_usage_row(
+    demo_model_dir: Path, database_url: str, tmp_path: Path
+) -> None:
+    """SIGKILL after N answered requests, with the database writer an hour away from its
+    next batch: every row was in the fsynced spool before its answer went out, and the
+    restarted gateway writes all N."""
+    database = ("--database-url", database_url)
+    answered = []
+    with serve(demo_model_dir, tmp_path / "gw", *database, "--usage-flush-interval", "60") as gw:
+        tenant_id, key = _tenant(gw.url, "killed")
+        for _ in range(8):
+            resp = _complete(gw.url, key)
+            assert resp.status_code == 200
+            answered.append(resp.json()["id"])
+        stream = httpx.post(
+            f"{gw.url}/v1/completions",
+            headers={"Authorization": f"Bearer {key}"},
+            json={"model": MODEL, "prompt": "Hi", "max_tokens": 3, "stream": True},
+            timeout=60,
+        )
+        assert stream.text.rstrip().endswith("data: [DONE]")
+        first_chunk = stream.text.split("\n\n", 1)[0].removeprefix("data: ")
+        answered.append(json.loads(first_chunk)["id"])
+        assert usage_rows(database_url, tenant_id=tenant_id) == []  # only in the spool yet
+        os.killpg(gw.pid, signal.SIGKILL)
+    with serve(demo_model_dir, tmp_path / "gw", *database, "--usage-flush-interval", "0.2"):
+        rows = wait_for_usage(database_url, len(answered), tenant_id=tenant_id)
+    assert sorted(r["request_id"] for r in rows) == sorted(answered)
