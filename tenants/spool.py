@@ -119,13 +119,18 @@ class Spool:
     def seal(self) -> list[Segment]:
         """The active segment, if it holds anything, to drain (still locked); appends go to a
         fresh one from now on."""
+        # The next segment is made (a file and a directory sync) before appends are held up.
+        active = self.active
+        fresh = self._new_segment() if active is not None and active.num_rows else None
         with self._lock:
             sealed, self._cut = self._cut, []
             segment = self.active
             if segment is not None and segment.num_rows:
-                self.active = None  # a failure to make the next one must not lose this one
                 sealed.append(segment)
-                self.active = self._new_segment()
+                # (Appended to since the look above: made here, holding appends up, rarely.)
+                self.active, fresh = fresh or self._new_segment(), None
+            if fresh is not None:  # not needed after all: the active segment changed
+                fresh.remove()
             return sealed
 
     def adopt(self, skip: set[Path], limit: int) -> list[Segment]:
@@ -137,6 +142,9 @@ class Spool:
             return adopted
         for name in names:
             path = self.directory / name
+            if name.startswith(PREFIX) and name.endswith(".tmp"):
+                _remove_stale(path)
+                continue
             if len(adopted) >= limit or not (name.startswith(PREFIX) and name.endswith(SUFFIX)):
                 continue
             if path in skip or (self.active is not None and path == self.active.path):
@@ -192,6 +200,19 @@ def _try_lock(path: Path) -> Segment | None:
         os.close(fd)
         return None
     return Segment(path, fd, num_bytes=os.fstat(fd).st_size, adopted=True)
+
+
+def _remove_stale(path: Path) -> None:
+    """A `.tmp` nobody holds: a process died between making a segment and naming it, so it is
+    empty. Only an old one: a fresh one may be about to be locked by its maker."""
+    try:
+        if os.stat(path).st_mtime > time.time() - 60:
+            return
+    except FileNotFoundError:
+        return
+    segment = _try_lock(path)
+    if segment is not None:
+        segment.remove()
 
 
 def _sync_directory(directory: Path) -> None:
