@@ -84,8 +84,9 @@ async def record_latency(
 
     async def writer() -> None:
         for _ in range(records):
+            usage = record()
             began = time.perf_counter()
-            await ledger.record(record())
+            await ledger.record(usage)
             times.append(time.perf_counter() - began)
 
     try:
