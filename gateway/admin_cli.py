@@ -90,13 +90,34 @@ def tenants_create(
     name: str,
     weight: Annotated[float, typer.Option(help="Share of the batch under contention.")] = 1.0,
     cache_group: Annotated[str | None, typer.Option(help="Share prefix-cache blocks.")] = None,
+    rpm_limit: Annotated[int | None, typer.Option(min=1, help="Requests per minute.")] = None,
+    tpm_limit: Annotated[int | None, typer.Option(min=1, help="Tokens per minute.")] = None,
+    max_concurrency: Annotated[int | None, typer.Option(min=1, help="In flight.")] = None,
+    monthly_token_quota: Annotated[
+        int | None, typer.Option(min=0, help="Tokens per calendar month (UTC).")
+    ] = None,
     database_url: DatabaseURL = None,
 ) -> None:
-    """Create a tenant; prints its id."""
+    """Create a tenant; prints its id. A limit not given is the server's default
+    (LORAGATE_DEFAULT_RPM_LIMIT, ...), else unlimited."""
     from tenants.tenants import TenantExists, create_tenant
 
+    settings = _settings(database_url)
+    limits = {
+        "rpm_limit": rpm_limit or settings.default_rpm_limit,
+        "tpm_limit": tpm_limit or settings.default_tpm_limit,
+        "max_concurrency": max_concurrency or settings.default_max_concurrency,
+        "monthly_token_quota": (
+            settings.default_monthly_token_quota
+            if monthly_token_quota is None
+            else monthly_token_quota
+        ),
+    }
+
     async def work(session):  # type: ignore[no-untyped-def]
-        tenant = await create_tenant(session, name=name, weight=weight, cache_group=cache_group)
+        tenant = await create_tenant(
+            session, name=name, weight=weight, cache_group=cache_group, **limits
+        )
         return tenant.id
 
     try:

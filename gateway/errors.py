@@ -122,11 +122,12 @@ def _param(loc: tuple | list) -> str | None:
     """A validation error's location as OpenAI's `param` ("messages.0.content"): the body's
     field path, without pydantic's union-branch tags ("str", "list[int]")."""
     parts = [str(p) for p in loc if isinstance(p, int) or p.isdigit() or p.isidentifier()]
-    parts = [p for p in parts if p != "body"]
+    parts = [p for p in parts if p not in _LOCATIONS]
     parts = [p for p in parts if p not in _TYPE_TAGS]
     return ".".join(parts) or None
 
 
+_LOCATIONS = {"body", "query", "path", "header"}  # where FastAPI found the value, not its name
 _TYPE_TAGS = {"str", "int", "float", "bool", "list", "dict", "none"}
 
 
