@@ -14,6 +14,13 @@ no less than the least counter among the backlogged keys, or, when none is, the 
 the last key admitted: service it did not ask for while idle is not owed to it later.
 Preemption takes the most recently admitted running request of the most-served key.
 
+Admission order alone cannot help a key whose request arrives while every sequence slot is
+held by another key's long requests: it would wait for one of them to finish. So with every
+slot taken, a key below its weighted share of the slots takes one from the key furthest above
+its share (`slot_victim`): the victim's newest request is recomputed later, mostly from the
+prefix cache, and a key is never pushed below its share, so slots do not change hands back
+and forth.
+
 What is not charged: prompt tokens read from the prefix cache (never computed), and the
 recompute of a preempted request (the scheduler chose to throw that work away; charging it
 again would make being preempted a penalty that invites the next preemption). A step that
@@ -33,7 +40,7 @@ ever seen, as tenants are bounded).
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 
 from engine.request import Request
@@ -51,6 +58,7 @@ class _Line:
     waiting: deque[Request] = field(default_factory=deque)
     counter: float = 0.0
     num_running: int = 0
+    weight: float = 1.0  # the latest request's: a tenant's weight may change between them
 
 
 class FairQueue:
@@ -88,6 +96,7 @@ class FairQueue:
     def add(self, request: Request) -> None:
         """A new request, at the back of its key's line."""
         line = self._line(request)
+        line.weight = request.fairness_weight
         if self.use_keys and not line.waiting and line.num_running == 0:
             line.counter = max(line.counter, self._floor())
         self._push(line, request, front=False)
@@ -159,6 +168,46 @@ class FairQueue:
         lines = self._lines
         top = max(lines[r.fairness_key].counter for r in running)
         return next(r for r in reversed(running) if lines[r.fairness_key].counter == top)
+
+    def slot_victim(
+        self, running: list[Request], num_slots: int, admissible: Callable[[Request], bool]
+    ) -> Request | None:
+        """With every sequence slot taken: the running request to give up its slot, or None.
+
+        A key's share of the slots is num_slots x its weight / the active keys' weights. A
+        backlogged key below its share (whose next request could run at once) takes a slot
+        from the key furthest above its share, its newest request, which is recomputed later
+        (its full blocks stay in the prefix cache). A key never loses its last slot, nor one
+        that would put it below its share: equal keys, or more keys than slots, never
+        trade places step after step.
+        """
+        if not self.use_keys or len(self._backlog) == 0:
+            return None
+        active = {line.key: line for line in self._backlog.values()}
+        for request in running:
+            active.setdefault(request.fairness_key, self._lines[request.fairness_key])
+        if len(active) < 2:
+            return None
+        total = sum(line.weight for line in active.values())
+
+        def share(line: _Line) -> float:
+            return num_slots * line.weight / total
+
+        starved = any(
+            line.num_running < max(1.0, share(line)) - 1e-9 and admissible(line.waiting[0])
+            for line in self._backlog.values()
+        )
+        if not starved:
+            return None
+        over = [
+            line
+            for line in active.values()
+            if line.num_running >= 2 and line.num_running - 1 >= share(line) - 1e-9
+        ]
+        if not over:
+            return None
+        top = max(over, key=lambda line: line.num_running - share(line))
+        return next(r for r in reversed(running) if r.fairness_key == top.key)
 
     # -- internals --------------------------------------------------------------------------
 

@@ -64,6 +64,7 @@ class Scheduler:
         self.waiting = FairQueue(use_keys=policy == "fair")
         self.running: list[Request] = []
         self.num_preemptions = 0
+        self.num_fairness_preemptions = 0  # of num_preemptions: slots given to other keys
         # Predicates a waiting request must pass to be admitted (its grammar is
         # compiled, its adapter is loaded). A request that fails one is skipped,
         # keeps its place in line, and blocks nobody behind it.
@@ -81,6 +82,8 @@ class Scheduler:
         if self.lora is not None:
             self.lora.begin_step()
         self._schedule_running(out)
+        if not out.preempted:
+            self._share_slots(out)
         # Charged once preemption is settled, before admission weighs the keys' service.
         self.waiting.charge(out.scheduled)
         # Admitting new work in a step that had to preempt would only thrash.
@@ -111,6 +114,28 @@ class Scheduler:
             if victim is request:
                 return False
         return True
+
+    def _share_slots(self, out: SchedulerOutput) -> None:
+        """Policy fair, every sequence slot taken: slots go from keys above their weighted
+        share to backlogged keys below it (engine/fairness.py, `slot_victim`)."""
+        while len(self.running) >= self.max_num_seqs:
+            victim = self.waiting.slot_victim(self.running, self.max_num_seqs, self._admissible)
+            if victim is None:
+                return
+            self._unschedule(out, victim)
+            self.preempt(victim)
+            self.num_fairness_preemptions += 1
+
+    def _admissible(self, request: Request) -> bool:
+        """Could the request be admitted now, memory and budget allowing: its gates pass and
+        its adapter, if any, is in a slot (no preemption waits on a load)."""
+        if not all(gate(request) for gate in self.admission_gates):
+            return False
+        if request.lora is None:
+            return True
+        return self.lora is not None and any(
+            s.adapter_id == request.adapter_id for s in self.lora.slots
+        )
 
     def _unschedule(self, out: SchedulerOutput, request: Request) -> None:
         """Take a request's row back out of the step's plan, if it has one. Allocating its

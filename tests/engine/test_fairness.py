@@ -371,3 +371,57 @@ async def test_generate_passes_the_weight_to_the_engine_and_refuses_a_bad_one(
                 pass
     assert seen[0] == ("t", 2.5)
     await client.shutdown(0)
+
+
+# -- sharing the sequence slots -------------------------------------------------------------------
+
+
+def test_a_key_arriving_to_full_slots_takes_one_from_the_key_above_its_share() -> None:
+    sched = make_scheduler(max_seqs=4)
+    flood = [add(sched, f"a{i}", 4, key="A", first=10 * i) for i in range(6)]
+    sampled = run_step(sched.schedule())
+    assert ids(sampled) == ["a0", "a1", "a2", "a3"]
+    add(sched, "b0", 4, key="B", first=500)
+    out = sched.schedule()
+    # A held every slot, its share is 2: its newest running request makes room for b0.
+    assert ids(out.preempted) == [] and sched.num_fairness_preemptions == 1
+    assert admitted(out) == ["a0", "a1", "a2", "b0"]
+    assert flood[3].status == RequestStatus.PREEMPTED
+    assert ids(list(sched.waiting)) == ["a3", "a4", "a5"]
+    # B now holds one slot of its two and waits for nothing: no more preemption.
+    run_step(out)
+    assert admitted(sched.schedule()) == ["a0", "a1", "a2", "b0"]
+    assert sched.num_fairness_preemptions == 1
+
+
+def test_slots_do_not_change_hands_between_keys_at_their_share() -> None:
+    # Eight keys, four slots, one request each: every running key holds its one slot.
+    sched = make_scheduler(max_seqs=4)
+    for i in range(8):
+        add(sched, f"k{i}", 4, key=f"K{i}", first=10 * i)
+    for _ in range(5):
+        run_step(sched.schedule())
+    assert sched.num_fairness_preemptions == 0
+    # Two keys, equal weights, two slots each: the waiting requests wait their turn.
+    sched = make_scheduler(max_seqs=4)
+    for i in range(4):
+        add(sched, f"a{i}", 4, key="A", first=10 * i)
+        add(sched, f"b{i}", 4, key="B", first=500 + 10 * i)
+    for _ in range(5):
+        run_step(sched.schedule())
+    assert sched.num_fairness_preemptions == 0
+    assert Counter(r.fairness_key for r in sched.running) == {"A": 2, "B": 2}
+
+
+def test_no_slot_is_taken_for_a_request_that_could_not_run() -> None:
+    sched = make_scheduler(max_seqs=2)
+    for i in range(2):
+        add(sched, f"a{i}", 4, key="A", first=10 * i)
+    run_step(sched.schedule())
+    blocked = add(sched, "b0", 4, key="B", first=500)
+    sched.admission_gates.append(lambda request: request is not blocked)  # still compiling
+    run_step(sched.schedule())
+    assert sched.num_fairness_preemptions == 0
+    sched.admission_gates.clear()
+    assert admitted(sched.schedule()) == ["a0", "b0"]
+    assert sched.num_fairness_preemptions == 1
