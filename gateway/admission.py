@@ -27,14 +27,15 @@ from gateway.ratelimit import (
 
 logger = logging.getLogger(__name__)
 
-# OpenAI's error types for a rate limit are the dimension that ran out.
-_TYPES = {"insufficient_quota": "insufficient_quota"}
+# OpenAI's error type for a rate limit names the dimension that ran out.
+_TYPES = {"tpm": "tokens", "monthly_tokens": "insufficient_quota"}
 
 
 @dataclass(slots=True)
 class Ticket:
     """An admitted request's reservation; `release` hands it back once (later calls do
-    nothing), `release_nowait` where the caller cannot wait (a cancelled stream)."""
+    nothing), in the background: neither a response nor a cancelled stream waits for the
+    limiter's round trip."""
 
     limiter: RateLimiter
     reservation: Reservation
@@ -45,12 +46,7 @@ class Ticket:
     def headers(self) -> dict[str, str]:
         return self.state.headers()
 
-    async def release(self, used_tokens: int) -> None:
-        if not self.released:
-            self.released = True
-            await self.limiter.release(self.reservation, used_tokens)
-
-    def release_nowait(self, used_tokens: int) -> None:
+    def release(self, used_tokens: int) -> None:
         if not self.released:
             self.released = True
             task = asyncio.get_running_loop().create_task(
@@ -60,7 +56,7 @@ class Ticket:
             task.add_done_callback(_PENDING.discard)
 
 
-# Releases running after their request's task was cancelled: held so they are not collected.
+# Releases under way, held so that they are not collected before they finish.
 _PENDING: set[asyncio.Task[None]] = set()
 
 
@@ -81,7 +77,7 @@ class Admission:
             raise APIError(
                 429,
                 exc.message,
-                type=_TYPES.get(exc.code, "requests"),
+                type=_TYPES.get(exc.limit, "requests"),
                 code=exc.code,
                 headers=headers,
             ) from exc

@@ -55,14 +55,15 @@ class Meter:
             self.ttft = time.monotonic() - self.start
 
     async def end(self, figures: UsageFigures, finish_reason: str | None, status: str) -> None:
-        """Durable when this returns (spooled and fsynced); the reservation is released."""
+        """Durable when this returns (spooled and fsynced). The reservation is released in
+        the background: the response need not wait for the limiter's round trip."""
         if self.ended:
             return
         self.ended = True
         try:
             await self.ledger.record(self._row(figures, finish_reason, status))
         finally:
-            await self.ticket.release(figures.total)
+            self.ticket.release(figures.total)
 
     def end_nowait(self, figures: UsageFigures, finish_reason: str | None, status: str) -> None:
         """For a request whose task cannot wait: the row joins the next group commit."""
@@ -72,7 +73,7 @@ class Meter:
         try:
             self.ledger.record_nowait(self._row(figures, finish_reason, status))
         finally:
-            self.ticket.release_nowait(figures.total)
+            self.ticket.release(figures.total)
 
     def _row(self, figures: UsageFigures, finish_reason: str | None, status: str) -> UsageRecord:
         record = UsageRecord(

@@ -267,7 +267,7 @@ class OpenAIServing:
                 body, request_id, prompts, params, lora, tenant, chat
             )
         except BaseException:
-            ticket.release_nowait(0)  # refused by the engine: nothing used
+            ticket.release(0)  # refused by the engine: nothing used
             raise
         # From here on the request has reached the engine: it ends with exactly one usage row.
         meter = Meter(
