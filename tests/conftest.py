@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 from collections.abc import Iterator
 from pathlib import Path
@@ -81,11 +82,11 @@ def _postgres_admin():  # type: ignore[no-untyped-def]
         pytest.skip(f"no PostgreSQL at {POSTGRES}: {exc}")
 
 
-@pytest.fixture(params=["sqlite", "postgresql"])
-def database_url(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[str]:
-    """An empty database of each kind: a SQLite file, and a PostgreSQL database of its own
-    (created for the test, dropped after)."""
-    if request.param == "sqlite":
+@contextlib.contextmanager
+def fresh_database(kind: str, tmp_path: Path) -> Iterator[str]:
+    """An empty database: a SQLite file under `tmp_path`, or a PostgreSQL database of its own
+    (created here, dropped after)."""
+    if kind == "sqlite":
         yield f"sqlite+aiosqlite:///{tmp_path / 'loragate.db'}"
         return
     import secrets
@@ -99,6 +100,20 @@ def database_url(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[str
     finally:
         with _postgres_admin() as admin:
             admin.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
+
+
+@pytest.fixture(params=["sqlite", "postgresql"])
+def database_url(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[str]:
+    """An empty database of each kind."""
+    with fresh_database(request.param, tmp_path) as url:
+        yield url
+
+
+@pytest.fixture
+def postgres_url(tmp_path: Path) -> Iterator[str]:
+    """An empty PostgreSQL database, for what only PostgreSQL has (roles, replicas sharing it)."""
+    with fresh_database("postgresql", tmp_path) as url:
+        yield url
 
 
 REDIS = os.environ.get("LORAGATE_TEST_REDIS", "redis://127.0.0.1:6379/0")

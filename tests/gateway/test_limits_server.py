@@ -18,6 +18,7 @@ from live_server import Server, build_test_app, live_server, new_tenant, wait_fo
 
 from engine.async_engine import AsyncEngine
 from engine.request import SamplingParams
+from tests.conftest import fresh_database
 from tests.engine.poison import PoisonedParams
 
 MODEL = "demo"
@@ -44,14 +45,12 @@ class PoisoningEngine:
 
 
 @pytest.fixture(params=["sqlite-local", "postgresql-redis"])
-def stack(request: pytest.FixtureRequest, database_url: str) -> tuple[str, str | None]:
+def stack(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[tuple[str, str | None]]:
     """(database URL, Redis URL or None): the embedded default, and the replicated one."""
-    want = request.param.split("-")[0]
-    if not database_url.startswith(want):
-        pytest.skip("one pairing per database")
-    if request.param == "postgresql-redis":
-        return database_url, request.getfixturevalue("redis_url")
-    return database_url, None
+    kind = request.param.split("-")[0]
+    redis_url = request.getfixturevalue("redis_url") if kind == "postgresql" else None
+    with fresh_database(kind, tmp_path) as database_url:
+        yield database_url, redis_url
 
 
 @pytest.fixture
@@ -304,13 +303,12 @@ def test_rejections_write_no_row_and_tenant_series_are_bounded(server: Server) -
 def test_redis_going_quiet_falls_back_or_refuses(
     tenancy_engine: AsyncEngine,
     demo_model_dir: Path,
-    database_url: str,
+    postgres_url: str,
     redis_url: str,
     tmp_path: Path,
     mode: str,
 ) -> None:
-    if not database_url.startswith("postgresql"):
-        pytest.skip("Redis is paired with PostgreSQL")
+    database_url = postgres_url
     app = build_test_app(
         tenancy_engine,
         MODEL,

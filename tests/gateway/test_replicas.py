@@ -17,7 +17,6 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import httpx
-import pytest
 from live_server import TEST_SECRET, free_port, usage_rows, wait_for_usage
 
 from gateway.admin_auth import mint_admin_token
@@ -115,12 +114,11 @@ def _complete(url: str, key: str) -> httpx.Response:
 
 
 def test_two_replicas_on_one_redis_hold_the_limit_exactly(
-    demo_model_dir: Path, database_url: str, redis_url: str, tmp_path: Path
+    demo_model_dir: Path, postgres_url: str, redis_url: str, tmp_path: Path
 ) -> None:
     """LiteLLM #40291: a limiter that reads local memory and writes Redis admits the limit
     once per replica. Here rpm 5 admits 5 of a burst sent through both replicas, not 10."""
-    if not database_url.startswith("postgresql"):
-        pytest.skip("replicas share PostgreSQL")
+    database_url = postgres_url
     shared = ("--database-url", database_url, "--redis-url", redis_url)
     with (
         serve(demo_model_dir, tmp_path / "a", *shared) as first,
