@@ -15,6 +15,9 @@ times and each keeps its fastest.
 Then grammar compile times for a few specs: cold (a fresh GrammarCache: xgrammar compile
 plus our schema checks) and cached (a hit in the LRU). The first compile of an engine also
 builds xgrammar's tokenizer info, shown on its own row.
+
+`--schemas DIR` is another mode (bench/guided_schemas.py): every JSON schema in a directory
+through guided decoding, and what comes out (refused, valid, invalid, out of tokens).
 """
 
 from __future__ import annotations
@@ -23,6 +26,7 @@ import argparse
 import gc
 import json
 import statistics
+import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -326,7 +330,9 @@ def compile_table(rows: list[dict[str, Any]]) -> Table:
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="loragate bench guided",
-        description="Guided vs unguided decode on W1, and grammar compile times.",
+        description="Guided vs unguided decode on W1, and grammar compile times. "
+        "With --schemas DIR: every JSON schema in DIR instead (bench.guided_schemas; "
+        "`--schemas DIR --help` lists its options).",
     )
     p.add_argument("--model", required=True, help="Hugging Face checkpoint directory")
     p.add_argument("--num-prompts", type=int, default=64)
@@ -339,6 +345,12 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> None:
+    argv = sys.argv[1:] if argv is None else argv
+    if any(arg == "--schemas" or arg.startswith("--schemas=") for arg in argv):
+        from bench.guided_schemas import main as schemas_main  # the real-world schema mode
+
+        schemas_main(argv)
+        return
     args = _parser().parse_args(argv)
     for flag in ("num_prompts", "output_len", "repeat", "threads"):
         value = getattr(args, flag)
