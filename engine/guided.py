@@ -23,13 +23,14 @@ sees a guided request never pays for it.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import logging
 import re
 import threading
 import time
 from collections import OrderedDict
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Iterable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -37,6 +38,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import torch
 
+from engine.json_schema import NormalizedSchema, UnsupportedSchema, normalize_schema
 from engine.request import GuidedSpec, Request
 
 if TYPE_CHECKING:
@@ -47,36 +49,8 @@ logger = logging.getLogger(__name__)
 # Compact JSON: no whitespace between tokens, so none for the model to choose.
 JSON_SEPARATORS = (",", ":")
 
-# Keywords xgrammar 0.2.9 accepts without enforcing them: the output could break the schema,
-# so a schema that uses them is refused instead (tests/engine/test_guided.py pins each one).
-# Also refused: uniqueItems true, allOf of several schemas, a $ref outside the schema.
-UNENFORCED_KEYWORDS = {
-    "not": "not",
-    "if": "if/then/else",
-    "then": "if/then/else",
-    "else": "if/then/else",
-    "oneOf": "oneOf (use anyOf)",
-    "dependentRequired": "dependentRequired",
-    "dependentSchemas": "dependentSchemas",
-    "dependencies": "dependencies",
-}
-
-# Where a schema holds subschemas: {name: schema}, [schema, ...] and schema-valued keywords.
-_SCHEMA_MAPS = ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas")
-_SCHEMA_LISTS = ("anyOf", "allOf", "oneOf", "prefixItems")
-_SCHEMA_VALUES = (
-    "items",
-    "additionalProperties",
-    "additionalItems",
-    "contains",
-    "propertyNames",
-    "not",
-    "if",
-    "then",
-    "else",
-    "unevaluatedItems",
-    "unevaluatedProperties",
-)
+# What xgrammar 0.2.9 would accept without enforcing is rewritten or refused by
+# engine/json_schema.py (REFUSED_KEYWORDS there; tests/engine/test_json_schema.py pins each).
 
 # xgrammar's C++ errors start with "[12:00:00] /project/cpp/file.cc:123: " and sometimes
 # "Check failed: (...) is false: "; the client needs neither.
@@ -108,8 +82,9 @@ def canonical_text(spec: GuidedSpec) -> str:
     return spec.regex or spec.grammar or ""
 
 
-def check_schema(schema: dict[str, Any], max_depth: int) -> None:
-    """Refuse a schema that is too deep, invalid, or uses what xgrammar cannot enforce."""
+def check_schema(schema: dict[str, Any], max_depth: int) -> NormalizedSchema:
+    """The schema xgrammar gets and its end checks; refuses a schema that is too deep,
+    invalid, or uses what decoding cannot enforce (naming the JSON pointer and keyword)."""
     depth = _nesting_depth(schema)
     if depth > max_depth:
         raise GuidedSpecError(
@@ -122,10 +97,19 @@ def check_schema(schema: dict[str, Any], max_depth: int) -> None:
     except jsonschema.SchemaError as exc:
         where = "/".join(str(p) for p in exc.path) or "the top level"
         raise GuidedSpecError(f"invalid JSON schema at {where}: {exc.message}") from None
-    for node in _schema_nodes(schema):
-        problem = _unsupported(node)
-        if problem is not None:
-            raise GuidedSpecError(f"unsupported JSON schema: {problem}")
+    try:
+        return normalize_schema(schema)
+    except UnsupportedSchema as exc:
+        raise GuidedSpecError(str(exc)) from None
+    except RecursionError:
+        raise GuidedSpecError("the JSON schema nests too deeply") from None
+
+
+def schema_end_checks(schema: dict[str, Any]) -> tuple[tuple[str, str], ...]:
+    """(JSON pointer, keyword) pairs decoding does not enforce for this schema: the finished
+    document needs validating. Empty for a schema enforced in full; raises GuidedSpecError
+    for one the engine refuses."""
+    return check_schema(schema, max_depth=1 << 30).end_checks
 
 
 def _nesting_depth(value: Any) -> int:
@@ -145,49 +129,18 @@ def _nesting_depth(value: Any) -> int:
     return deepest
 
 
-def _schema_nodes(schema: dict[str, Any]) -> Iterator[dict[str, Any]]:
-    """Every (sub)schema object, not the data inside enum, const or default."""
-    stack: list[Any] = [schema]
-    while stack:
-        node = stack.pop()
-        if not isinstance(node, dict):
-            continue
-        yield node
-        for key in _SCHEMA_MAPS:
-            if isinstance(node.get(key), dict):
-                stack.extend(node[key].values())
-        for key in _SCHEMA_LISTS:
-            if isinstance(node.get(key), list):
-                stack.extend(node[key])
-        for key in _SCHEMA_VALUES:
-            value = node.get(key)
-            stack.extend(value if isinstance(value, list) else [value])
-
-
-def _unsupported(node: dict[str, Any]) -> str | None:
-    for keyword, name in UNENFORCED_KEYWORDS.items():
-        if keyword in node:
-            return f"{name} cannot be enforced"
-    if node.get("uniqueItems") is True:
-        return "uniqueItems cannot be enforced"
-    if isinstance(node.get("allOf"), list) and len(node["allOf"]) > 1:
-        return "allOf of more than one schema cannot be enforced"
-    ref = node.get("$ref")
-    if isinstance(ref, str) and not (ref == "#" or ref.startswith("#/")):
-        return f"$ref {ref!r}: only references inside the schema (#/...) are supported"
-    return None
-
-
 # -- compiling -----------------------------------------------------------------------------
 
 
 @dataclass(frozen=True, slots=True)
 class CompiledSpec:
-    """A compiled grammar, and a token filter its rows also get (an int32 bitmask row to AND
-    with the grammar's, or None)."""
+    """A compiled grammar, a token filter its rows also get (an int32 bitmask row to AND
+    with the grammar's, or None), and the JSON schema's end checks: (JSON pointer, keyword)
+    pairs the grammar does not enforce, so the finished document must be validated."""
 
     grammar: xgr.CompiledGrammar
     token_filter: torch.Tensor | None
+    end_checks: tuple[tuple[str, str], ...] = ()
 
 
 class GrammarCache:
@@ -275,9 +228,14 @@ class GrammarCache:
         every waiter reads the same result and no exception is left unretrieved."""
         start = time.perf_counter()
         try:
+            end_checks: tuple[tuple[str, str], ...] = ()
             if spec.json_schema is not None:
-                check_schema(spec.json_schema, self.max_depth)
+                normalized = check_schema(spec.json_schema, self.max_depth)
+                end_checks = normalized.end_checks
+                spec = dataclasses.replace(spec, json_schema=normalized.schema)
             compiled = self._compile_unchecked(spec)
+            if end_checks:
+                compiled = dataclasses.replace(compiled, end_checks=end_checks)
             if self._end_check.matches_only_empty(compiled):
                 raise GuidedSpecError(f"the {_name(spec)} matches only the empty string")
         except GuidedSpecError as exc:

@@ -1,0 +1,598 @@
+"""Rewrite a JSON schema into one xgrammar 0.2.9 enforces in full, or refuse it by pointer.
+
+xgrammar silently ignores much of JSON Schema (found by experiment, pinned in
+tests/engine/test_json_schema.py): `allOf` of several schemas, keywords beside `anyOf` or
+`$ref`, `enum`/`const` beside other keywords, `required` names missing from `properties`,
+keywords of one type on a schema without `type`, `uniqueItems`, `contains`, `not`,
+`if/then/else`, `dependent*`, `unevaluatedProperties`, `multipleOf` on numbers, and
+lookaheads in patterns (a warning, then the pattern without them). `normalize_schema` turns
+a schema into the subset it does enforce:
+
+- internal `$ref`s become references into a generated `$defs` (each target normalized
+  once, so recursion stays recursion); a `$ref` with sibling keywords is merged with its
+  target (safe in every draft: where the draft ignores the siblings the result is only
+  stricter);
+- `allOf`, and keywords beside `anyOf`, are merged into one schema per branch, with the
+  semantics a validator has: `additionalProperties: false` in one part forbids the
+  properties only another part names;
+- `oneOf` becomes `anyOf`, exact when the branches are provably disjoint, else with an end
+  check; `uniqueItems` is an end check;
+- `enum`/`const` keep the values their sibling keywords allow; draft-04 forms
+  (`items: [...]`, boolean `exclusiveMinimum`) become their 2020-12 forms.
+
+What cannot be rewritten is refused with UnsupportedSchema, naming the JSON pointer and the
+keyword. An end check is a (pointer, keyword) decoding does not enforce: the finished
+document must be validated (the gateway validates every guided output with jsonschema).
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import math
+import re
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+from urllib.parse import unquote
+
+Schema = dict[str, Any] | bool
+
+# Keywords refused wherever they appear: xgrammar ignores them and nothing here rewrites them.
+REFUSED_KEYWORDS = {
+    "not": "not",
+    "if": "if/then/else",
+    "then": "if/then/else",
+    "else": "if/then/else",
+    "dependentRequired": "dependentRequired",
+    "dependentSchemas": "dependentSchemas",
+    "dependencies": "dependencies",
+    "contains": "contains",
+    "minContains": "contains",
+    "maxContains": "contains",
+    "unevaluatedProperties": "unevaluatedProperties",
+    "unevaluatedItems": "unevaluatedItems",
+    "$dynamicRef": "$dynamicRef",
+    "$recursiveRef": "$recursiveRef",
+}
+# Kept as they are (after checks): xgrammar enforces them on the types they apply to.
+_SCALAR_KEYWORDS = (
+    "type",
+    "minimum",
+    "maximum",
+    "exclusiveMinimum",
+    "exclusiveMaximum",
+    "multipleOf",
+    "minLength",
+    "maxLength",
+    "pattern",
+    "format",
+    "minItems",
+    "maxItems",
+    "minProperties",
+    "maxProperties",
+    "required",
+    "uniqueItems",
+)
+_TYPED_KEYWORDS = {
+    "string": ("minLength", "maxLength", "pattern", "format"),
+    "number": ("minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum", "multipleOf"),
+    "array": ("items", "prefixItems", "minItems", "maxItems", "uniqueItems"),
+    "object": (
+        "properties",
+        "patternProperties",
+        "additionalProperties",
+        "propertyNames",
+        "required",
+        "minProperties",
+        "maxProperties",
+    ),
+}
+ALL_TYPES = ["object", "array", "string", "number", "integer", "boolean", "null"]
+# Regex constructs xgrammar cannot express: lookarounds and backreferences.
+_INEXPRESSIBLE_REGEX = re.compile(r"\(\?<?[=!]|\(\?P=|\\[1-9]|\\k<")
+_MAX_BRANCHES = 64
+_MAX_MERGE_DEPTH = 32
+
+
+class UnsupportedSchema(ValueError):
+    """A schema decoding cannot enforce: the message names the JSON pointer and keyword."""
+
+    def __init__(self, pointer: str, keyword: str, reason: str) -> None:
+        self.pointer = f"{pointer}/{_escape(keyword)}" if keyword else pointer or "/"
+        self.keyword = keyword
+        super().__init__(f"unsupported JSON schema at {self.pointer}: {reason}")
+
+
+@dataclass(frozen=True, slots=True)
+class NormalizedSchema:
+    """The schema xgrammar gets, and the (JSON pointer, keyword) pairs it does not enforce
+    that a validator must check on the finished document."""
+
+    schema: dict[str, Any]
+    end_checks: tuple[tuple[str, str], ...]
+
+
+def normalize_schema(schema: dict[str, Any]) -> NormalizedSchema:
+    """The schema xgrammar enforces in full, with its end checks; raises UnsupportedSchema."""
+    return _Normalizer(schema).run()
+
+
+def _escape(token: str) -> str:
+    return token.replace("~", "~0").replace("/", "~1")
+
+
+class _Normalizer:
+    def __init__(self, root: dict[str, Any]) -> None:
+        self.root = root
+        self.names: dict[str, str] = {}  # ref target pointer -> generated $defs name
+        self.defs: dict[str, Schema | None] = {}  # None while the target is being normalized
+        self.end_checks: list[tuple[str, str]] = []
+        self.merge_depth = 0
+
+    def run(self) -> NormalizedSchema:
+        out = self.node(self.root, "")
+        if out is False:
+            raise UnsupportedSchema("", "", "the schema accepts no value")
+        schema = {} if out is True else dict(out)
+        used = _references(schema, self.defs)
+        if used:
+            schema["$defs"] = {name: _as_dict(self.defs[name]) for name in used}
+        return NormalizedSchema(schema, tuple(dict.fromkeys(self.end_checks)))
+
+    # -- one node, children first ----------------------------------------------------------
+
+    def node(self, schema: Any, ptr: str) -> Schema:
+        if isinstance(schema, bool):
+            return schema
+        if not isinstance(schema, dict):
+            return True
+        for keyword, name in REFUSED_KEYWORDS.items():
+            if keyword in schema:
+                raise UnsupportedSchema(ptr, keyword, f"{name} cannot be enforced")
+        out: dict[str, Any] = {k: schema[k] for k in _SCALAR_KEYWORDS if k in schema}
+        self._draft4_bounds(schema, out)
+        if "pattern" in out:
+            _check_regex(out["pattern"], ptr, "pattern")
+        if "const" in schema:
+            out["enum"] = [schema["const"]]
+        elif "enum" in schema:
+            out["enum"] = list(schema["enum"])
+        if isinstance(schema.get("properties"), dict):
+            out["properties"] = {
+                k: self.node(v, f"{ptr}/properties/{_escape(k)}")
+                for k, v in schema["properties"].items()
+            }
+        if isinstance(schema.get("patternProperties"), dict):
+            for key in schema["patternProperties"]:
+                _check_regex(key, ptr, "patternProperties")
+            out["patternProperties"] = {
+                k: self.node(v, f"{ptr}/patternProperties/{_escape(k)}")
+                for k, v in schema["patternProperties"].items()
+            }
+        if "additionalProperties" in schema:
+            out["additionalProperties"] = self.node(
+                schema["additionalProperties"], f"{ptr}/additionalProperties"
+            )
+        if "propertyNames" in schema:  # names are strings: keep the string keywords' type
+            names = self.node(schema["propertyNames"], f"{ptr}/propertyNames")
+            out["propertyNames"] = self.merge({"type": "string"}, names, f"{ptr}/propertyNames")
+        self._items(schema, out, ptr)
+        parts: list[Schema] = []
+        if "$ref" in schema:
+            parts.append(self.ref(schema["$ref"], ptr))
+        if isinstance(schema.get("allOf"), list):
+            parts += [self.node(s, f"{ptr}/allOf/{i}") for i, s in enumerate(schema["allOf"])]
+        if isinstance(schema.get("anyOf"), list):
+            parts.append(self.any_of(schema["anyOf"], f"{ptr}/anyOf"))
+        if isinstance(schema.get("oneOf"), list):
+            parts.append(self.one_of(schema["oneOf"], ptr))
+        if len(parts) == 1 and not out:
+            return parts[0]  # a bare $ref, allOf of one, anyOf or oneOf: nothing to merge
+        result: Schema = self.finish(out, ptr) if out else True
+        for part in parts:
+            result = self.merge(result, part, ptr)
+        return result
+
+    def _draft4_bounds(self, schema: dict[str, Any], out: dict[str, Any]) -> None:
+        for exclusive, bound in (("exclusiveMinimum", "minimum"), ("exclusiveMaximum", "maximum")):
+            if isinstance(schema.get(exclusive), bool):
+                del out[exclusive]
+                if schema[exclusive] and bound in out:
+                    out[exclusive] = out.pop(bound)
+
+    def _items(self, schema: dict[str, Any], out: dict[str, Any], ptr: str) -> None:
+        items = schema.get("items")
+        if isinstance(items, list):  # draft-04 tuple form
+            out["prefixItems"] = [self.node(s, f"{ptr}/items/{i}") for i, s in enumerate(items)]
+            if "additionalItems" in schema:
+                out["items"] = self.node(schema["additionalItems"], f"{ptr}/additionalItems")
+        else:
+            if isinstance(schema.get("prefixItems"), list):
+                out["prefixItems"] = [
+                    self.node(s, f"{ptr}/prefixItems/{i}")
+                    for i, s in enumerate(schema["prefixItems"])
+                ]
+            if "items" in schema:
+                out["items"] = self.node(items, f"{ptr}/items")
+
+    def any_of(self, branches: list[Any], ptr: str) -> Schema:
+        kept = [b for i, s in enumerate(branches) if (b := self.node(s, f"{ptr}/{i}")) is not False]
+        if any(b is True for b in kept):
+            return True
+        if not kept:
+            return False
+        return kept[0] if len(kept) == 1 else {"anyOf": kept}
+
+    def one_of(self, branches: list[Any], ptr: str) -> Schema:
+        """anyOf, exact when no two branches can match one value, else with an end check."""
+        kept = [
+            b
+            for i, s in enumerate(branches)
+            if (b := self.node(s, f"{ptr}/oneOf/{i}")) is not False
+        ]
+        if not kept:
+            return False
+        if len(kept) == 1:
+            return kept[0]
+        resolved = [self.deref(b) for b in kept]
+        if not all(_disjoint(a, b, self.deref) for a, b in itertools.combinations(resolved, 2)):
+            self.end_checks.append((ptr, "oneOf"))
+        return {"anyOf": kept}
+
+    # -- references ------------------------------------------------------------------------
+
+    def ref(self, ref: Any, ptr: str) -> Schema:
+        if not isinstance(ref, str) or not (ref == "#" or ref.startswith("#/")):
+            raise UnsupportedSchema(
+                ptr,
+                "$ref",
+                f"external reference {ref!r}: only references inside the schema (#/...) "
+                "are supported",
+            )
+        target_ptr = unquote(ref[1:])
+        if target_ptr not in self.names:
+            target = self.resolve(target_ptr, ptr)
+            name = f"n{len(self.names)}"
+            self.names[target_ptr] = name
+            self.defs[name] = None
+            self.defs[name] = self.node(target, target_ptr)
+        name = self.names[target_ptr]
+        done = self.defs[name]
+        if isinstance(done, bool):
+            return done
+        return {"$ref": f"#/$defs/{name}"}
+
+    def resolve(self, target_ptr: str, ptr: str) -> Any:
+        node: Any = self.root
+        for token in target_ptr.split("/")[1:]:
+            token = token.replace("~1", "/").replace("~0", "~")
+            if isinstance(node, dict) and token in node:
+                node = node[token]
+            elif isinstance(node, list) and token.isdigit() and int(token) < len(node):
+                node = node[int(token)]
+            else:
+                raise UnsupportedSchema(ptr, "$ref", f"cannot resolve '#{target_ptr}'")
+        return node
+
+    def deref(self, schema: Schema) -> Schema:
+        """The schema a bare generated reference stands for (one built already)."""
+        seen = 0
+        while isinstance(schema, dict) and set(schema) == {"$ref"}:
+            target = self.defs.get(schema["$ref"].rsplit("/", 1)[-1])
+            if target is None or seen > len(self.defs):
+                return schema  # still being built: a recursive reference, left as it is
+            schema, seen = target, seen + 1
+        return schema
+
+    # -- merging (allOf, siblings of $ref and anyOf) ---------------------------------------
+
+    def merge(self, a: Schema, b: Schema, ptr: str) -> Schema:
+        """A schema exactly as strict as both (the intersection), or UnsupportedSchema."""
+        if a is True or b is False:
+            return b
+        if b is True or a is False:
+            return a
+        self.merge_depth += 1
+        try:
+            if self.merge_depth > _MAX_MERGE_DEPTH:
+                raise UnsupportedSchema(ptr, "allOf", "merging recursive schemas")
+            a, b = self.deref(a), self.deref(b)
+            if isinstance(a, bool) or isinstance(b, bool):
+                return self.merge(a, b, ptr)
+            for side in (a, b):
+                if "$ref" in side:
+                    raise UnsupportedSchema(
+                        ptr, "$ref", "cannot merge a recursive reference with other keywords"
+                    )
+            if "anyOf" in a or "anyOf" in b:
+                return self._merge_any_of(a, b, ptr)
+            return self.finish(self._merge_keywords(a, b, ptr), ptr)
+        finally:
+            self.merge_depth -= 1
+
+    def _merge_any_of(self, a: dict[str, Any], b: dict[str, Any], ptr: str) -> Schema:
+        a_rest = {k: v for k, v in a.items() if k != "anyOf"}
+        b_rest = {k: v for k, v in b.items() if k != "anyOf"}
+        a_opts = a.get("anyOf", [True])
+        b_opts = b.get("anyOf", [True])
+        if len(a_opts) * len(b_opts) > _MAX_BRANCHES:
+            raise UnsupportedSchema(ptr, "anyOf", f"more than {_MAX_BRANCHES} merged branches")
+        rest = self.merge(a_rest or True, b_rest or True, ptr)
+        branches: list[Schema] = []
+        for x, y in itertools.product(a_opts, b_opts):
+            merged = self.merge(rest, self.merge(x, y, ptr), ptr)
+            if merged is True:
+                return True
+            if merged is not False and merged not in branches:
+                branches.append(merged)
+        if not branches:
+            return False
+        return branches[0] if len(branches) == 1 else {"anyOf": branches}
+
+    def _merge_keywords(self, a: dict[str, Any], b: dict[str, Any], ptr: str) -> Schema:
+        out = {k: v for k, v in a.items() if k not in b}
+        out.update({k: v for k, v in b.items() if k not in a})
+        for key in set(a) & set(b):
+            x, y = a[key], b[key]
+            if key == "type":
+                out[key] = _merge_types(x, y)
+                if not out[key]:
+                    return False
+            elif key in ("minimum", "exclusiveMinimum", "minLength", "minItems", "minProperties"):
+                out[key] = max(x, y)
+            elif key in ("maximum", "exclusiveMaximum", "maxLength", "maxItems", "maxProperties"):
+                out[key] = min(x, y)
+            elif key == "required":
+                out[key] = list(dict.fromkeys(x + y))
+            elif key == "uniqueItems":
+                out[key] = x or y
+            elif key == "enum":
+                out[key] = [v for v in x if any(_json_equal(v, w) for w in y)]
+            elif key == "multipleOf":
+                big, small = max(x, y), min(x, y)
+                if big % small != 0:
+                    raise UnsupportedSchema(ptr, key, f"merging multipleOf {x} and {y}")
+                out[key] = big
+            elif key in ("additionalProperties", "propertyNames", "items"):
+                out[key] = self.merge(x, y, f"{ptr}/{key}")
+            elif key in ("properties", "prefixItems", "patternProperties"):
+                pass  # below, with what they depend on
+            elif not _json_equal(x, y):
+                raise UnsupportedSchema(ptr, key, f"merging two different {key}s ({x!r}, {y!r})")
+        if "properties" in a or "properties" in b or "additionalProperties" in out:
+            self._merge_properties(a, b, out, ptr)
+        if "prefixItems" in a or "prefixItems" in b:
+            length = max(len(a.get("prefixItems", [])), len(b.get("prefixItems", [])))
+            out["prefixItems"] = [
+                self.merge(_item(a, i), _item(b, i), f"{ptr}/prefixItems/{i}")
+                for i in range(length)
+            ]
+        return out
+
+    def _merge_properties(
+        self, a: dict[str, Any], b: dict[str, Any], out: dict[str, Any], ptr: str
+    ) -> None:
+        if (
+            "patternProperties" in a
+            and ("properties" in b or "additionalProperties" in b)
+            or ("patternProperties" in b and ("properties" in a or "additionalProperties" in a))
+        ):
+            raise UnsupportedSchema(ptr, "patternProperties", "merging patternProperties")
+        names = list(dict.fromkeys([*a.get("properties", {}), *b.get("properties", {})]))
+        out["properties"] = {
+            k: self.merge(_property(a, k), _property(b, k), f"{ptr}/properties/{_escape(k)}")
+            for k in names
+        }
+
+    # -- after merging: what xgrammar would read differently -------------------------------
+
+    def finish(self, schema: Schema, ptr: str) -> Schema:
+        if isinstance(schema, bool) or "anyOf" in schema or "$ref" in schema:
+            return schema
+        out = dict(schema)
+        if "enum" in out:
+            return self._enum(out, ptr)
+        if out.get("uniqueItems") is True:
+            self.end_checks.append((ptr, "uniqueItems"))
+        out.pop("uniqueItems", None)
+        if not self._object(out, ptr):
+            return False
+        if "type" not in out and any(k in out for ks in _TYPED_KEYWORDS.values() for k in ks):
+            out["type"] = list(ALL_TYPES)  # xgrammar applies typed keywords only when typed
+        types = _type_set(out.get("type"))
+        if "multipleOf" in out and ("number" in types or not types):
+            if not _integral(out["multipleOf"]):
+                raise UnsupportedSchema(ptr, "multipleOf", "multipleOf on numbers")
+            out["type"] = [t for t in out.get("type", ALL_TYPES) if t != "number"]
+            if "integer" not in out["type"]:
+                out["type"].append("integer")
+        if types == {"integer"}:
+            _integer_bounds(out)
+        return out
+
+    def _enum(self, out: dict[str, Any], ptr: str) -> Schema:
+        """xgrammar reads enum alone: keep the values the other keywords allow."""
+        import jsonschema
+        from referencing.exceptions import Unresolvable
+
+        rest = {k: v for k, v in out.items() if k != "enum"}
+        if self.defs:
+            rest["$defs"] = {n: _as_dict(d) for n, d in self.defs.items() if d is not None}
+        validator = jsonschema.Draft202012Validator(rest, format_checker=jsonschema.FormatChecker())
+        try:
+            values = [v for v in out["enum"] if validator.is_valid(v)]
+        except Unresolvable:
+            raise UnsupportedSchema(ptr, "enum", "enum beside a recursive reference") from None
+        if not values:
+            return False
+        return {"enum": values}
+
+    def _object(self, out: dict[str, Any], ptr: str) -> bool:
+        """Required names xgrammar would not require unless listed; false properties. False
+        when no object can satisfy it (then the schema accepts only other types)."""
+        props: dict[str, Schema] = dict(out.get("properties", {}))
+        closed = out.get("additionalProperties") is False and "patternProperties" not in out
+        satisfiable = True
+        for name in out.get("required", []):
+            if name not in props:
+                if closed:
+                    satisfiable = False
+                elif "patternProperties" in out:
+                    raise UnsupportedSchema(
+                        ptr, "required", f"required {name!r} beside patternProperties"
+                    )
+                else:
+                    props[name] = out.get("additionalProperties", True)
+            if props.get(name) is False:
+                satisfiable = False
+        for name, sub in list(props.items()):
+            if sub is False and satisfiable:
+                if not closed:
+                    raise UnsupportedSchema(
+                        f"{ptr}/properties", name, "a false property beside open properties"
+                    )
+                del props[name]
+        if "properties" in out or props:
+            out["properties"] = props
+        if satisfiable:
+            return True
+        types = _type_set(out.get("type")) or set(ALL_TYPES)
+        if types <= {"object"}:
+            return False
+        out["type"] = [t for t in out.get("type", ALL_TYPES) if t != "object"]
+        for key in _TYPED_KEYWORDS["object"]:
+            out.pop(key, None)
+        return True
+
+
+def _references(schema: dict[str, Any], defs: dict[str, Schema | None]) -> list[str]:
+    """The generated $defs the schema reaches (merged-in targets leave unused ones)."""
+    found: list[str] = []
+    todo = [schema]
+    while todo:
+        for name in re.findall(r'"#/\$defs/(n\d+)"', json.dumps(todo.pop())):
+            if name not in found:
+                found.append(name)
+                todo.append(_as_dict(defs[name]))
+    return sorted(found, key=lambda name: int(name[1:]))
+
+
+def _as_dict(schema: Schema | None) -> dict[str, Any]:
+    if schema is True or schema is None:
+        return {}
+    if schema is False:
+        return {"not": {}}  # unreachable: references to false targets are inlined
+    return schema
+
+
+def _property(schema: dict[str, Any], name: str) -> Schema:
+    props = schema.get("properties", {})
+    if name in props:
+        return props[name]
+    return schema.get("additionalProperties", True)
+
+
+def _item(schema: dict[str, Any], index: int) -> Schema:
+    prefix = schema.get("prefixItems", [])
+    return prefix[index] if index < len(prefix) else schema.get("items", True)
+
+
+def _check_regex(pattern: str, ptr: str, keyword: str) -> None:
+    if _INEXPRESSIBLE_REGEX.search(pattern):
+        raise UnsupportedSchema(
+            ptr,
+            keyword,
+            f"the pattern {pattern!r} uses a lookaround or backreference, which the grammar "
+            "cannot express",
+        )
+
+
+def _type_set(value: Any) -> set[str]:
+    if value is None:
+        return set()
+    types = {value} if isinstance(value, str) else set(value)
+    return types
+
+
+def _merge_types(x: Any, y: Any) -> list[str]:
+    a, b = _type_set(x), _type_set(y)
+    both = a & b
+    if "integer" in a and "number" in b or "number" in a and "integer" in b:
+        both.add("integer")
+    return [t for t in ALL_TYPES if t in both]
+
+
+def _integral(value: Any) -> bool:
+    return isinstance(value, int) or (isinstance(value, float) and value.is_integer())
+
+
+def _integer_bounds(out: dict[str, Any]) -> None:
+    """xgrammar wants whole-number bounds on integers: round inward."""
+    for key, rounding in (
+        ("minimum", math.ceil),
+        ("maximum", math.floor),
+        ("exclusiveMinimum", math.floor),
+        ("exclusiveMaximum", math.ceil),
+    ):
+        if isinstance(out.get(key), float) and math.isfinite(out[key]):
+            out[key] = int(rounding(out[key]))
+
+
+def _json_equal(a: Any, b: Any) -> bool:
+    return json.dumps(a, sort_keys=True) == json.dumps(b, sort_keys=True) and (type(a) is bool) == (
+        type(b) is bool
+    )
+
+
+def _disjoint(a: Schema, b: Schema, deref: Callable[[Schema], Schema]) -> bool:
+    """Can no value satisfy both? True only when provable from the top-level keywords."""
+    if a is False or b is False:
+        return True
+    if not isinstance(a, dict) or not isinstance(b, dict):
+        return False
+    ta, tb = _type_set(a.get("type")), _type_set(b.get("type"))
+    if ta and tb and not _merge_types(sorted(ta), sorted(tb)):
+        return True
+    if "enum" in a and "enum" in b:
+        return not any(_json_equal(x, y) for x in a["enum"] for y in b["enum"])
+    for side, other in ((a, b), (b, a)):
+        types = _type_set(other.get("type"))
+        if "enum" in side and types and not any(_has_type(v, types) for v in side["enum"]):
+            return True
+    props_a, props_b = a.get("properties", {}), b.get("properties", {})
+    shared = set(a.get("required", [])) & set(b.get("required", []))
+    for name in shared:
+        pa, pb = deref(props_a.get(name, True)), deref(props_b.get(name, True))
+        if isinstance(pa, dict) and isinstance(pb, dict) and _disjoint(pa, pb, deref):
+            return True
+    for side, other in ((a, b), (b, a)):
+        if other.get("additionalProperties") is False and "patternProperties" not in other:
+            allowed = other.get("properties", {})
+            objects_only = {"object"} in (_type_set(side.get("type")), _type_set(other.get("type")))
+            if objects_only and any(name not in allowed for name in side.get("required", [])):
+                return True
+    return False
+
+
+def _has_type(value: Any, types: set[str]) -> bool:
+    kind = _json_type(value)
+    if kind == "integer" and "number" in types:
+        return True
+    if kind == "number" and "integer" in types and float(value).is_integer():
+        return True
+    return kind in types
+
+
+def _json_type(value: Any) -> str:
+    if value is None:
+        return "null"
+    if isinstance(value, bool):
+        return "boolean"
+    if isinstance(value, int):
+        return "integer"
+    if isinstance(value, float):
+        return "number"
+    if isinstance(value, str):
+        return "string"
+    return "array" if isinstance(value, list) else "object"

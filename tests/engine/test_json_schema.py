@@ -1,0 +1,364 @@
+"""engine/json_schema.py: every rewrite proved against the jsonschema validator on xgrammar's
+own matcher (strings the grammar must accept are valid, violations are rejected), the holes
+in xgrammar 0.2.9 that make each rewrite necessary, refusals by pointer, end checks, and
+outputs of the demo model."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import jsonschema
+import pytest
+import xgrammar as xgr
+
+from engine import LLM, SamplingParams
+from engine.guided import GuidedSpecError, check_schema, schema_end_checks
+from engine.json_schema import normalize_schema
+from engine.request import GuidedSpec
+
+FORMATS = jsonschema.FormatChecker()
+_COMPILER = xgr.GrammarCompiler(xgr.TokenizerInfo([]), cache_enabled=False)
+
+
+def accepts(schema: dict[str, Any], text: str, strict: bool = False) -> bool:
+    """Does xgrammar's grammar for the schema (compact JSON) accept exactly this text?"""
+    compiled = _COMPILER.compile_json_schema(
+        json.dumps(schema), any_whitespace=False, separators=(",", ":"), strict_mode=strict
+    )
+    matcher = xgr.GrammarMatcher(compiled, terminate_without_stop_token=True)
+    return matcher.accept_string(text) and matcher.is_terminated()
+
+
+def valid(schema: dict[str, Any], text: str) -> bool:
+    return jsonschema.validators.validator_for(schema)(schema, format_checker=FORMATS).is_valid(
+        json.loads(text)
+    )
+
+
+CLOSED_A = {
+    "type": "object",
+    "properties": {"a": {"type": "integer"}},
+    "additionalProperties": False,
+}
+NODE = {
+    "type": "object",
+    "properties": {
+        "v": {"type": "integer", "minimum": 0, "maximum": 9},
+        "kids": {"type": "array", "items": {"$ref": "#/definitions/node"}, "maxItems": 2},
+    },
+    "required": ["v"],
+    "additionalProperties": False,
+}
+# name: (schema, documents the grammar must accept, violations it must reject). A violation
+# marked "hole" is one raw xgrammar 0.2.9 accepts: the reason for the rewrite.
+CASES: dict[str, tuple[dict[str, Any], list[str], list[str]]] = {
+    "allOf_closed_object": (
+        {"allOf": [CLOSED_A, {"properties": {"b": {"type": "string"}}, "required": ["a"]}]},
+        ['{"a":1}'],
+        ['{"a":1,"b":"x"}', "{}", '{"a":"x"}'],
+    ),
+    "allOf_open_parts": (
+        {
+            "allOf": [
+                {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]},
+                {"properties": {"b": {"type": "string"}}, "required": ["b"]},
+            ]
+        },
+        ['{"a":1,"b":"x"}'],
+        ['{"a":1}', '{"b":"x"}', '{"a":1,"b":2}'],
+    ),
+    "ref_with_siblings": (
+        {"definitions": {"o": CLOSED_A}, "$ref": "#/definitions/o", "required": ["a"]},
+        ['{"a":1}'],
+        ["{}", '{"a":1,"b":2}'],
+    ),
+    "ref_closed_through_allOf_property": (
+        {
+            "$defs": {"base": CLOSED_A},
+            "type": "object",
+            "properties": {"x": {"allOf": [{"$ref": "#/$defs/base"}, {"required": ["a"]}]}},
+            "required": ["x"],
+        },
+        ['{"x":{"a":3}}'],
+        ['{"x":{"a":3,"z":1}}', '{"x":{}}'],
+    ),
+    "ref_pointer_and_escapes": (
+        {
+            "$defs": {"a/b": {"type": "integer"}, "c d": {"type": "string", "maxLength": 2}},
+            "type": "object",
+            "properties": {
+                "p": {"$ref": "#/$defs/a~1b"},
+                "q": {"$ref": "#/$defs/c%20d"},
+                "r": {"$ref": "#/properties/p"},
+            },
+            "required": ["p", "q", "r"],
+            "additionalProperties": False,
+        },
+        ['{"p":1,"q":"ab","r":2}'],
+        ['{"p":"x","q":"ab","r":2}', '{"p":1,"q":"abc","r":2}', '{"p":1,"q":"a","r":"x"}'],
+    ),
+    "recursive_definitions": (
+        {"definitions": {"node": NODE}, "$ref": "#/definitions/node"},
+        ['{"v":1}', '{"v":1,"kids":[{"v":2,"kids":[{"v":3}]}]}'],
+        ['{"v":1,"kids":[{"v":10}]}', '{"v":1,"kids":[{"w":1}]}'],
+    ),
+    "recursive_root": (
+        {"type": "object", "properties": {"c": {"$ref": "#"}}, "additionalProperties": False},
+        ['{"c":{"c":{}}}'],
+        ['{"c":{"d":1}}'],
+    ),
+    "oneOf_types": (
+        {"oneOf": [{"type": "integer"}, {"type": "string", "maxLength": 3}]},
+        ["1", '"abc"'],
+        ["null", '"abcd"'],
+    ),
+    "oneOf_discriminator": (
+        {
+            "oneOf": [
+                {
+                    "type": "object",
+                    "properties": {"kind": {"const": "a"}, "x": {"type": "integer"}},
+                    "required": ["kind", "x"],
+                    "additionalProperties": False,
+                },
+                {
+                    "type": "object",
+                    "properties": {"kind": {"const": "b"}, "y": {"type": "boolean"}},
+                    "required": ["kind", "y"],
+                    "additionalProperties": False,
+                },
+            ]
+        },
+        ['{"kind":"a","x":1}', '{"kind":"b","y":true}'],
+        ['{"kind":"a","y":true}', '{"kind":"c","x":1}'],
+    ),
+    "anyOf_with_siblings": (
+        {"type": "string", "anyOf": [{"maxLength": 2}, {"minLength": 5}]},
+        ['"ab"', '"abcde"'],
+        ['"abc"', "1"],  # hole: xgrammar ignores the anyOf's siblings
+    ),
+    "enum_and_const_with_siblings": (
+        {
+            "type": "object",
+            "properties": {
+                "e": {"type": "integer", "enum": [1, "a", 2.5, {"k": [1]}, 3]},
+                "c": {"type": "string", "const": "v"},
+                "o": {"enum": [{"k": [1, None]}, [True, "x"]]},
+            },
+            "required": ["e", "c", "o"],
+            "additionalProperties": False,
+        },
+        ['{"e":1,"c":"v","o":{"k":[1,null]}}', '{"e":3,"c":"v","o":[true,"x"]}'],
+        ['{"e":"a","c":"v","o":[true,"x"]}', '{"e":1,"c":"v","o":[true]}'],
+    ),
+    "required_missing_from_properties": (
+        {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["z"]},
+        ['{"z":1}', '{"a":1,"z":[]}'],
+        ["{}", '{"a":1}'],
+    ),
+    "typed_keywords_without_type": (
+        {
+            "type": "object",
+            "properties": {"s": {"minLength": 3}, "n": {"minimum": 3}},
+            "required": ["s", "n"],
+        },
+        ['{"s":"abc","n":5}', '{"s":1,"n":"x"}'],
+        ['{"s":"a","n":5}', '{"s":"abc","n":1}'],  # hole: ignored without a type
+    ),
+    "boolean_subschemas": (
+        {
+            "type": "object",
+            "properties": {"any": True, "never": False, "list": {"type": "array", "items": False}},
+            "required": ["any", "list"],
+            "additionalProperties": False,
+        },
+        ['{"any":{"x":[1]},"list":[]}'],
+        ['{"any":1,"list":[],"never":1}', '{"any":1,"list":[1]}'],
+    ),
+    "draft4_forms": (
+        {
+            "$schema": "http://json-schema.org/draft-04/schema#",
+            "type": "object",
+            "properties": {
+                "t": {"type": "array", "items": [{"type": "integer"}], "additionalItems": False},
+                "x": {"type": "number", "minimum": 0, "exclusiveMinimum": True},
+            },
+            "required": ["t", "x"],
+        },
+        ['{"t":[1],"x":0.5}'],
+        ['{"t":[1,2],"x":1}', '{"t":[1],"x":0}'],
+    ),
+    "formats": (
+        {
+            "type": "object",
+            "properties": {
+                f: {"type": "string", "format": f}
+                for f in ("date-time", "date", "time", "uuid", "email", "uri", "ipv4", "ipv6")
+            },
+            "required": ["date", "uuid", "ipv4"],
+        },
+        ['{"date":"2024-01-02","uuid":"123e4567-e89b-12d3-a456-426614174000","ipv4":"1.2.3.4"}'],
+        ['{"date":"yesterday","uuid":"123e4567-e89b-12d3-a456-426614174000","ipv4":"1.2.3.4"}'],
+    ),
+    "uniqueItems_end_checked": (
+        {"type": "array", "items": {"type": "integer"}, "uniqueItems": True, "maxItems": 3},
+        ["[1,2]"],
+        ["[1,2,3,4]"],  # duplicates are the end check's
+    ),
+    "integer_bounds_rounded": (
+        {"type": "integer", "minimum": 0.5, "maximum": 3.5},
+        ["1", "3"],
+        ["0", "4"],
+    ),
+}
+
+
+@pytest.mark.parametrize("name", CASES)
+def test_normalized_schemas_are_enforced(name: str) -> None:
+    schema, good, bad = CASES[name]
+    normalized = normalize_schema(schema).schema
+    for text in good:
+        assert valid(schema, text), text
+        assert accepts(normalized, text), text
+        assert accepts(normalized, text, strict=True) or "{" in text, text
+    for text in bad:
+        assert not valid(schema, text), text
+        assert not accepts(normalized, text), text
+
+
+@pytest.mark.parametrize(
+    ("schema", "violation"),
+    [
+        (CASES["allOf_closed_object"][0], '{"a":1,"b":"x"}'),
+        (CASES["ref_with_siblings"][0], "{}"),
+        (CASES["anyOf_with_siblings"][0], "1"),
+        (CASES["enum_and_const_with_siblings"][0], '{"e":"a","c":"v","o":[true,"x"]}'),
+        ({"type": "object", "required": ["z"]}, "{}"),
+        (CASES["typed_keywords_without_type"][0], '{"s":"a","n":5}'),
+        ({"type": "array", "contains": {"type": "integer"}}, '["a"]'),
+        ({"type": "object", "properties": {"a": {}}, "unevaluatedProperties": False}, '{"b":1}'),
+        ({"type": "number", "multipleOf": 0.5}, "0.3"),
+        ({"type": "string", "pattern": "^(?!foo)[a-z]+$"}, '"foo"'),
+    ],
+)
+def test_the_holes_in_xgrammar_that_normalizing_closes(
+    schema: dict[str, Any], violation: str
+) -> None:
+    """Raw xgrammar accepts each violation; when one starts failing, a rewrite may be moot."""
+    assert accepts(schema, violation) and not valid(schema, violation)
+
+
+@pytest.mark.parametrize(
+    ("schema", "checks"),
+    [
+        ({"oneOf": [{"type": "integer"}, {"type": "number"}]}, (("", "oneOf"),)),
+        (CASES["oneOf_types"][0], ()),
+        (CASES["oneOf_discriminator"][0], ()),
+        (
+            {"oneOf": [{"required": ["a"]}, {"required": ["b"]}], "type": "object"},
+            (("", "oneOf"),),
+        ),
+        (
+            {
+                "oneOf": [
+                    {
+                        "type": "object",
+                        "properties": {"a": {}},
+                        "required": ["a"],
+                        "additionalProperties": False,
+                    },
+                    {
+                        "type": "object",
+                        "properties": {"b": {}},
+                        "required": ["b"],
+                        "additionalProperties": False,
+                    },
+                ]
+            },
+            (),
+        ),
+        (
+            {"type": "object", "properties": {"tags": CASES["uniqueItems_end_checked"][0]}},
+            (("/properties/tags", "uniqueItems"),),
+        ),
+        (CASES["allOf_closed_object"][0], ()),
+    ],
+)
+def test_end_checks_name_what_decoding_does_not_enforce(
+    schema: dict[str, Any], checks: tuple[tuple[str, str], ...]
+) -> None:
+    assert normalize_schema(schema).end_checks == checks
+    assert schema_end_checks(schema) == checks
+
+
+def test_oneOf_left_overlapping_is_anyOf_plus_the_end_check() -> None:
+    schema = {"oneOf": [{"type": "integer"}, {"type": "number"}]}
+    normalized = normalize_schema(schema).schema
+    assert accepts(normalized, "1") and not valid(schema, "1")  # the end check's to catch
+    assert accepts(normalized, "1.5") and not accepts(normalized, '"x"')
+
+
+LOOKAHEAD = "^(?!x-)[a-z]+$"
+# (schema, the words the refusal must hold: the pointer, keyword and pattern)
+REFUSED = [
+    (
+        {"properties": {"x": {"$ref": "https://example.com/s.json"}}},
+        "at /properties/x/$ref: external reference 'https://example.com/s.json'",
+    ),
+    ({"patternProperties": {LOOKAHEAD: {}}}, f"at /patternProperties: the pattern '{LOOKAHEAD}'"),
+    (
+        {"propertyNames": {"pattern": LOOKAHEAD}},
+        f"at /propertyNames/pattern: the pattern '{LOOKAHEAD}'",
+    ),
+    ({"items": {"pattern": "(a)\\1"}}, "at /items/pattern: the pattern '(a)\\\\1'"),
+    ({"pattern": "(?<=a)b"}, "lookaround or backreference"),
+    ({"pattern": "(?P<n>a)(?P=n)"}, "at /pattern"),
+    ({"properties": {"a": {"not": {"type": "string"}}}}, "at /properties/a/not: not"),
+    ({"$defs": {"d": {"if": {}, "then": {}}}, "$ref": "#/$defs/d"}, "at /$defs/d/if: if/then/else"),
+    ({"dependencies": {"a": ["b"]}}, "at /dependencies"),
+    ({"dependentSchemas": {"a": {}}}, "at /dependentSchemas"),
+    ({"type": "array", "contains": {"type": "integer"}}, "at /contains"),
+    ({"type": "number", "multipleOf": 0.5}, "at /multipleOf"),
+    ({"$ref": "#/$defs/missing"}, "at /$ref: cannot resolve"),
+    ({"type": "object", "properties": {"a": False}}, "at /properties/a"),
+    ({"allOf": [{"type": "string"}, {"type": "integer"}]}, "accepts no value"),
+]
+
+
+@pytest.mark.parametrize(("schema", "words"), REFUSED, ids=[w for _, w in REFUSED])
+def test_refusals_name_the_pointer_and_keyword(schema: dict[str, Any], words: str) -> None:
+    with pytest.raises(GuidedSpecError) as refused:
+        check_schema(schema, max_depth=32)
+    assert words in str(refused.value)
+
+
+# -- the demo model ---------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def llm(demo_model_dir: Path) -> LLM:
+    return LLM(str(demo_model_dir), kv_cache_memory=64 << 20, max_model_len=512, num_threads=1)
+
+
+def test_demo_outputs_follow_the_normalized_schemas(llm: LLM) -> None:
+    names = [n for n in CASES if n not in ("formats",)]  # unbounded strings: run to max_tokens
+    prompts, params = [], []
+    for i, name in enumerate(names):
+        spec = GuidedSpec(json_schema=CASES[name][0])
+        for seed in (i, i + 100):
+            prompts.append("JSON:")
+            params.append(SamplingParams(temperature=1.0, seed=seed, max_tokens=64, guided=spec))
+    outputs = llm.generate(prompts, params)
+    finished = 0
+    for k, output in enumerate(outputs):
+        schema = CASES[names[k // 2]][0]
+        completion = output.outputs[0]
+        assert completion.finish_reason in ("stop", "length"), (names[k // 2], output.error)
+        if completion.finish_reason == "stop":
+            finished += 1
+            document = json.loads(completion.text)
+            if not schema_end_checks(schema):  # else only the end check may decide
+                jsonschema.validators.validator_for(schema)(schema).validate(document)
+    assert finished >= len(outputs) // 4  # random weights: unbounded numbers run on
