@@ -166,6 +166,13 @@ class Metrics:
         self.request_success = Counter(
             "loragate:request_success", "Finished requests.", ["finish_reason"], registry=r
         )
+        self.guided_invalid_outputs = Counter(
+            "loragate:guided_invalid_outputs",
+            "Guided JSON documents that finished but failed their schema (answered as `error`),"
+            " by the failing JSON Schema keyword (`json`: not JSON).",
+            ["keyword"],
+            registry=r,
+        )
         self.ttft = Histogram(
             "loragate:time_to_first_token_seconds",
             "Time to first token.",

@@ -27,6 +27,7 @@ from gateway.adapter_catalog import AdapterCatalog
 from gateway.admission import Admission
 from gateway.auth import RequestTenant
 from gateway.errors import APIError, api_error
+from gateway.guided_validation import OutputValidator, Violation, checks
 from gateway.metering import STATUS_ABORTED, STATUS_ERROR, STATUS_OK, Meter, UsageFigures
 from gateway.metrics import Metrics
 from gateway.protocol import ChatCompletionRequest, CompletionRequest, FieldError
@@ -55,7 +56,14 @@ class _Choice:
     num_sent_chars: int = 0
     token_ids: list[int] = field(default_factory=list)
     logprobs: list[dict[int, float]] = field(default_factory=list)
-    finish_reason: str | None = None
+    finish_reason: str | None = None  # the engine's; metering and request_success count it
+    stop_reason: int | str | None = None  # a stop string or token id of the client's
+    violation: Violation | None = None  # a guided document that failed its schema
+
+    @property
+    def answered_reason(self) -> str | None:
+        """The finish reason the client sees: `error` for a document that failed its schema."""
+        return "error" if self.violation is not None else self.finish_reason
 
 
 @dataclass(slots=True)
@@ -135,6 +143,7 @@ class OpenAIServing:
         self.bounds = ServerBounds(
             limits or RequestLimits(), engine.vocab_size, engine.max_model_len
         )
+        self.output_validator = OutputValidator()
 
     async def resolve_model(self, name: str, tenant: RequestTenant) -> LoRARequest | None:
         """The adapter a `model` field names for this tenant (its own, else a public one); None
@@ -295,7 +304,7 @@ class OpenAIServing:
                 updates,
                 choices,
                 usage,
-                params.n,
+                params,
                 timer,
                 meter,
             )
@@ -312,6 +321,8 @@ class OpenAIServing:
         if not await _unless_disconnected(collect, disconnected):
             # Nobody is left to answer; the engine's requests are aborted, the row written.
             return Response(status_code=CLIENT_CLOSED_REQUEST)
+        for choice in choices:
+            await self._check_output(params.guided, choice, request_id)
         timer.finish(choices, usage)
         return JSONResponse(
             {
@@ -412,6 +423,7 @@ class OpenAIServing:
             choice.logprobs.extend(update.new_logprobs)
         if update.finished:
             choice.finish_reason = update.finish_reason
+            choice.stop_reason = update.stop_reason
             if update.error:
                 raise APIError(500, update.error, type="internal_error")
         return choice
@@ -425,14 +437,38 @@ class OpenAIServing:
                 "index": choice.index,
                 "message": {"role": "assistant", "content": choice.text},
                 "logprobs": logprobs,
-                "finish_reason": choice.finish_reason,
-            }
+                "finish_reason": choice.answered_reason,
+            } | _violation_body(choice)
         return {
             "index": choice.index,
             "text": choice.text,
             "logprobs": logprobs,
-            "finish_reason": choice.finish_reason,
-        }
+            "finish_reason": choice.answered_reason,
+        } | _violation_body(choice)
+
+    async def _check_output(
+        self, spec: GuidedSpec | None, choice: _Choice, request_id: str
+    ) -> None:
+        """The safety net: a guided JSON document that ended where its grammar ends (not at
+        max_tokens, nor at a stop string or token of the client's) is checked against its
+        schema; one that fails is answered as `error`, counted and logged. Metering and the
+        engine's finish reason are left as they are: the tokens were generated."""
+        if not checks(spec) or choice.finish_reason != "stop" or choice.stop_reason is not None:
+            return
+        assert spec is not None
+        violation = await self.output_validator.check(spec, choice.text)
+        if violation is None:
+            return
+        choice.violation = violation
+        self.metrics.guided_invalid_outputs.labels(keyword=violation.keyword).inc()
+        logger.warning(
+            "%s choice %d: guided output failed its schema: keyword %s at %r (schema %r)",
+            request_id,
+            choice.index,
+            violation.keyword,
+            violation.pointer,
+            violation.schema_pointer,
+        )
 
     def _logprobs(self, token_ids: list[int], entries: list[dict[int, float]], chat: bool) -> Any:
         decode = self.tokenizer.decode
@@ -480,7 +516,7 @@ class OpenAIServing:
         updates: AsyncIterator[tuple[int, SequenceUpdate]],
         choices: list[_Choice],
         usage: _Usage,
-        n: int,
+        params: SamplingParams,
         timer: _Timer,
         meter: Meter,
     ) -> AsyncIterator[str]:
@@ -516,7 +552,7 @@ class OpenAIServing:
                 async for prompt_index, update in chain:
                     timer.update(update)
                     meter.first_token()
-                    choice = self._apply(choices, usage, prompt_index, update, n)
+                    choice = self._apply(choices, usage, prompt_index, update, params.n)
                     delta = choice.text[choice.num_sent_chars :]
                     choice.num_sent_chars = len(choice.text)
                     if not delta and not update.finished:
@@ -532,7 +568,10 @@ class OpenAIServing:
                     else:
                         body["text"] = delta
                     body["logprobs"] = logprobs
-                    body["finish_reason"] = update.finish_reason
+                    if update.finished:
+                        await self._check_output(params.guided, choice, request_id)
+                    body["finish_reason"] = choice.answered_reason
+                    body |= _violation_body(choice)
                     yield chunk([body])
             status = _status(choices)
         except Exception as exc:  # noqa: BLE001 - the stream has begun: report it in the stream
@@ -548,6 +587,11 @@ class OpenAIServing:
         if include_usage:
             yield chunk([], usage.body(choices))
         yield "data: [DONE]\n\n"
+
+
+def _violation_body(choice: _Choice) -> dict[str, Any]:
+    """The `error` field beside a choice whose document failed its schema; nothing otherwise."""
+    return {} if choice.violation is None else {"error": choice.violation.body()}
 
 
 def _status(choices: list[_Choice]) -> str:
