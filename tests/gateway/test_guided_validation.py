@@ -282,7 +282,9 @@ def assert_failed(choice: Any, keyword: str, pointer: str) -> None:
     assert f"{keyword} failed at {pointer}" in error["message"]
 
 
-def test_an_unenforced_keyword_is_an_error_whole_and_streamed(server: Server) -> None:
+def test_an_unenforced_keyword_is_an_error_whole_and_streamed(
+    server: Server, caplog: pytest.LogCaptureFixture
+) -> None:
     client = server.client()
     before = invalid_count(server, "uniqueItems")
     kwargs: dict[str, Any] = dict(
@@ -292,8 +294,11 @@ def test_an_unenforced_keyword_is_an_error_whole_and_streamed(server: Server) ->
         temperature=0,
         response_format=response_format(UNIQUE),
     )
-    whole = client.chat.completions.create(**kwargs)
+    with caplog.at_level("WARNING", logger="gateway.serving"):
+        whole = client.chat.completions.create(**kwargs)
     choice = whole.choices[0]
+    logged = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
+    assert any("keyword uniqueItems at '/tags'" in m for m in logged), logged
     assert_failed(choice, "uniqueItems", "/tags")
     assert json.loads(choice.message.content) == {"tags": ["a", "a"]}  # the text is kept
     # Billed as generated: the row is ok, with the engine's own finish reason.
