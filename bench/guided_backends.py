@@ -42,7 +42,6 @@ from __future__ import annotations
 import argparse
 import copy
 import json
-import statistics
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
