@@ -38,7 +38,13 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import torch
 
-from engine.json_schema import NormalizedSchema, UnsupportedSchema, normalize_schema
+from engine.json_schema import (
+    NormalizedSchema,
+    UnsupportedSchema,
+    escape_pointer,
+    normalize_schema,
+    python_regex,
+)
 from engine.request import GuidedSpec, Request
 
 if TYPE_CHECKING:
@@ -92,10 +98,11 @@ def check_schema(schema: dict[str, Any], max_depth: int) -> NormalizedSchema:
         )
     import jsonschema
 
+    validator = jsonschema.validators.validator_for(schema)
     try:
-        jsonschema.validators.validator_for(schema).check_schema(schema)
+        validator.check_schema(schema, format_checker=_meta_format_checker(validator))
     except jsonschema.SchemaError as exc:
-        where = "/".join(str(p) for p in exc.path) or "the top level"
+        where = "".join(f"/{escape_pointer(str(p))}" for p in exc.path) or "the top level"
         raise GuidedSpecError(f"invalid JSON schema at {where}: {exc.message}") from None
     try:
         return normalize_schema(schema)
@@ -103,6 +110,23 @@ def check_schema(schema: dict[str, Any], max_depth: int) -> NormalizedSchema:
         raise GuidedSpecError(str(exc)) from None
     except RecursionError:
         raise GuidedSpecError("the JSON schema nests too deeply") from None
+
+
+def _meta_format_checker(validator: Any) -> Any:
+    """The metaschema's format checker, but `regex` reads ECMA-262 named groups (which `re`
+    refuses); patterns `re` cannot read are refused by normalize_schema, naming the pointer."""
+    import jsonschema
+
+    meta = jsonschema.validators.validator_for(validator.META_SCHEMA, default=validator)
+    checker = jsonschema.FormatChecker(formats=())
+    checker.checkers = dict(meta.FORMAT_CHECKER.checkers)
+    checker.checkers["regex"] = (lambda p: not isinstance(p, str) or _is_regex(p), re.error)
+    return checker
+
+
+def _is_regex(pattern: str) -> bool:
+    re.compile(python_regex(pattern))
+    return True
 
 
 def schema_end_checks(schema: dict[str, Any]) -> tuple[tuple[str, str], ...]:

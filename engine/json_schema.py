@@ -99,7 +99,7 @@ class UnsupportedSchema(ValueError):
     """A schema decoding cannot enforce: the message names the JSON pointer and keyword."""
 
     def __init__(self, pointer: str, keyword: str, reason: str) -> None:
-        self.pointer = f"{pointer}/{_escape(keyword)}" if keyword else pointer or "/"
+        self.pointer = f"{pointer}/{escape_pointer(keyword)}" if keyword else pointer or "/"
         self.keyword = keyword
         super().__init__(f"unsupported JSON schema at {self.pointer}: {reason}")
 
@@ -118,7 +118,7 @@ def normalize_schema(schema: dict[str, Any]) -> NormalizedSchema:
     return _Normalizer(schema).run()
 
 
-def _escape(token: str) -> str:
+def escape_pointer(token: str) -> str:
     return token.replace("~", "~0").replace("/", "~1")
 
 
@@ -153,21 +153,21 @@ class _Normalizer:
         out: dict[str, Any] = {k: schema[k] for k in _SCALAR_KEYWORDS if k in schema}
         self._draft4_bounds(schema, out)
         if "pattern" in out:
-            _check_regex(out["pattern"], ptr, "pattern")
+            out["pattern"] = _full_match(out["pattern"], ptr, "pattern")
         if "const" in schema:
             out["enum"] = [schema["const"]]
         elif "enum" in schema:
             out["enum"] = list(schema["enum"])
         if isinstance(schema.get("properties"), dict):
             out["properties"] = {
-                k: self.node(v, f"{ptr}/properties/{_escape(k)}")
+                k: self.node(v, f"{ptr}/properties/{escape_pointer(k)}")
                 for k, v in schema["properties"].items()
             }
         if isinstance(schema.get("patternProperties"), dict):
-            for key in schema["patternProperties"]:
-                _check_regex(key, ptr, "patternProperties")
             out["patternProperties"] = {
-                k: self.node(v, f"{ptr}/patternProperties/{_escape(k)}")
+                _full_match(k, ptr, "patternProperties"): self.node(
+                    v, f"{ptr}/patternProperties/{escape_pointer(k)}"
+                )
                 for k, v in schema["patternProperties"].items()
             }
         if "additionalProperties" in schema:
@@ -381,7 +381,7 @@ class _Normalizer:
             raise UnsupportedSchema(ptr, "patternProperties", "merging patternProperties")
         names = list(dict.fromkeys([*a.get("properties", {}), *b.get("properties", {})]))
         out["properties"] = {
-            k: self.merge(_property(a, k), _property(b, k), f"{ptr}/properties/{_escape(k)}")
+            k: self.merge(_property(a, k), _property(b, k), f"{ptr}/properties/{escape_pointer(k)}")
             for k in names
         }
 
@@ -498,7 +498,20 @@ def _item(schema: dict[str, Any], index: int) -> Schema:
     return prefix[index] if index < len(prefix) else schema.get("items", True)
 
 
-def _check_regex(pattern: str, ptr: str, keyword: str) -> None:
+# -- patterns: JSON Schema searches (ECMA-262), xgrammar matches the whole string --------------
+
+
+def python_regex(pattern: str) -> str:
+    """The ECMA-262 pattern in Python's `re` syntax, as far as the two differ harmlessly:
+    named groups `(?<name>...)` become `(?P<name>...)`. jsonschema checks and applies patterns
+    with `re`, which refuses the ECMA form."""
+    return "".join("(?P<" + t[3:] if _named_group(t) else t for t in _regex_tokens(pattern))
+
+
+def _full_match(pattern: str, ptr: str, keyword: str) -> str:
+    """A pattern whose full match (xgrammar's reading) is the pattern's search (JSON
+    Schema's): each top-level alternative unanchored at an end gets `[\\s\\S]*` there.
+    Refuses lookarounds, backreferences, anchors inside groups, and what `re` cannot read."""
     if _INEXPRESSIBLE_REGEX.search(pattern):
         raise UnsupportedSchema(
             ptr,
@@ -506,6 +519,69 @@ def _check_regex(pattern: str, ptr: str, keyword: str) -> None:
             f"the pattern {pattern!r} uses a lookaround or backreference, which the grammar "
             "cannot express",
         )
+    try:
+        re.compile(python_regex(pattern))
+    except re.error as exc:
+        raise UnsupportedSchema(
+            ptr, keyword, f"the pattern {pattern!r} is not a regular expression we read: {exc}"
+        ) from None
+    alternatives: list[list[str]] = [[]]
+    depth = 0
+    for token in _regex_tokens(pattern):
+        if token == "|" and depth == 0:
+            alternatives.append([])
+            continue
+        depth += token.startswith("(") - (token == ")")
+        alternatives[-1].append("(?:" if _named_group(token) else token)
+    out = []
+    for tokens in alternatives:
+        start = "" if tokens[:1] == ["^"] else _ANY
+        tokens = tokens[1:] if not start else tokens
+        end = "" if tokens[-1:] == ["$"] else _ANY
+        tokens = tokens[:-1] if not end else tokens
+        if "^" in tokens or "$" in tokens:
+            raise UnsupportedSchema(
+                ptr,
+                keyword,
+                f"the pattern {pattern!r} has an anchor (^ or $) inside a group or mid-way, "
+                "which the grammar cannot express",
+            )
+        body = "".join(tokens)
+        out.append(f"{start}(?:{body}){end}" if body else start + end or "")
+    return "|".join(out)
+
+
+# Any string (JSON Schema patterns apply to the decoded string, newlines included).
+_ANY = "[\\s\\S]*"
+_NAMED_GROUP = re.compile(r"\(\?<(?![=!])")
+
+
+def _named_group(token: str) -> bool:
+    return token.startswith("(?<") and _NAMED_GROUP.match(token) is not None
+
+
+def _regex_tokens(pattern: str) -> list[str]:
+    """The pattern cut into escapes (`\\x`), character classes (`[...]`, ECMA: the first
+    unescaped `]` closes), group openings (`(`, `(?:`, `(?<name>`, ...) and single characters,
+    so that `^`, `$`, `|`, `(` and `)` tokens are the regex's own, never literals."""
+    tokens: list[str] = []
+    i = 0
+    while i < len(pattern):
+        c = pattern[i]
+        j = i + 1
+        if c == "\\":
+            j = i + 2
+        elif c == "[":
+            j = i + 2 if pattern.startswith("[^", i) else i + 1
+            while j < len(pattern) and pattern[j] != "]":
+                j += 2 if pattern[j] == "\\" else 1
+            j += 1
+        elif c == "(" and pattern.startswith("(?", i):
+            named = re.match(r"\(\?(<[A-Za-z_$][\w$]*>|P<\w+>|[:=!]|<[=!])?", pattern[i:])
+            j = i + (named.end() if named else 2)
+        tokens.append(pattern[i:j])
+        i = j
+    return tokens
 
 
 def _type_set(value: Any) -> set[str]:

@@ -15,7 +15,7 @@ import xgrammar as xgr
 
 from engine import LLM, SamplingParams
 from engine.guided import GuidedSpecError, check_schema, schema_end_checks
-from engine.json_schema import normalize_schema
+from engine.json_schema import normalize_schema, python_regex
 from engine.request import GuidedSpec
 
 FORMATS = jsonschema.FormatChecker()
@@ -315,6 +315,11 @@ REFUSED = [
     ({"items": {"pattern": "(a)\\1"}}, "at /items/pattern: the pattern '(a)\\\\1'"),
     ({"pattern": "(?<=a)b"}, "lookaround or backreference"),
     ({"pattern": "(?P<n>a)(?P=n)"}, "at /pattern"),
+    (
+        {"properties": {"re": {"type": "string", "pattern": "^(a(?1)?b)$"}}},
+        "at /properties/re/pattern: '^(a(?1)?b)$' is not a 'regex'",
+    ),
+    ({"patternProperties": {"(^a|b)": {}}}, "at /patternProperties: the pattern '(^a|b)' has an"),
     ({"properties": {"a": {"not": {"type": "string"}}}}, "at /properties/a/not: not"),
     ({"$defs": {"d": {"if": {}, "then": {}}}, "$ref": "#/$defs/d"}, "at /$defs/d/if: if/then/else"),
     ({"dependencies": {"a": ["b"]}}, "at /dependencies"),
@@ -362,3 +367,66 @@ def test_demo_outputs_follow_the_normalized_schemas(llm: LLM) -> None:
             if not schema_end_checks(schema):  # else only the end check may decide
                 jsonschema.validators.validator_for(schema)(schema).validate(document)
     assert finished >= len(outputs) // 4  # random weights: unbounded numbers run on
+
+
+# -- patterns: JSON Schema searches, xgrammar matches the whole string ---------------------------
+
+# pattern: strings on which xgrammar's grammar (after normalizing) and the jsonschema validator
+# must agree, matches and non-matches alike.
+PATTERNS: dict[str, list[str]] = {
+    "^https?://": ["http://", "https://x.org", "ftp://x", "xhttp://", ""],
+    "https?://": ["http://", "see http://x", "http:/", "ftp://x"],
+    "a$": ["a", "ba", "ab", ""],
+    "^a$": ["a", "aa", "ba", ""],
+    "a": ["a", "bab", "b", ""],
+    "a|^b$": ["a", "xax", "b", "xb", "bx", ""],
+    "^a|b$": ["ab", "xb", "ax", "xa", "bx"],
+    "(?:^a|^b)": ["a", "b", "x"],  # refused below: anchors inside a group
+    "\\^a\\$": ["^a$", "x^a$y", "a", "^a"],
+    "[$^]": ["^", "$", "x$x", "a"],
+    "[^a]": ["a", "aa", "ab", ""],
+    "^(?<major>0|[1-9]\\d*)\\.(?<minor>\\d+)$": ["1.2", "01.2", "1.2.3", "10.0"],
+    "^[a-z]+(?:-[a-z]+)*$": ["ab-cd", "ab-", "-ab", "ab"],
+    "(a|b)c": ["ac", "xbcx", "c", "ab"],
+    "": ["", "x"],
+    "^$": ["", "x"],
+}
+ANCHORS_IN_GROUPS = {"(?:^a|^b)"}
+
+
+@pytest.mark.parametrize("pattern", PATTERNS)
+def test_patterns_are_searches_as_in_json_schema(pattern: str) -> None:
+    schema = {"type": "string", "pattern": pattern}
+    if pattern in ANCHORS_IN_GROUPS:
+        with pytest.raises(GuidedSpecError, match="at /pattern: the pattern .* anchor"):
+            check_schema(schema, max_depth=32)
+        return
+    normalized = check_schema(schema, max_depth=32).schema
+    python = {"type": "string", "pattern": python_regex(pattern)}  # jsonschema reads `re`
+    for text in map(json.dumps, PATTERNS[pattern]):
+        assert accepts(normalized, text) == valid(python, text), (pattern, text)
+
+
+def test_raw_xgrammar_matches_patterns_in_full() -> None:
+    """The hole: raw xgrammar reads `^https?://` as the whole string."""
+    schema = {"type": "string", "pattern": "^https?://"}
+    assert not accepts(schema, '"https://x.org"') and valid(schema, '"https://x.org"')
+
+
+def test_pattern_properties_and_property_names_are_searches() -> None:
+    schema = {
+        "type": "object",
+        "patternProperties": {"^x-": {"type": "integer"}},
+        "propertyNames": {"pattern": "^[a-z]"},
+        "additionalProperties": False,
+    }
+    normalized = normalize_schema(schema).schema
+    for text in ['{"x-a":1}', '{"x-":1}', '{"y-a":1}', '{"x-a":"s"}', "{}"]:
+        assert accepts(normalized, text) == valid(schema, text), text
+
+
+def test_ecma_named_groups_pass_the_schema_check() -> None:
+    schema = {"type": "string", "pattern": "^(?<year>\\d{4})-(?<month>\\d{2})$"}
+    normalized = check_schema(schema, max_depth=32).schema
+    assert accepts(normalized, '"2024-01"') and not accepts(normalized, '"2024-1"')
+    assert "?<" not in normalized["pattern"]
