@@ -11,11 +11,14 @@ directory is keyed by the CPU's flags as well as by the sources.
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import hashlib
 import logging
 import os
 import platform
 import threading
+from collections.abc import Iterator
 from pathlib import Path
 
 import torch
@@ -53,18 +56,34 @@ def _build_and_load() -> bool:
         build_dir = _build_dir()
         build_dir.mkdir(parents=True, exist_ok=True)
         logger.info("loading CPU kernels (compiled once per machine into %s)", build_dir)
-        cpp_extension.load(
-            name="loragate_cpu_kernels",
-            sources=[str(s) for s in SOURCES],
-            extra_cflags=["-O3", "-march=native", "-fopenmp"],
-            build_directory=str(build_dir),
-            is_python_module=False,
-            verbose=False,
-        )
+        with _exclusive(build_dir / "build.flock"):
+            # torch's own build lock is a file that a process killed mid-build leaves behind,
+            # and every later load waits on it forever. Holding the flock (the kernel drops
+            # it with its holder), nobody else is building here: a lock file is stale.
+            (build_dir / "lock").unlink(missing_ok=True)
+            cpp_extension.load(
+                name="loragate_cpu_kernels",
+                sources=[str(s) for s in SOURCES],
+                extra_cflags=["-O3", "-march=native", "-fopenmp"],
+                build_directory=str(build_dir),
+                is_python_module=False,
+                verbose=False,
+            )
     except Exception as exc:  # noqa: BLE001 - any build failure means: use the torch path
         logger.warning("CPU kernels unavailable, using the torch path: %s", exc)
         return False
     return all(hasattr(torch.ops.loragate, op) for op in OPS)
+
+
+@contextlib.contextmanager
+def _exclusive(path: Path) -> Iterator[None]:
+    """An exclusive lock between processes, released by the kernel if its holder dies."""
+    with path.open("a") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
 
 
 def _put_pinned_ninja_on_path() -> None:
