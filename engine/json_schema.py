@@ -18,7 +18,18 @@ a schema into the subset it does enforce:
 - `oneOf` becomes `anyOf`, exact when the branches are provably disjoint, else with an end
   check; `uniqueItems` is an end check;
 - `enum`/`const` keep the values their sibling keywords allow; draft-04 forms
-  (`items: [...]`, boolean `exclusiveMinimum`) become their 2020-12 forms.
+  (`items: [...]`, boolean `exclusiveMinimum`) become their 2020-12 forms;
+- `not S` becomes the complement of S (engine/schema_negation.py), `if/then/else` becomes
+  `(if and then) or (not if and else)`, and each dependency `(no such property) or (what it
+  needs)`, merged like `allOf`: applied in every draft, so only stricter where a draft
+  ignores them;
+- a property an open object forbids (`false`, or outside `propertyNames`) becomes a
+  propertyNames pattern that excludes its name, and the declared properties are excluded
+  from the additional keys' names (xgrammar lets `{"a": "x"}` through a declared integer
+  `a` once propertyNames is set);
+- of `pattern`, `format` and the length bounds xgrammar enforces one per string (the
+  pattern first): the rest are end checks; `(...)?` in patterns is written `(...){0,1}`,
+  which xgrammar reads correctly.
 
 What cannot be rewritten is refused with UnsupportedSchema, naming the JSON pointer and the
 keyword. An end check is a (pointer, keyword) decoding does not enforce: the finished
@@ -27,6 +38,7 @@ document must be validated (the gateway validates every guided output with jsons
 
 from __future__ import annotations
 
+import copy
 import itertools
 import json
 import math
@@ -36,17 +48,25 @@ from dataclasses import dataclass
 from typing import Any
 from urllib.parse import unquote
 
-Schema = dict[str, Any] | bool
+from engine.json_schema_types import (
+    ALL_TYPES,
+    Schema,
+    UnsupportedSchema,
+    escape_pointer,
+    type_set,
+)
+from engine.schema_negation import Negator, excluded_words, none_of, union
+
+__all__ = [
+    "NormalizedSchema",
+    "UnsupportedSchema",
+    "escape_pointer",
+    "normalize_schema",
+    "python_regex",
+]
 
 # Keywords refused wherever they appear: xgrammar ignores them and nothing here rewrites them.
 REFUSED_KEYWORDS = {
-    "not": "not",
-    "if": "if/then/else",
-    "then": "if/then/else",
-    "else": "if/then/else",
-    "dependentRequired": "dependentRequired",
-    "dependentSchemas": "dependentSchemas",
-    "dependencies": "dependencies",
     "contains": "contains",
     "minContains": "contains",
     "maxContains": "contains",
@@ -88,20 +108,10 @@ _TYPED_KEYWORDS = {
         "maxProperties",
     ),
 }
-ALL_TYPES = ["object", "array", "string", "number", "integer", "boolean", "null"]
 # Regex constructs xgrammar cannot express: lookarounds and backreferences.
 _INEXPRESSIBLE_REGEX = re.compile(r"\(\?<?[=!]|\(\?P=|\\[1-9]|\\k<")
 _MAX_BRANCHES = 64
 _MAX_MERGE_DEPTH = 32
-
-
-class UnsupportedSchema(ValueError):
-    """A schema decoding cannot enforce: the message names the JSON pointer and keyword."""
-
-    def __init__(self, pointer: str, keyword: str, reason: str) -> None:
-        self.pointer = f"{pointer}/{escape_pointer(keyword)}" if keyword else pointer or "/"
-        self.keyword = keyword
-        super().__init__(f"unsupported JSON schema at {self.pointer}: {reason}")
 
 
 @dataclass(frozen=True, slots=True)
@@ -118,10 +128,6 @@ def normalize_schema(schema: dict[str, Any]) -> NormalizedSchema:
     return _Normalizer(schema).run()
 
 
-def escape_pointer(token: str) -> str:
-    return token.replace("~", "~0").replace("/", "~1")
-
-
 class _Normalizer:
     def __init__(self, root: dict[str, Any]) -> None:
         self.root = root
@@ -129,6 +135,7 @@ class _Normalizer:
         self.defs: dict[str, Schema | None] = {}  # None while the target is being normalized
         self.end_checks: list[tuple[str, str]] = []
         self.merge_depth = 0
+        self.negator = Negator(self.deref, self.finish, self.merge)
 
     def run(self) -> NormalizedSchema:
         out = self.node(self.root, "")
@@ -138,6 +145,8 @@ class _Normalizer:
         used = _references(schema, self.defs)
         if used:
             schema["$defs"] = {name: _as_dict(self.defs[name]) for name in used}
+        schema = copy.deepcopy(schema)  # the last pass edits in place; targets are shared
+        self.named_keys_apart(schema, "")
         return NormalizedSchema(schema, tuple(dict.fromkeys(self.end_checks)))
 
     # -- one node, children first ----------------------------------------------------------
@@ -187,6 +196,16 @@ class _Normalizer:
             parts.append(self.any_of(schema["anyOf"], f"{ptr}/anyOf"))
         if isinstance(schema.get("oneOf"), list):
             parts.append(self.one_of(schema["oneOf"], ptr))
+        if "not" in schema:
+            parts.append(self.negator.negate(self.node(schema["not"], f"{ptr}/not"), f"{ptr}/not"))
+        if "if" in schema and ("then" in schema or "else" in schema):
+            parts.append(self.conditional(schema, ptr))
+        for keyword in ("dependencies", "dependentRequired", "dependentSchemas"):
+            if isinstance(schema.get(keyword), dict):
+                parts += [
+                    self.dependency(name, dep, f"{ptr}/{keyword}/{escape_pointer(name)}")
+                    for name, dep in schema[keyword].items()
+                ]
         if len(parts) == 1 and not out:
             return parts[0]  # a bare $ref, allOf of one, anyOf or oneOf: nothing to merge
         result: Schema = self.finish(out, ptr) if out else True
@@ -239,6 +258,26 @@ class _Normalizer:
         if not all(_disjoint(a, b, self.deref) for a, b in itertools.combinations(resolved, 2)):
             self.end_checks.append((ptr, "oneOf"))
         return {"anyOf": kept}
+
+    def conditional(self, schema: dict[str, Any], ptr: str) -> Schema:
+        """if/then/else as (if and then) or (not if and else); without a then, if or else."""
+        condition = self.node(schema["if"], f"{ptr}/if")
+        then = self.node(schema.get("then", True), f"{ptr}/then")
+        otherwise = self.node(schema.get("else", True), f"{ptr}/else")
+        if "then" not in schema:
+            return union([condition, otherwise])
+        negated = self.negator.negate(condition, f"{ptr}/if")
+        return union([self.merge(condition, then, ptr), self.merge(negated, otherwise, ptr)])
+
+    def dependency(self, name: str, dependency: Any, ptr: str) -> Schema:
+        """An object without the property, or one that satisfies what it depends on."""
+        if isinstance(dependency, list):
+            needed = self.finish({"type": "object", "required": list(dependency)}, ptr)
+        else:
+            needed = self.node(dependency, ptr)
+        without = self.finish({"type": "object", "properties": {name: False}}, ptr)
+        others = [t for t in ALL_TYPES if t != "object"]
+        return union([{"type": others}, without, needed])
 
     # -- references ------------------------------------------------------------------------
 
@@ -349,6 +388,8 @@ class _Normalizer:
                 out[key] = x or y
             elif key == "enum":
                 out[key] = [v for v in x if any(_json_equal(v, w) for w in y)]
+            elif key == "pattern":
+                out[key] = _merge_patterns(x, y, ptr)
             elif key == "multipleOf":
                 big, small = max(x, y), min(x, y)
                 if big % small != 0:
@@ -396,11 +437,12 @@ class _Normalizer:
         if out.get("uniqueItems") is True:
             self.end_checks.append((ptr, "uniqueItems"))
         out.pop("uniqueItems", None)
+        self._string(out, ptr)
         if not self._object(out, ptr):
             return False
         if "type" not in out and any(k in out for ks in _TYPED_KEYWORDS.values() for k in ks):
             out["type"] = list(ALL_TYPES)  # xgrammar applies typed keywords only when typed
-        types = _type_set(out.get("type"))
+        types = type_set(out.get("type"))
         if "multipleOf" in out and ("number" in types or not types):
             if not _integral(out["multipleOf"]):
                 raise UnsupportedSchema(ptr, "multipleOf", "multipleOf on numbers")
@@ -428,11 +470,23 @@ class _Normalizer:
             return False
         return {"enum": values}
 
+    def _string(self, out: dict[str, Any], ptr: str) -> None:
+        """xgrammar enforces one of pattern, format and lengths on a string (a pattern wins
+        over the others): the ones it would ignore are end checks."""
+        ignored = ["format"] if "pattern" in out and "format" in out else []
+        if "pattern" in out or "format" in out:
+            ignored += [k for k in ("minLength", "maxLength") if k in out]
+        for key in ignored:
+            self.end_checks.append((ptr, key))
+            del out[key]
+
     def _object(self, out: dict[str, Any], ptr: str) -> bool:
-        """Required names xgrammar would not require unless listed; false properties. False
-        when no object can satisfy it (then the schema accepts only other types)."""
+        """Required names xgrammar would not require unless listed; false properties, and
+        properties propertyNames forbids. False when no object can satisfy it (then the
+        schema accepts only other types)."""
         props: dict[str, Schema] = dict(out.get("properties", {}))
         closed = out.get("additionalProperties") is False and "patternProperties" not in out
+        names = out.get("propertyNames", True)
         satisfiable = True
         for name in out.get("required", []):
             if name not in props:
@@ -444,26 +498,115 @@ class _Normalizer:
                     )
                 else:
                     props[name] = out.get("additionalProperties", True)
-            if props.get(name) is False:
-                satisfiable = False
-        for name, sub in list(props.items()):
-            if sub is False and satisfiable:
-                if not closed:
-                    raise UnsupportedSchema(
-                        f"{ptr}/properties", name, "a false property beside open properties"
-                    )
-                del props[name]
+        for name in props:
+            if _name_allowed(names, name) is False:
+                props[name] = False
+        if any(props.get(name) is False for name in out.get("required", [])):
+            satisfiable = False
+        forbidden = [name for name, sub in props.items() if sub is False]
+        for name in forbidden:
+            del props[name]
+        if forbidden and satisfiable and not closed:
+            if "patternProperties" in out:
+                raise UnsupportedSchema(
+                    f"{ptr}/properties", forbidden[0], "a false property beside patternProperties"
+                )
+            out["propertyNames"] = self._forbid_names(names, forbidden, f"{ptr}/propertyNames")
         if "properties" in out or props:
             out["properties"] = props
         if satisfiable:
             return True
-        types = _type_set(out.get("type")) or set(ALL_TYPES)
+        types = type_set(out.get("type")) or set(ALL_TYPES)
         if types <= {"object"}:
             return False
         out["type"] = [t for t in out.get("type", ALL_TYPES) if t != "object"]
         for key in _TYPED_KEYWORDS["object"]:
             out.pop(key, None)
         return True
+
+    def _forbid_names(self, names: Schema, forbidden: list[str], ptr: str) -> Schema:
+        """propertyNames that also rejects these names (xgrammar cannot forbid a property of
+        an open object any other way)."""
+        if names is True:
+            return {"type": "string", "pattern": none_of(forbidden)}
+        if names is False or "anyOf" in names or "$ref" in names:
+            raise UnsupportedSchema(ptr, "", "forbidding property names beside this propertyNames")
+        out = dict(names)
+        if "enum" in out:
+            out["enum"] = [v for v in out["enum"] if v not in forbidden]
+            return out if out["enum"] else False
+        out["pattern"] = _merge_patterns(out.get("pattern"), none_of(forbidden), ptr)
+        result = self.finish(out, ptr)
+        return result
+
+    # -- the last pass: what xgrammar reads differently in the finished tree ---------------
+
+    def named_keys_apart(self, schema: Schema, ptr: str) -> None:
+        """xgrammar lets an open object's additional keys take any name its propertyNames
+        allows, the declared properties' names included, so {"a": "x"} passes a declared
+        integer "a": exclude the declared names, or leave it to the end check."""
+        for sub, sub_ptr in _subschemas(schema, ptr):
+            self.named_keys_apart(sub, sub_ptr)
+        if not isinstance(schema, dict) or not isinstance(schema.get("propertyNames"), dict):
+            return
+        named = list(schema.get("properties", {}))
+        if not named or schema.get("additionalProperties") is False:
+            return
+        names = schema["propertyNames"]
+        if "enum" in names:
+            names["enum"] = [v for v in names["enum"] if v not in named]
+            if not names["enum"]:
+                del schema["propertyNames"]
+                schema["additionalProperties"] = False
+            return
+        pattern = names.get("pattern")
+        if pattern is None or excluded_words(pattern) is not None:
+            names["pattern"] = _merge_patterns(pattern, none_of(named), f"{ptr}/propertyNames")
+            self._string(names, f"{ptr}/propertyNames")
+        elif any(re.fullmatch(python_regex(pattern), name) for name in named):
+            self.end_checks.append((ptr, "propertyNames"))
+
+
+def _subschemas(schema: Schema, ptr: str) -> list[tuple[Schema, str]]:
+    if not isinstance(schema, dict):
+        return []
+    found: list[tuple[Schema, str]] = []
+    for key in ("properties", "patternProperties", "$defs"):
+        for name, sub in schema.get(key, {}).items():
+            found.append((sub, f"{ptr}/{key}/{escape_pointer(name)}"))
+    for key in ("anyOf", "prefixItems"):
+        found += [(sub, f"{ptr}/{key}/{i}") for i, sub in enumerate(schema.get(key, []))]
+    for key in ("items", "additionalProperties"):
+        if key in schema:
+            found.append((schema[key], f"{ptr}/{key}"))
+    return found
+
+
+def _merge_patterns(x: str | None, y: str, ptr: str) -> str:
+    """Both patterns as one, where xgrammar can read it: two none_of sets unite, and a
+    none_of set beside another pattern is moot when that pattern matches none of its words."""
+    if x is None or x == y:
+        return y
+    wx, wy = excluded_words(x), excluded_words(y)
+    if wx is not None and wy is not None:
+        return none_of(wx | wy)
+    for words, pattern in ((wx, y), (wy, x)):
+        if words is not None and not any(re.fullmatch(python_regex(pattern), w) for w in words):
+            return pattern
+    raise UnsupportedSchema(ptr, "pattern", f"merging two different patterns ({x!r}, {y!r})")
+
+
+def _name_allowed(names: Schema, name: str) -> bool | None:
+    """Does propertyNames allow this name? None when not decidable here."""
+    if isinstance(names, bool):
+        return names
+    if "anyOf" in names or "$ref" in names:
+        return None
+    if "enum" in names:
+        return name in names["enum"]
+    if "pattern" in names and not re.fullmatch(python_regex(names["pattern"]), name):
+        return False
+    return names.get("minLength", 0) <= len(name) <= names.get("maxLength", len(name))
 
 
 def _references(schema: dict[str, Any], defs: dict[str, Schema | None]) -> list[str]:
@@ -527,12 +670,19 @@ def _full_match(pattern: str, ptr: str, keyword: str) -> str:
         ) from None
     alternatives: list[list[str]] = [[]]
     depth = 0
+    previous = ""
     for token in _regex_tokens(pattern):
         if token == "|" and depth == 0:
             alternatives.append([])
+            previous = token
             continue
         depth += token.startswith("(") - (token == ")")
+        if token == "?" and previous == ")":
+            token = "{0,1}"  # xgrammar 0.2.9 reads (ab+)? as a?b* (pinned in the tests)
+        elif token == "?" and previous == "{0,1}":
+            token = ""  # lazy: the same language
         alternatives[-1].append("(?:" if _named_group(token) else token)
+        previous = token
     out = []
     for tokens in alternatives:
         start = "" if tokens[:1] == ["^"] else _ANY
@@ -584,15 +734,8 @@ def _regex_tokens(pattern: str) -> list[str]:
     return tokens
 
 
-def _type_set(value: Any) -> set[str]:
-    if value is None:
-        return set()
-    types = {value} if isinstance(value, str) else set(value)
-    return types
-
-
 def _merge_types(x: Any, y: Any) -> list[str]:
-    a, b = _type_set(x), _type_set(y)
+    a, b = type_set(x), type_set(y)
     both = a & b
     if "integer" in a and "number" in b or "number" in a and "integer" in b:
         both.add("integer")
@@ -627,13 +770,13 @@ def _disjoint(a: Schema, b: Schema, deref: Callable[[Schema], Schema]) -> bool:
         return True
     if not isinstance(a, dict) or not isinstance(b, dict):
         return False
-    ta, tb = _type_set(a.get("type")), _type_set(b.get("type"))
+    ta, tb = type_set(a.get("type")), type_set(b.get("type"))
     if ta and tb and not _merge_types(sorted(ta), sorted(tb)):
         return True
     if "enum" in a and "enum" in b:
         return not any(_json_equal(x, y) for x in a["enum"] for y in b["enum"])
     for side, other in ((a, b), (b, a)):
-        types = _type_set(other.get("type"))
+        types = type_set(other.get("type"))
         if "enum" in side and types and not any(_has_type(v, types) for v in side["enum"]):
             return True
     props_a, props_b = a.get("properties", {}), b.get("properties", {})
@@ -645,7 +788,7 @@ def _disjoint(a: Schema, b: Schema, deref: Callable[[Schema], Schema]) -> bool:
     for side, other in ((a, b), (b, a)):
         if other.get("additionalProperties") is False and "patternProperties" not in other:
             allowed = other.get("properties", {})
-            objects_only = {"object"} in (_type_set(side.get("type")), _type_set(other.get("type")))
+            objects_only = {"object"} in (type_set(side.get("type")), type_set(other.get("type")))
             if objects_only and any(name not in allowed for name in side.get("required", [])):
                 return True
     return False
