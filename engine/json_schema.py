@@ -438,7 +438,7 @@ class _Normalizer:
             self.end_checks.append((ptr, "uniqueItems"))
         out.pop("uniqueItems", None)
         self._string(out, ptr)
-        if not self._object(out, ptr):
+        if not self._object(out, ptr) or not self._array(out):
             return False
         if "type" not in out and any(k in out for ks in _TYPED_KEYWORDS.values() for k in ks):
             out["type"] = list(ALL_TYPES)  # xgrammar applies typed keywords only when typed
@@ -516,12 +516,21 @@ class _Normalizer:
             out["properties"] = props
         if satisfiable:
             return True
-        types = type_set(out.get("type")) or set(ALL_TYPES)
-        if types <= {"object"}:
-            return False
-        out["type"] = [t for t in out.get("type", ALL_TYPES) if t != "object"]
-        for key in _TYPED_KEYWORDS["object"]:
-            out.pop(key, None)
+        return _without_type(out, "object")
+
+    def _array(self, out: dict[str, Any]) -> bool:
+        """xgrammar takes no booleans in prefixItems: true is {}, and a false item ends the
+        array there. False when no array can satisfy it (then only other types)."""
+        prefix = out.get("prefixItems")
+        if prefix is None:
+            return True
+        if False in prefix:
+            end = prefix.index(False)
+            if out.get("minItems", 0) > end:
+                return _without_type(out, "array")
+            prefix = prefix[:end]
+            out["maxItems"] = min(out.get("maxItems", end), end)
+        out["prefixItems"] = [{} if item is True else item for item in prefix]
         return True
 
     def _forbid_names(self, names: Schema, forbidden: list[str], ptr: str) -> Schema:
@@ -565,6 +574,17 @@ class _Normalizer:
             self._string(names, f"{ptr}/propertyNames")
         elif any(re.fullmatch(python_regex(pattern), name) for name in named):
             self.end_checks.append((ptr, "propertyNames"))
+
+
+def _without_type(out: dict[str, Any], kind: str) -> bool:
+    """Drop a type none of whose values can satisfy the schema; False if no type is left."""
+    types = type_set(out.get("type")) or set(ALL_TYPES)
+    if types <= {kind}:
+        return False
+    out["type"] = [t for t in out.get("type", ALL_TYPES) if t != kind]
+    for key in _TYPED_KEYWORDS[kind]:
+        out.pop(key, None)
+    return True
 
 
 def _subschemas(schema: Schema, ptr: str) -> list[tuple[Schema, str]]:

@@ -4,8 +4,9 @@ The grammar is the mechanism (engine.guided): a document it finishes should alwa
 This module is the net for what it does not enforce (a bug, a keyword it lets through): a
 document that fails here is answered with `finish_reason: "error"` and the reason, never as if
 it were valid. The check is the `jsonschema` library with the schema's own draft
-(`validator_for`) and that draft's format checker; compiled validators are kept per schema
-(its canonical JSON) in a small LRU.
+(`validator_for`) and that draft's format checker, with patterns read as ECMA-262 (named
+groups `(?<n>...)`, which Python's `re` refuses); compiled validators are kept per schema (its
+canonical JSON) in a small LRU.
 """
 
 from __future__ import annotations
@@ -14,14 +15,17 @@ import asyncio
 import itertools
 import json
 import logging
+import re
 from collections import OrderedDict
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
 from jsonschema.exceptions import ValidationError, relevance
 from jsonschema.protocols import Validator
-from jsonschema.validators import Draft202012Validator, validator_for
+from jsonschema.validators import Draft202012Validator, extend, validator_for
 
+from engine.json_schema import python_regex
 from engine.request import GuidedSpec
 
 logger = logging.getLogger(__name__)
@@ -119,11 +123,34 @@ class OutputValidator:
             self._validators.move_to_end(key)
             return validator
         cls = validator_for(schema, default=Draft202012Validator)
-        validator = cls(schema, format_checker=cls.FORMAT_CHECKER)
+        ecma = extend(cls, {"pattern": _pattern, "patternProperties": _pattern_properties})
+        validator = ecma(schema, format_checker=cls.FORMAT_CHECKER)
         self._validators[key] = validator
         if len(self._validators) > self.cache_size:
             self._validators.popitem(last=False)
         return validator
+
+
+def _search(pattern: str, text: str) -> bool:
+    return re.search(python_regex(pattern), text) is not None
+
+
+def _pattern(
+    validator: Validator, pattern: str, instance: Any, schema: Any
+) -> Iterator[ValidationError]:
+    if validator.is_type(instance, "string") and not _search(pattern, instance):
+        yield ValidationError(f"{instance!r} does not match {pattern!r}")
+
+
+def _pattern_properties(
+    validator: Validator, patterns: dict[str, Any], instance: Any, schema: Any
+) -> Iterator[ValidationError]:
+    if not validator.is_type(instance, "object"):
+        return
+    for pattern, subschema in patterns.items():
+        for name, value in instance.items():
+            if _search(pattern, name):
+                yield from validator.descend(value, subschema, path=name, schema_path=pattern)
 
 
 def _no_constant(name: str) -> Any:

@@ -483,9 +483,9 @@ REFUSED = [
     ({"$ref": "#/$defs/missing"}, "at /$ref: cannot resolve '#/$defs/missing'"),
     ({"$ref": "https://example.com/schema.json"}, "only references inside the schema"),
     ({"$defs": {"a": {"$anchor": "x", "type": "integer"}}, "$ref": "#x"}, "only references"),
-    ({"not": {"type": "string"}}, "at /not: not cannot be enforced"),
-    ({"if": {"type": "string"}, "then": {"minLength": 5}}, "if/then/else"),
-    (DEPENDENT_REQUIRED, "at /dependentRequired"),
+    ({"not": {"type": "integer"}}, "at /not/type: the complement of type integer"),
+    ({"if": {"format": "email"}, "then": {"minLength": 5}}, "at /if/format: the complement"),
+    ({"type": "array", "contains": {"type": "integer"}}, "at /contains: contains cannot"),
     (deep_schema(40), "nests 41 levels deep"),
 ]
 
@@ -514,10 +514,11 @@ def test_bad_or_unsupported_schemas_are_refused_clearly(
         ({"$defs": {"a": {"$anchor": "x", "type": "integer"}}, "$ref": "#x"}, '"x"'),
     ],
 )
-def test_refused_keywords_are_ones_xgrammar_would_not_enforce(
+def test_rewritten_or_refused_keywords_are_ones_xgrammar_would_not_enforce(
     llm: LLM, schema: dict[str, Any], violation: str
 ) -> None:
-    """Why they are refused; when xgrammar starts enforcing one, this fails: allow it then."""
+    """Why they are rewritten or refused; when xgrammar starts enforcing one, this fails:
+    pass it through then."""
     info = xgr.TokenizerInfo.from_huggingface(llm.tokenizer, vocab_size=llm.engine.vocab_size)
     compiled = xgr.GrammarCompiler(info).compile_json_schema(
         json.dumps(schema), any_whitespace=False, separators=(",", ":")

@@ -295,6 +295,16 @@ CASES: dict[str, tuple[dict[str, Any], list[str], list[str]]] = {
         ['"id"', '"id-25"'],
         ['"id1"', '"id-"'],  # hole: xgrammar reads (-[0-9]+)? as -?[0-9]*
     ),
+    "prefix_items_booleans": (
+        {
+            "$schema": "http://json-schema.org/draft-07/schema#",
+            "type": "array",
+            "items": [{"type": "integer"}, True, False],
+            "minItems": 1,
+        },
+        ["[1]", '[1,"x"]', "[1,{}]"],
+        ["[1,2,3]", '["x"]', "[]"],
+    ),
     "integer_bounds_rounded": (
         {"type": "integer", "minimum": 0.5, "maximum": 3.5},
         ["1", "3"],

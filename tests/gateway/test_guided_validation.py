@@ -67,6 +67,11 @@ SCHEMA = {
         "mail": {"type": "string", "format": "email"},
         "n": {"type": "integer", "maximum": 5},
         "a/b": {"type": "string"},
+        "at": {"type": "string", "format": "date-time"},
+        "url": {"type": "string", "format": "uri"},
+        "host": {"type": "string", "format": "hostname"},
+        "version": {"type": "string", "pattern": "^(?<major>0|[1-9][0-9]*)\\.(?<minor>[0-9]+)$"},
+        "env": {"type": "object", "patternProperties": {"^(?<name>[A-Z_]+)$": {"type": "string"}}},
     },
     "required": ["tags"],
     "additionalProperties": False,
@@ -82,6 +87,16 @@ INVALID = [
     ('{"tags":[],"n":6}', "maximum", "/n", "/properties/n/maximum"),
     ('{"tags":[],"a/b":1}', "type", "/a~1b", "/properties/a~1b/type"),
     ('{"tags":[],"other":1}', "additionalProperties", "", "/additionalProperties"),
+    ('{"tags":[],"at":"2024-02-01 noon"}', "format", "/at", "/properties/at/format"),
+    ('{"tags":[],"url":"not a uri"}', "format", "/url", "/properties/url/format"),
+    ('{"tags":[],"host":"-bad-.example"}', "format", "/host", "/properties/host/format"),
+    ('{"tags":[],"version":"01.2"}', "pattern", "/version", "/properties/version/pattern"),
+    (
+        '{"tags":[],"env":{"HOME":1}}',
+        "type",
+        "/env/HOME",
+        "/properties/env/patternProperties/^(?<name>[A-Z_]+)$/type",
+    ),
     ("{}", "required", "", "/required"),
 ]
 
@@ -111,6 +126,8 @@ def test_each_failing_keyword_is_named_with_its_pointers(
     [
         '{"tags":[]}',
         '{"tags":["x","y"],"kind":1.5,"day":"2024-02-29","mail":"a@b.c","n":5,"a/b":"z"}',
+        '{"tags":[],"at":"2024-02-01T12:00:00Z","url":"https://x.org/a?b","host":"a.example",'
+        '"version":"1.20","env":{"HOME":"/root","lower":1}}',
         ' {"tags":["x"]}\n',
     ],
 )
