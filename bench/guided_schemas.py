@@ -183,12 +183,13 @@ def check_document(schema: Any, text: str) -> tuple[str, list[str], str]:
     import jsonschema
     from referencing.exceptions import Unresolvable
 
+    from gateway.guided_validation import schema_validator
+
     try:
         document = json.loads(text)
     except ValueError as exc:
         return "INVALID", ["json"], f"not JSON: {exc}"
-    cls = jsonschema.validators.validator_for(schema)
-    validator = cls(schema, format_checker=cls.FORMAT_CHECKER)
+    validator = schema_validator(schema)
     try:
         errors = list(validator.iter_errors(document))
     except (Unresolvable, jsonschema.exceptions.RefResolutionError) as exc:

@@ -520,8 +520,11 @@ class _Normalizer:
 
     def _array(self, out: dict[str, Any]) -> bool:
         """xgrammar takes no booleans in prefixItems: true is {}, and a false item ends the
-        array there. False when no array can satisfy it (then only other types)."""
+        array there; strict mode reads a missing `items` as false, which no array of
+        minItems could satisfy. False when no array can satisfy it (then only other types)."""
         prefix = out.get("prefixItems")
+        if "items" not in out and out.get("minItems", 0) > len(prefix or ()):
+            out["items"] = {}  # strict mode reads a missing items as false: no array could be
         if prefix is None:
             return True
         if False in prefix:

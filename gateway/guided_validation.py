@@ -122,13 +122,19 @@ class OutputValidator:
         if validator is not None:
             self._validators.move_to_end(key)
             return validator
-        cls = validator_for(schema, default=Draft202012Validator)
-        ecma = extend(cls, {"pattern": _pattern, "patternProperties": _pattern_properties})
-        validator = ecma(schema, format_checker=cls.FORMAT_CHECKER)
+        validator = schema_validator(schema)
         self._validators[key] = validator
         if len(self._validators) > self.cache_size:
             self._validators.popitem(last=False)
         return validator
+
+
+def schema_validator(schema: dict[str, Any]) -> Validator:
+    """A validator of the schema's own draft (2020-12 if it names none), with its format
+    checker and ECMA-262 patterns."""
+    cls = validator_for(schema, default=Draft202012Validator)
+    ecma = extend(cls, {"pattern": _pattern, "patternProperties": _pattern_properties})
+    return ecma(schema, format_checker=cls.FORMAT_CHECKER)
 
 
 def _search(pattern: str, text: str) -> bool:

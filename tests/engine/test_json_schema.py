@@ -305,6 +305,11 @@ CASES: dict[str, tuple[dict[str, Any], list[str], list[str]]] = {
         ["[1]", '[1,"x"]', "[1,{}]"],
         ["[1,2,3]", '["x"]', "[]"],
     ),
+    "min_items_without_items": (  # strict mode: no items is items false, [] only
+        {"type": "array", "minItems": 1, "maxItems": 2},
+        ["[1]", '["x",2]'],
+        ["[]", "[1,2,3]"],
+    ),
     "integer_bounds_rounded": (
         {"type": "integer", "minimum": 0.5, "maximum": 3.5},
         ["1", "3"],
