@@ -12,11 +12,11 @@ import json
 import logging
 import time
 import uuid
-from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable, Coroutine
+from collections.abc import AsyncGenerator, AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any, cast
 
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import JSONResponse, Response
 
 from engine.async_engine import EngineClient
 from engine.guided import GuidedSpecError
@@ -38,12 +38,10 @@ from gateway.request_limits import (
     RequestLimits,
     ServerBounds,
 )
+from gateway.streaming import Disconnected, MeteredStream, chain, merge, unless_disconnected
 from tenants.ledger import Ledger
 
 logger = logging.getLogger(__name__)
-
-# Resolves when the client has hung up (a whole response is then not worth computing).
-Disconnected = Callable[[], Awaitable[None]]
 
 # What nginx logs for a client that hung up before its answer; no client ever reads it.
 CLIENT_CLOSED_REQUEST = 499
@@ -308,7 +306,7 @@ class OpenAIServing:
                 timer,
                 meter,
             )
-            return _MeteredStream(
+            return MeteredStream(
                 chunks,
                 on_close=lambda: meter.end_nowait(
                     usage.figures(choices), _finish_reason(choices), STATUS_ABORTED
@@ -318,7 +316,7 @@ class OpenAIServing:
                 headers=ticket.headers,
             )
         collect = self._collect(first, updates, choices, usage, params.n, timer, meter)
-        if not await _unless_disconnected(collect, disconnected):
+        if not await unless_disconnected(collect, disconnected):
             # Nobody is left to answer; the engine's requests are aborted, the row written.
             return Response(status_code=CLIENT_CLOSED_REQUEST)
         for choice in choices:
@@ -350,8 +348,8 @@ class OpenAIServing:
         status = STATUS_ERROR
         try:
             # Closed however the loop ends, so that a failed choice aborts its siblings.
-            async with contextlib.aclosing(_chain(first, updates)) as chain:
-                async for prompt_index, update in chain:
+            async with contextlib.aclosing(chain(first, updates)) as in_order:
+                async for prompt_index, update in in_order:
                     timer.update(update)
                     meter.first_token()
                     self._apply(choices, usage, prompt_index, update, n)
@@ -395,7 +393,7 @@ class OpenAIServing:
             )
             for i, prompt in enumerate(prompts)
         ]
-        updates = _merge(streams)
+        updates = merge(streams)
         try:
             return await anext(updates), updates
         except StopAsyncIteration:
@@ -519,7 +517,7 @@ class OpenAIServing:
         params: SamplingParams,
         timer: _Timer,
         meter: Meter,
-    ) -> AsyncIterator[str]:
+    ) -> AsyncGenerator[str]:
         obj = "chat.completion.chunk" if chat else "text_completion"
 
         def chunk(choice_list: list[dict[str, Any]], with_usage: Any = None) -> str:
@@ -548,8 +546,8 @@ class OpenAIServing:
             )
         status = STATUS_OK
         try:
-            async with contextlib.aclosing(_chain(first, updates)) as chain:
-                async for prompt_index, update in chain:
+            async with contextlib.aclosing(chain(first, updates)) as in_order:
+                async for prompt_index, update in in_order:
                     timer.update(update)
                     meter.first_token()
                     choice = self._apply(choices, usage, prompt_index, update, params.n)
@@ -603,103 +601,3 @@ def _status(choices: list[_Choice]) -> str:
 def _finish_reason(choices: list[_Choice]) -> str | None:
     """The usage row's finish reason: the first choice's (`abort` if it never finished)."""
     return choices[0].finish_reason or "abort" if choices else None
-
-
-class _MeteredStream(StreamingResponse):
-    """A stream whose request is metered however the response ends. The chunks' generator
-    records the row itself when it runs to the end; `on_close` covers the rest: a client gone
-    mid-stream, or before the first chunk, when the generator never ran at all."""
-
-    def __init__(
-        self,
-        content: AsyncGenerator[str],
-        on_close: Callable[[], None],
-        updates: AsyncGenerator[Any],
-        **kwargs: Any,
-    ) -> None:
-        super().__init__(content, **kwargs)
-        self._content = content
-        self._on_close = on_close
-        self._updates = updates
-
-    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
-        try:
-            await super().__call__(scope, receive, send)
-        finally:
-            self._on_close()
-            await self._content.aclose()
-            await self._updates.aclose()  # aborts the engine's requests if they still run
-
-
-async def _unless_disconnected(
-    work: Coroutine[Any, Any, None], disconnected: Disconnected | None
-) -> bool:
-    """Run `work` unless the client hangs up first (then cancel it: a whole response nobody
-    waits for is not worth computing). True if it ran to the end; its errors propagate."""
-    if disconnected is None:
-        await work
-        return True
-    task = asyncio.ensure_future(work)
-    watcher = asyncio.ensure_future(disconnected())
-    try:
-        await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
-    finally:
-        watcher.cancel()
-        if not task.done():
-            task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await task
-    if task.cancelled():
-        return False
-    task.result()
-    return True
-
-
-async def _chain(
-    first: tuple[int, SequenceUpdate] | None, rest: AsyncIterator[tuple[int, SequenceUpdate]]
-) -> AsyncGenerator[tuple[int, SequenceUpdate]]:
-    try:
-        if first is not None:
-            yield first
-        async for item in rest:
-            yield item
-    finally:
-        await rest.aclose()  # type: ignore[attr-defined]
-
-
-async def _merge(
-    streams: list[AsyncIterator[SequenceUpdate]],
-) -> AsyncGenerator[tuple[int, SequenceUpdate]]:
-    """Interleave several requests' updates, tagged with their prompt index."""
-    if len(streams) == 1:
-        # Closing explicitly aborts the request now, not when the generator is collected.
-        try:
-            async for update in streams[0]:
-                yield 0, update
-        finally:
-            await streams[0].aclose()  # type: ignore[attr-defined]
-        return
-    queue: asyncio.Queue[tuple[int, SequenceUpdate | BaseException | None]] = asyncio.Queue()
-
-    async def pump(index: int, stream: AsyncIterator[SequenceUpdate]) -> None:
-        try:
-            async for update in stream:
-                await queue.put((index, update))
-            await queue.put((index, None))
-        except BaseException as exc:  # noqa: BLE001 - forwarded to the consumer
-            await queue.put((index, exc))
-
-    tasks = [asyncio.create_task(pump(i, s)) for i, s in enumerate(streams)]
-    try:
-        remaining = len(tasks)
-        while remaining:
-            index, item = await queue.get()
-            if item is None:
-                remaining -= 1
-            elif isinstance(item, BaseException):
-                raise item
-            else:
-                yield index, item
-    finally:
-        for task in tasks:
-            task.cancel()
