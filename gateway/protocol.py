@@ -46,6 +46,9 @@ MAX_CONTENT_PARTS = 256
 MAX_NAME_CHARS = 256
 MAX_GUIDED_CHOICES = 1024
 MAX_LOGPROBS = 20
+MAX_TOOLS = 128
+MAX_TOOL_CALLS = 128  # in one assistant message of the history
+MAX_DESCRIPTION_CHARS = 4096
 
 TokenId = Annotated[int, Field(ge=0, le=INT32_MAX)]
 StopString = Annotated[str, Field(min_length=1, max_length=MAX_STOP_CHARS)]
@@ -211,10 +214,49 @@ class TextPart(_Body):
     text: str
 
 
+# OpenAI's function names: letters, digits, underscores and dashes, at most 64.
+FunctionName = Annotated[str, Field(pattern=r"^[a-zA-Z0-9_-]{1,64}$")]
+
+
+class FunctionDefinition(_Body):
+    name: FunctionName
+    description: str | None = Field(None, max_length=MAX_DESCRIPTION_CHARS)
+    # A JSON schema; its size and depth are the guided limits' (gateway.serving compiles it).
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+
+class Tool(_Body):
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class NamedFunction(_Body):
+    name: FunctionName
+
+
+class NamedToolChoice(_Body):
+    type: Literal["function"]
+    function: NamedFunction
+
+
+class CalledFunction(_Body):
+    name: FunctionName
+    arguments: str = Field(max_length=1 << 20)  # JSON text, as OpenAI sends it
+
+
+class ToolCall(_Body):
+    id: str = Field(min_length=1, max_length=MAX_NAME_CHARS)
+    type: Literal["function"] = "function"
+    function: CalledFunction
+
+
 class ChatMessage(_Body):
-    role: Literal["system", "developer", "user", "assistant"]
+    role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | Annotated[list[TextPart], Field(max_length=MAX_CONTENT_PARTS)] | None = None
     name: str | None = Field(None, max_length=MAX_NAME_CHARS)
+    tool_calls: list[ToolCall] | None = Field(None, max_length=MAX_TOOL_CALLS)  # assistant's
+    tool_call_id: str | None = Field(None, max_length=MAX_NAME_CHARS)  # a tool message's
 
     def text(self) -> str:
         if self.content is None:
@@ -230,6 +272,9 @@ class ChatCompletionRequest(_SamplingFields):
     max_completion_tokens: int | None = Field(None, ge=1, le=INT32_MAX)
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+    tools: list[Tool] | None = Field(None, max_length=MAX_TOOLS)
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool = True
 
     @property
     def requested_max_tokens(self) -> int | None:

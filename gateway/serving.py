@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import json
 import logging
 import time
@@ -39,6 +40,14 @@ from gateway.request_limits import (
     ServerBounds,
 )
 from gateway.streaming import Disconnected, MeteredStream, chain, merge, unless_disconnected
+from gateway.tool_calls import (
+    ToolCallStream,
+    ToolPlan,
+    message_calls,
+    render_messages,
+    template_knows_tools,
+    tool_plan,
+)
 from tenants.ledger import Ledger
 
 logger = logging.getLogger(__name__)
@@ -57,11 +66,17 @@ class _Choice:
     finish_reason: str | None = None  # the engine's; metering and request_success count it
     stop_reason: int | str | None = None  # a stop string or token id of the client's
     violation: Violation | None = None  # a guided document that failed its schema
+    calls: ToolCallStream | None = None  # a forced tool call's output
 
     @property
     def answered_reason(self) -> str | None:
-        """The finish reason the client sees: `error` for a document that failed its schema."""
-        return "error" if self.violation is not None else self.finish_reason
+        """The finish reason the client sees: `error` for a document that failed its schema,
+        `tool_calls` for a forced call that ended where its grammar ends."""
+        if self.violation is not None:
+            return "error"
+        if self.calls is not None and self.finish_reason == "stop" and self.stop_reason is None:
+            return "tool_calls"
+        return self.finish_reason
 
 
 @dataclass(slots=True)
@@ -183,7 +198,14 @@ class OpenAIServing:
         if not all(token_ids):
             raise APIError(400, "the prompt is empty", param="prompt", code=EMPTY_PROMPT)
         return await self._respond(
-            body, token_ids, params, lora, tenant, chat=False, disconnected=disconnected
+            body,
+            token_ids,
+            params,
+            lora,
+            tenant,
+            chat=False,
+            disconnected=disconnected,
+            guided_param=body.guided_param,
         )
 
     async def chat(
@@ -194,13 +216,27 @@ class OpenAIServing:
     ) -> Response:
         lora = await self.resolve_model(body.model, tenant)
         self._check_bounds(body, 1)
-        messages = [{"role": m.role, "content": m.text()} for m in body.messages]
-        self.bounds.check_prompt_chars(sum(len(m["content"]) for m in messages), "messages")
+        try:
+            plan = tool_plan(body)
+        except FieldError as exc:
+            raise APIError(400, str(exc), param=exc.param, code=INVALID_VALUE) from exc
+        native = template_knows_tools(getattr(self.tokenizer, "chat_template", None))
+        messages, tools = render_messages(body.messages, plan, native)
+        chars = sum(len(m["content"]) for m in messages) + len(json.dumps(tools or ""))
+        self.bounds.check_prompt_chars(chars, "messages")
         params = self._params(body, body.requested_max_tokens, body.num_logprobs)
+        guided_param = body.guided_param
+        forced = plan if plan is not None and plan.forced is not None else None
+        if forced is not None:
+            for spec, param in forced.tool_specs():  # a bad schema is refused by its tool
+                await self._compile_grammar(spec, param)
+            params = dataclasses.replace(params, guided=forced.output_spec())
+            guided_param = "tools"
         try:
             encoded = await asyncio.to_thread(
                 self.tokenizer.apply_chat_template,
                 messages,
+                tools=tools,
                 add_generation_prompt=True,
                 tokenize=True,
                 return_dict=True,
@@ -211,7 +247,15 @@ class OpenAIServing:
             ) from exc
         prompt_ids = list(cast(list[int], encoded["input_ids"]))
         return await self._respond(
-            body, [prompt_ids], params, lora, tenant, chat=True, disconnected=disconnected
+            body,
+            [prompt_ids],
+            params,
+            lora,
+            tenant,
+            chat=True,
+            disconnected=disconnected,
+            guided_param=guided_param,
+            forced=forced,
         )
 
     # -- helpers ------------------------------------------------------------------------------
@@ -263,15 +307,17 @@ class OpenAIServing:
         tenant: RequestTenant,
         chat: bool,
         disconnected: Disconnected | None = None,
+        guided_param: str | None = None,
+        forced: ToolPlan | None = None,
     ) -> Response:
         timer = _Timer(self.metrics)  # time to first token includes a grammar's compile
         if params.guided is not None:
-            await self._compile_grammar(params.guided, body.guided_param)
+            await self._compile_grammar(params.guided, guided_param)
         request_id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
         ticket = await self.admission.admit(tenant, request_id, self._reserved(prompts, params))
         try:
             first, updates = await self._start(
-                body, request_id, prompts, params, lora, tenant, chat
+                guided_param, request_id, prompts, params, lora, tenant, chat
             )
         except BaseException:
             ticket.release(0)  # refused by the engine: nothing used
@@ -288,7 +334,10 @@ class OpenAIServing:
             lora,
             timer.start,
         )
-        choices = [_Choice(i) for i in range(len(prompts) * params.n)]
+        choices = [
+            _Choice(i, calls=None if forced is None else ToolCallStream(forced))
+            for i in range(len(prompts) * params.n)
+        ]
         usage = _Usage()
         created = int(time.time())
         if body.stream:
@@ -370,7 +419,7 @@ class OpenAIServing:
 
     async def _start(
         self,
-        body: Any,
+        guided_param: str | None,
         request_id: str,
         prompts: list[list[int]],
         params: SamplingParams,
@@ -404,7 +453,7 @@ class OpenAIServing:
                 raise
             code, param = INVALID_VALUE, None
             if isinstance(exc, GuidedSpecError):
-                code, param = INVALID_GRAMMAR, body.guided_param
+                code, param = INVALID_GRAMMAR, guided_param
             elif "context length" in str(exc):
                 code, param = "context_length_exceeded", "messages" if chat else "prompt"
             raise APIError(400, str(exc), param=param, code=code) from exc
@@ -431,11 +480,20 @@ class OpenAIServing:
             self._logprobs(choice.token_ids, choice.logprobs, chat) if choice.logprobs else None
         )
         if chat:
+            message: dict[str, Any] = {"role": "assistant", "content": choice.text}
+            reason = choice.answered_reason
+            if reason == "tool_calls":
+                assert choice.calls is not None
+                calls = message_calls(choice.calls.plan, choice.text)
+                if calls is None:  # not a whole call after all: answered as text
+                    reason = choice.finish_reason
+                else:
+                    message = {"role": "assistant", "content": None, "tool_calls": calls}
             return {
                 "index": choice.index,
-                "message": {"role": "assistant", "content": choice.text},
+                "message": message,
                 "logprobs": logprobs,
-                "finish_reason": choice.answered_reason,
+                "finish_reason": reason,
             } | _violation_body(choice)
         return {
             "index": choice.index,
@@ -537,7 +595,10 @@ class OpenAIServing:
                 [
                     {
                         "index": c.index,
-                        "delta": {"role": "assistant", "content": ""},
+                        "delta": {
+                            "role": "assistant",
+                            "content": None if c.calls is not None else "",
+                        },
                         "logprobs": None,
                         "finish_reason": None,
                     }
@@ -561,7 +622,12 @@ class OpenAIServing:
                         else None
                     )
                     body: dict[str, Any] = {"index": choice.index}
-                    if chat:
+                    if chat and choice.calls is not None:
+                        calls = choice.calls.deltas(choice.text, update.finished)
+                        body["delta"] = {"tool_calls": calls} if calls else {}
+                        if not calls and not update.finished:
+                            continue
+                    elif chat:
                         body["delta"] = {"content": delta} if delta else {}
                     else:
                         body["text"] = delta

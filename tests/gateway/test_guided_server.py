@@ -158,7 +158,7 @@ def rf(schema: dict[str, Any]) -> dict[str, Any]:
 # (extra body fields, the error's param, words in its message)
 BAD = [
     (rf({"type": "frobnicate"}), "response_format", "invalid JSON schema"),
-    (rf({"not": {"type": "string"}}), "response_format", "at /not"),
+    (rf({"not": {"type": "integer"}}), "response_format", "at /not/type"),
     (rf({"$ref": "https://example.com/s.json"}), "response_format", "$ref"),
     (
         rf({"enum": [f"value number {i}" for i in range(400)]}),
