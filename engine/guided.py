@@ -76,9 +76,10 @@ def canonical_text(spec: GuidedSpec) -> str:
     Not key-sorted: a schema's property order is the order the output writes them in, so
     two orders are two grammars.
     """
-    if spec.json_schema is not None:
+    document = spec.json_schema if spec.json_schema is not None else spec.structural_tag
+    if document is not None:
         try:
-            return json.dumps(spec.json_schema, ensure_ascii=False, separators=JSON_SEPARATORS)
+            return json.dumps(document, ensure_ascii=False, separators=JSON_SEPARATORS)
         except RecursionError:
             raise GuidedSpecError("the JSON schema nests too deeply") from None
         except (TypeError, ValueError) as exc:  # a Python caller's set, bytes, ...
@@ -257,6 +258,9 @@ class GrammarCache:
                 normalized = check_schema(spec.json_schema, self.max_depth)
                 end_checks = normalized.end_checks
                 spec = dataclasses.replace(spec, json_schema=normalized.schema)
+            elif spec.structural_tag is not None:
+                tag = _normalized_tag(spec.structural_tag, self.max_depth)
+                spec = dataclasses.replace(spec, structural_tag=tag)
             compiled = self._compile_unchecked(spec)
             if end_checks:
                 compiled = dataclasses.replace(compiled, end_checks=end_checks)
@@ -285,6 +289,8 @@ class GrammarCache:
             return CompiledSpec(grammar, self._json_filter)
         if spec.regex is not None:
             return CompiledSpec(compiler.compile_regex(spec.regex), None)
+        if spec.structural_tag is not None:
+            return CompiledSpec(compiler.compile_structural_tag(spec.structural_tag), None)
         if spec.choice is not None:
             # A JSON string literal is also an EBNF string literal (same quoting and escapes).
             alternatives = " | ".join(json.dumps(c, ensure_ascii=False) for c in spec.choice)
@@ -330,8 +336,21 @@ def _no_control_bytes(
     return torch.from_numpy(np.packbits(allowed, bitorder="little").view(np.int32))
 
 
+def _normalized_tag(node: Any, max_depth: int) -> Any:
+    """The structural tag with each JSON schema in it normalized (check_schema): the tags'
+    contents are enforced as fully as a response_format schema is."""
+    if isinstance(node, list):
+        return [_normalized_tag(item, max_depth) for item in node]
+    if not isinstance(node, dict):
+        return node
+    if node.get("type") == "json_schema" and isinstance(node.get("json_schema"), dict):
+        return node | {"json_schema": check_schema(node["json_schema"], max_depth).schema}
+    return {key: _normalized_tag(value, max_depth) for key, value in node.items()}
+
+
 def _name(spec: GuidedSpec) -> str:
-    return {"json_schema": "JSON schema", "json_object": "JSON object"}.get(spec.kind, spec.kind)
+    names = {"json_schema": "JSON schema", "json_object": "JSON object"}
+    return names.get(spec.kind, spec.kind.replace("_", " "))
 
 
 def _timeout_message(timeout: float) -> str:

@@ -40,7 +40,9 @@ FINISH_REASONS = {
 @dataclass(frozen=True, slots=True)
 class GuidedSpec:
     """Constrain the output to exactly one of: a JSON schema, any JSON object, a regular
-    expression, one string of a list, or an EBNF grammar (engine.guided compiles it).
+    expression, one string of a list, an EBNF grammar, or an xgrammar structural tag (free
+    text in which each trigger starts a tag whose content follows a JSON schema: tool calls)
+    (engine.guided compiles it).
 
     Frozen: n > 1 samples share one spec (each gets its own matcher). `strict` (JSON schema
     only) keeps objects to the properties the schema names, as OpenAI's strict mode does;
@@ -52,6 +54,7 @@ class GuidedSpec:
     regex: str | None = None
     choice: tuple[str, ...] | None = None
     grammar: str | None = None
+    structural_tag: dict[str, Any] | None = None
     strict: bool = True
 
     def __post_init__(self) -> None:
@@ -67,12 +70,15 @@ class GuidedSpec:
             self.regex is not None,
             self.choice is not None,
             self.grammar is not None,
+            self.structural_tag is not None,
         ]
         if sum(kinds) != 1:
             raise ValueError(
-                "guided decoding takes exactly one of json_schema, json_object, regex, choice "
-                "and grammar"
+                "guided decoding takes exactly one of json_schema, json_object, regex, choice, "
+                "grammar and structural_tag"
             )
+        if self.structural_tag is not None and not isinstance(self.structural_tag, dict):
+            raise ValueError("a structural tag must be a JSON object")
         if self.json_schema is not None and not isinstance(self.json_schema, dict):
             raise ValueError("a JSON schema must be a JSON object")
         if self.regex is not None and not self.regex:
@@ -93,6 +99,8 @@ class GuidedSpec:
             return "json_object"
         if self.regex is not None:
             return "regex"
+        if self.structural_tag is not None:
+            return "structural_tag"
         return "choice" if self.choice is not None else "grammar"
 
 

@@ -30,6 +30,7 @@ def build_app(
     allow_runtime_lora_updating: bool = False,
     limits: RequestLimits | None = None,
     metrics_max_tenants: int = 100,
+    tool_call_parser: str | None = None,
 ) -> FastAPI:
     app = FastAPI(
         title="loragate",
@@ -51,6 +52,7 @@ def build_app(
         tenancy.ledger,
         catalog,
         limits or RequestLimits(),
+        tool_call_parser,
     )
     app.state.started_at = int(time.time())
     install_error_handlers(app)

@@ -48,6 +48,8 @@ HELP: dict[str, str] = {
     "guided_cache_size": "Compiled grammars kept (LRU).",
     "guided_max_schema_bytes": "Largest JSON schema, regex, grammar or choice list.",
     "guided_max_schema_depth": "Deepest JSON nesting of a schema.",
+    "enable_auto_tool_choice": 'Serve tool_choice "auto": the model may answer or call tools.',
+    "tool_call_parser": "The model's tool-call format: hermes, llama3_json or mistral.",
     "host": "Address to listen on.",
     "port": "Port to listen on.",
     "max_body_bytes": "Largest request body (413 past it).",

@@ -144,6 +144,7 @@ def run_server(settings: Settings, with_progress: Callable[[Any], Any]) -> None:
         allow_runtime_lora_updating=settings.allow_runtime_lora_updating and settings.enable_lora,
         limits=RequestLimits(max_n=settings.max_n, max_prompt_chars=settings.max_prompt_chars),
         metrics_max_tenants=settings.metrics_max_tenants,
+        tool_call_parser=settings.tool_call_parser if settings.enable_auto_tool_choice else None,
     )
 
     @contextlib.asynccontextmanager

@@ -40,14 +40,9 @@ from gateway.request_limits import (
     ServerBounds,
 )
 from gateway.streaming import Disconnected, MeteredStream, chain, merge, unless_disconnected
-from gateway.tool_calls import (
-    ToolCallStream,
-    ToolPlan,
-    message_calls,
-    render_messages,
-    template_knows_tools,
-    tool_plan,
-)
+from gateway.tool_calls import ToolCallStream, ToolPlan, parameters, tool_plan
+from gateway.tool_parsers import FORMATS, ToolFormat
+from gateway.tool_prompt import render_messages, template_knows_tools
 from tenants.ledger import Ledger
 
 logger = logging.getLogger(__name__)
@@ -66,15 +61,20 @@ class _Choice:
     finish_reason: str | None = None  # the engine's; metering and request_success count it
     stop_reason: int | str | None = None  # a stop string or token id of the client's
     violation: Violation | None = None  # a guided document that failed its schema
-    calls: ToolCallStream | None = None  # a forced tool call's output
+    calls: ToolCallStream | None = None  # the output of a request with tools
 
     @property
     def answered_reason(self) -> str | None:
-        """The finish reason the client sees: `error` for a document that failed its schema,
-        `tool_calls` for a forced call that ended where its grammar ends."""
+        """The finish reason the client sees: `error` for a document or call that failed its
+        schema, `tool_calls` for an output that ended where its grammar ends holding calls."""
         if self.violation is not None:
             return "error"
-        if self.calls is not None and self.finish_reason == "stop" and self.stop_reason is None:
+        if (
+            self.calls is not None
+            and self.finish_reason == "stop"
+            and self.stop_reason is None
+            and self.calls.final(self.text)[1]
+        ):
             return "tool_calls"
         return self.finish_reason
 
@@ -145,6 +145,7 @@ class OpenAIServing:
         ledger: Ledger,
         catalog: AdapterCatalog | None = None,
         limits: RequestLimits | None = None,
+        tool_call_parser: str | None = None,
     ) -> None:
         self.engine = engine
         self.admission = admission
@@ -157,6 +158,8 @@ class OpenAIServing:
             limits or RequestLimits(), engine.vocab_size, engine.max_model_len
         )
         self.output_validator = OutputValidator()
+        # tool_choice "auto" reads calls in this format; None: auto is refused.
+        self.tool_format = None if tool_call_parser is None else FORMATS[tool_call_parser]
 
     async def resolve_model(self, name: str, tenant: RequestTenant) -> LoRARequest | None:
         """The adapter a `model` field names for this tenant (its own, else a public one); None
@@ -217,20 +220,26 @@ class OpenAIServing:
         lora = await self.resolve_model(body.model, tenant)
         self._check_bounds(body, 1)
         try:
-            plan = tool_plan(body)
+            plan = tool_plan(body, auto=self.tool_format is not None)
         except FieldError as exc:
             raise APIError(400, str(exc), param=exc.param, code=INVALID_VALUE) from exc
         native = template_knows_tools(getattr(self.tokenizer, "chat_template", None))
-        messages, tools = render_messages(body.messages, plan, native)
+        fmt = self.tool_format or FORMATS["hermes"]
+        messages, tools = render_messages(body.messages, plan, native, fmt)
         chars = sum(len(m["content"]) for m in messages) + len(json.dumps(tools or ""))
         self.bounds.check_prompt_chars(chars, "messages")
         params = self._params(body, body.requested_max_tokens, body.num_logprobs)
         guided_param = body.guided_param
-        forced = plan if plan is not None and plan.forced is not None else None
-        if forced is not None:
-            for spec, param in forced.tool_specs():  # a bad schema is refused by its tool
+        calls = None if plan is None or plan.mode == "none" else plan
+        if calls is not None:
+            for spec, param in calls.tool_specs():  # a bad schema is refused by its tool
                 await self._compile_grammar(spec, param)
-            params = dataclasses.replace(params, guided=forced.output_spec())
+            guided = (
+                calls.output_spec()
+                if calls.forced
+                else GuidedSpec(structural_tag=fmt.structural_tag(calls))
+            )
+            params = dataclasses.replace(params, guided=guided)
             guided_param = "tools"
         try:
             encoded = await asyncio.to_thread(
@@ -255,7 +264,8 @@ class OpenAIServing:
             chat=True,
             disconnected=disconnected,
             guided_param=guided_param,
-            forced=forced,
+            tools=calls,
+            tool_format=fmt,
         )
 
     # -- helpers ------------------------------------------------------------------------------
@@ -308,7 +318,8 @@ class OpenAIServing:
         chat: bool,
         disconnected: Disconnected | None = None,
         guided_param: str | None = None,
-        forced: ToolPlan | None = None,
+        tools: ToolPlan | None = None,
+        tool_format: ToolFormat | None = None,
     ) -> Response:
         timer = _Timer(self.metrics)  # time to first token includes a grammar's compile
         if params.guided is not None:
@@ -335,7 +346,12 @@ class OpenAIServing:
             timer.start,
         )
         choices = [
-            _Choice(i, calls=None if forced is None else ToolCallStream(forced))
+            _Choice(
+                i,
+                calls=None
+                if tools is None
+                else ToolCallStream(tools, None if tools.forced else tool_format),
+            )
             for i in range(len(prompts) * params.n)
         ]
         usage = _Usage()
@@ -484,11 +500,8 @@ class OpenAIServing:
             reason = choice.answered_reason
             if reason == "tool_calls":
                 assert choice.calls is not None
-                calls = message_calls(choice.calls.plan, choice.text)
-                if calls is None:  # not a whole call after all: answered as text
-                    reason = choice.finish_reason
-                else:
-                    message = {"role": "assistant", "content": None, "tool_calls": calls}
+                content, calls = choice.calls.final(choice.text)
+                message = {"role": "assistant", "content": content, "tool_calls": calls}
             return {
                 "index": choice.index,
                 "message": message,
@@ -509,10 +522,15 @@ class OpenAIServing:
         max_tokens, nor at a stop string or token of the client's) is checked against its
         schema; one that fails is answered as `error`, counted and logged. Metering and the
         engine's finish reason are left as they are: the tokens were generated."""
-        if not checks(spec) or choice.finish_reason != "stop" or choice.stop_reason is not None:
+        if choice.finish_reason != "stop" or choice.stop_reason is not None:
             return
-        assert spec is not None
-        violation = await self.output_validator.check(spec, choice.text)
+        if choice.calls is not None and choice.calls.fmt is not None:
+            violation = await self._check_calls(choice.calls, choice.text)
+        elif checks(spec):
+            assert spec is not None
+            violation = await self.output_validator.check(spec, choice.text)
+        else:
+            return
         if violation is None:
             return
         choice.violation = violation
@@ -525,6 +543,17 @@ class OpenAIServing:
             violation.pointer,
             violation.schema_pointer,
         )
+
+    async def _check_calls(self, stream: ToolCallStream, text: str) -> Violation | None:
+        """Each call read out of free text (tool_choice "auto") against its tool's schema."""
+        tools = {t.function.name: t for t in stream.plan.tools}
+        for call in stream.final(text)[1] or ():
+            function = call["function"]
+            spec = GuidedSpec(json_schema=parameters(tools[function["name"]]))
+            violation = await self.output_validator.check(spec, function["arguments"])
+            if violation is not None:
+                return violation
+        return None
 
     def _logprobs(self, token_ids: list[int], entries: list[dict[int, float]], chat: bool) -> Any:
         decode = self.tokenizer.decode
@@ -597,7 +626,7 @@ class OpenAIServing:
                         "index": c.index,
                         "delta": {
                             "role": "assistant",
-                            "content": None if c.calls is not None else "",
+                            "content": None if c.calls is not None and c.calls.fmt is None else "",
                         },
                         "logprobs": None,
                         "finish_reason": None,
@@ -623,9 +652,11 @@ class OpenAIServing:
                     )
                     body: dict[str, Any] = {"index": choice.index}
                     if chat and choice.calls is not None:
-                        calls = choice.calls.deltas(choice.text, update.finished)
-                        body["delta"] = {"tool_calls": calls} if calls else {}
-                        if not calls and not update.finished:
+                        text, calls = choice.calls.deltas(choice.text, update.finished)
+                        body["delta"] = {"content": text} if text else {}
+                        if calls:
+                            body["delta"]["tool_calls"] = calls
+                        if not body["delta"] and not update.finished:
                             continue
                     elif chat:
                         body["delta"] = {"content": delta} if delta else {}

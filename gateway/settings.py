@@ -64,6 +64,9 @@ class Settings(BaseSettings):
     guided_cache_size: int = 256
     guided_max_schema_bytes: int = 64 << 10
     guided_max_schema_depth: int = 32
+    # Tool calling: tool_choice "auto" reads calls out of text in this format (vLLM's names).
+    enable_auto_tool_choice: bool = False
+    tool_call_parser: Literal["hermes", "llama3_json", "mistral"] | None = None
 
     # -- HTTP -----------------------------------------------------------------------------------
     host: str = "127.0.0.1"
@@ -145,6 +148,13 @@ class Settings(BaseSettings):
         if self.admin_jwt_secret is not None:
             return check_secret(self.admin_jwt_secret.get_secret_value(), "admin JWT secret")
         return derive(self.resolved_secret_key(), "admin-jwt")
+
+    def check_tool_choice(self) -> None:
+        if self.enable_auto_tool_choice and self.tool_call_parser is None:
+            raise SettingsError(
+                "--enable-auto-tool-choice needs --tool-call-parser (hermes, llama3_json or "
+                "mistral): the format the model writes its calls in"
+            )
 
     def check_no_auth(self) -> None:
         if not self.auth and not _is_loopback(self.host):

@@ -69,6 +69,7 @@ def open_tenancy(settings: Settings, base: BaseModelInfo, served_model_name: str
     """The tenancy objects for a server with these settings (synchronous: run it before the
     event loop starts, or in a thread). Raises SettingsError for unusable secrets."""
     settings.check_no_auth()
+    settings.check_tool_choice()
     secret_key = settings.resolved_secret_key()
     if settings.db_upgrade:
         upgrade(settings.database_url)

@@ -1,5 +1,5 @@
-"""OpenAI tool calling: what a request's tools ask of the output, how they reach the prompt, and
-the calls read back out of the text, whole or as it streams.
+"""OpenAI tool calling: what a request's tools ask of the output, and the calls read back out
+of the text, whole or as it streams.
 
 A forced call (`tool_choice` "required" or naming a function) is guided decoding: the output
 must be, for a named function, its arguments (a document of its `parameters` schema), and for
@@ -9,11 +9,8 @@ schema. So every forced call parses and its arguments validate, on any model. Th
 compact JSON with keys in the schema's order, which is what lets `scan_calls` read the calls
 out of a partial text while it streams.
 
-Tools reach the prompt through the model's chat template when the template knows tools (its
-source mentions `tools`: Qwen2.5, Llama 3.1+, Mistral, Hermes-style), else through a system
-message of ours in the Hermes style (`<tools>` ... `</tools>`, calls as
-`<tool_call>{"name": ..., "arguments": ...}</tool_call>`); past calls and tool results are
-rendered in the same style.
+Under tool_choice "auto" the output is free text in the model's own call format
+(gateway.tool_parsers); gateway.tool_prompt puts the tools into the prompt.
 """
 
 from __future__ import annotations
@@ -22,19 +19,16 @@ import json
 import re
 import uuid
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from engine.request import GuidedSpec
-from gateway.protocol import ChatCompletionRequest, ChatMessage, FieldError, Tool
+from gateway.protocol import ChatCompletionRequest, FieldError, Tool
+
+if TYPE_CHECKING:
+    from gateway.tool_parsers import ToolFormat
 
 # The schema of a function that declares no parameters.
 NO_PARAMETERS: dict[str, Any] = {"type": "object", "properties": {}}
-TOOLS_INSTRUCTIONS = (
-    "You can call functions. Each one is described by a JSON object inside <tools></tools>:\n"
-    "<tools>\n{tools}\n</tools>\n"
-    'To call a function, write <tool_call>{{"name": <the function\'s name>, "arguments": '
-    "<an object of its parameters>}}</tool_call>, one such block per call."
-)
 
 
 @dataclass(frozen=True, slots=True)
@@ -42,15 +36,19 @@ class ToolPlan:
     """What a request's tools ask of its output."""
 
     tools: tuple[Tool, ...]
-    forced: str | None  # "named", "required", or None: text (tool_choice "none")
+    mode: str  # "none" (text), "auto" (text or calls), "named" or "required" (forced)
     name: str | None = None  # the named function
     parallel: bool = True
 
+    @property
+    def forced(self) -> bool:
+        return self.mode in ("named", "required")
+
     def output_spec(self) -> GuidedSpec:
         """The grammar a forced call's output follows."""
-        assert self.forced is not None
+        assert self.forced
         strict = all(t.function.strict is not False for t in self.tools)
-        if self.forced == "named":
+        if self.mode == "named":
             return GuidedSpec(json_schema=parameters(self._tool(self.name)), strict=strict)
         return GuidedSpec(json_schema=self._calls_schema(), strict=strict)
 
@@ -60,7 +58,7 @@ class ToolPlan:
         return [
             (GuidedSpec(json_schema=parameters(tool)), f"tools[{i}].function.parameters")
             for i, tool in enumerate(self.tools)
-            if self.forced == "required" or tool.function.name == self.name
+            if self.mode != "named" or tool.function.name == self.name
         ]
 
     def _tool(self, name: str | None) -> Tool:
@@ -94,8 +92,9 @@ class ToolPlan:
         return calls | {"$defs": defs}
 
 
-def tool_plan(body: ChatCompletionRequest) -> ToolPlan | None:
-    """The request's tool plan; None when it has no tools. Raises FieldError (HTTP 400)."""
+def tool_plan(body: ChatCompletionRequest, auto: bool) -> ToolPlan | None:
+    """The request's tool plan; None when it has no tools. `auto`: the server reads calls out
+    of free text (--enable-auto-tool-choice). Raises FieldError (HTTP 400)."""
     choice = body.tool_choice
     named = None if isinstance(choice, str) or choice is None else choice.function.name
     if not body.tools:
@@ -106,20 +105,22 @@ def tool_plan(body: ChatCompletionRequest) -> ToolPlan | None:
     for i, name in enumerate(names):
         if name in names[:i]:
             raise FieldError(f"tools[{i}].function.name", f"two tools are named {name!r}")
-    if choice is None or choice == "auto":
+    if choice == "none":
+        return ToolPlan(tuple(body.tools), "none")
+    if choice in (None, "auto") and not auto:
         raise FieldError(
             "tool_choice",
-            'tool_choice "auto" (the default with tools) needs a tool-call parser, which this '
-            'server does not have yet: send "required", {"type": "function", "function": '
-            '{"name": ...}}, or "none"',
+            'tool_choice "auto" (the default with tools) needs the server started with '
+            '--enable-auto-tool-choice and a --tool-call-parser; or send "required", '
+            '{"type": "function", "function": {"name": ...}}, or "none"',
         )
-    if choice == "none":
-        return ToolPlan(tuple(body.tools), None)
     if body.guided_param is not None:
         raise FieldError(
             body.guided_param,
-            f"{body.guided_param} and a forced tool call both constrain the output; send one",
+            f"{body.guided_param} and tool calls both constrain the output; send one",
         )
+    if choice in (None, "auto"):
+        return ToolPlan(tuple(body.tools), "auto", parallel=body.parallel_tool_calls)
     if named is not None and named not in names:
         raise FieldError("tool_choice", f"tool_choice names {named!r}, which is not in tools")
     return ToolPlan(
@@ -149,107 +150,6 @@ def _rebased(schema: Any, root: str) -> Any:
     return out
 
 
-# -- the prompt ---------------------------------------------------------------------------------
-
-
-def template_knows_tools(chat_template: Any) -> bool:
-    return isinstance(chat_template, str) and "tools" in chat_template
-
-
-def render_messages(
-    messages: list[ChatMessage], plan: ToolPlan | None, native: bool
-) -> tuple[list[dict[str, Any]], list[dict[str, Any]] | None]:
-    """The messages for the chat template, and the tools to pass it (None: the tools, if any,
-    are in a system message of ours). `native`: the template knows tools."""
-    tools = None if plan is None else [_tool_json(t) for t in plan.tools]
-    if native:
-        return [_native_message(m, messages) for m in messages], tools
-    rendered: list[dict[str, Any]] = []
-    for message in messages:
-        entry = _generic_message(message)
-        if entry["role"] == "user" and message.role == "tool" and rendered:
-            last = rendered[-1]
-            if last.get("tool_results"):  # consecutive results: one message
-                last["content"] += "\n" + entry["content"]
-                continue
-            entry["tool_results"] = True
-        rendered.append(entry)
-    for entry in rendered:
-        entry.pop("tool_results", None)
-    if tools:
-        listing = "\n".join(json.dumps(t, ensure_ascii=False) for t in tools)
-        instructions = TOOLS_INSTRUCTIONS.format(tools=listing)
-        if rendered and rendered[0]["role"] in ("system", "developer"):
-            rendered[0]["content"] = f"{rendered[0]['content']}\n\n{instructions}".lstrip()
-        else:
-            rendered.insert(0, {"role": "system", "content": instructions})
-    return rendered, None
-
-
-def _tool_json(tool: Tool) -> dict[str, Any]:
-    function: dict[str, Any] = {"name": tool.function.name}
-    if tool.function.description is not None:
-        function["description"] = tool.function.description
-    function["parameters"] = parameters(tool)
-    return {"type": "function", "function": function}
-
-
-def _arguments(text: str) -> Any:
-    """A call's arguments as the templates want them: the object, or the text if not JSON."""
-    try:
-        return json.loads(text)
-    except ValueError:
-        return text
-
-
-def _native_message(message: ChatMessage, history: list[ChatMessage]) -> dict[str, Any]:
-    entry: dict[str, Any] = {"role": message.role, "content": message.text()}
-    if message.tool_calls:
-        entry["tool_calls"] = [
-            {
-                "id": call.id,
-                "type": "function",
-                "function": {
-                    "name": call.function.name,
-                    "arguments": _arguments(call.function.arguments),
-                },
-            }
-            for call in message.tool_calls
-        ]
-    if message.role == "tool":
-        entry["tool_call_id"] = message.tool_call_id
-        name = _called_name(history, message.tool_call_id)
-        if name is not None:
-            entry["name"] = name
-    return entry
-
-
-def _generic_message(message: ChatMessage) -> dict[str, Any]:
-    text = message.text()
-    if message.role == "tool":
-        return {"role": "user", "content": f"<tool_response>\n{text}\n</tool_response>"}
-    if message.tool_calls:
-        blocks = [
-            "<tool_call>"
-            + json.dumps(
-                {"name": call.function.name, "arguments": _arguments(call.function.arguments)},
-                ensure_ascii=False,
-            )
-            + "</tool_call>"
-            for call in message.tool_calls
-        ]
-        text = "\n".join(([text] if text else []) + blocks)
-    return {"role": message.role, "content": text}
-
-
-def _called_name(history: list[ChatMessage], call_id: str | None) -> str | None:
-    for message in history:
-        for call in message.tool_calls or ():
-            if call.id == call_id:
-                return call.function.name
-    return None
-
-
 # -- the calls in the output --------------------------------------------------------------------
 
 
@@ -267,7 +167,7 @@ _CALL_HEAD = re.compile(r'\{"name":("(?:[^"\\]|\\.)*")(,"parameters":)?')
 
 def scan_calls(plan: ToolPlan, text: str, finished: bool) -> list[CallText]:
     """The calls in a forced call's (partial) output, in order."""
-    if plan.forced == "named":
+    if plan.mode == "named":
         assert plan.name is not None
         return [CallText(plan.name, text, finished)]
     calls: list[CallText] = []
@@ -281,7 +181,7 @@ def scan_calls(plan: ToolPlan, text: str, finished: bool) -> list[CallText]:
             calls.append(CallText(name, "", False))
             break
         start = head.end()
-        end = _value_end(text, start)
+        end = value_end(text, start)
         if end is None:
             calls.append(CallText(name, text[start:], False))
             break
@@ -293,7 +193,7 @@ def scan_calls(plan: ToolPlan, text: str, finished: bool) -> list[CallText]:
     return calls
 
 
-def _value_end(text: str, start: int) -> int | None:
+def value_end(text: str, start: int) -> int | None:
     """The index after the compact JSON value at `start`; None if the text ends inside it."""
     depth = 0
     in_string = escaped = False
@@ -329,16 +229,30 @@ def new_call_id() -> str:
 
 @dataclass(slots=True)
 class ToolCallStream:
-    """One choice's calls as OpenAI streams them: each call's index, id and name first, then
-    its arguments in fragments as they are written."""
+    """One choice's output read as content and calls. Streamed as OpenAI streams them: the
+    content as it settles; each call's index, id and name first, then its arguments in
+    fragments as they are written. `fmt` is the model's format under tool_choice "auto";
+    None for a forced call, whose whole output is calls."""
 
     plan: ToolPlan
+    fmt: ToolFormat | None = None
     ids: list[str] = field(default_factory=list)
     sent_chars: list[int] = field(default_factory=list)
+    sent_content: int = 0
+    _final: tuple[str, tuple[str | None, list[dict[str, Any]] | None]] | None = None
 
-    def deltas(self, text: str, finished: bool) -> list[dict[str, Any]]:
+    def deltas(self, text: str, finished: bool) -> tuple[str, list[dict[str, Any]]]:
+        """The content and the tool_calls deltas the text holds beyond what was sent."""
+        if self.fmt is None:
+            content, calls = "", scan_calls(self.plan, text, finished)
+        else:
+            content, calls, _ = self.fmt.scan(text)
+            if finished and not calls:
+                content = text  # a held-back partial trigger is content after all
+        new_content = content[self.sent_content :]
+        self.sent_content = max(self.sent_content, len(content))
         out = []
-        for index, call in enumerate(scan_calls(self.plan, text, finished)):
+        for index, call in enumerate(calls):
             delta: dict[str, Any] = {"index": index}
             function: dict[str, Any] = {}
             if index == len(self.ids):
@@ -346,25 +260,36 @@ class ToolCallStream:
                 self.sent_chars.append(0)
                 delta |= {"id": self.ids[index], "type": "function"}
                 function["name"] = call.name
-            fragment = call.arguments[self.sent_chars[index] :]
-            if fragment or "name" in function:
-                function["arguments"] = fragment
+            more = call.arguments[self.sent_chars[index] :]
+            if more or "name" in function:
+                function["arguments"] = more
                 self.sent_chars[index] = len(call.arguments)
                 out.append(delta | {"function": function})
-        return out
+        return new_content, out
 
+    def final(self, text: str) -> tuple[str | None, list[dict[str, Any]] | None]:
+        """A finished output's `message.content` and `message.tool_calls`; no calls when the
+        text holds no whole call (cut short, or a call that does not parse)."""
+        if self._final is None or self._final[0] != text:
+            self._final = (text, self._read(text))
+        return self._final[1]
 
-def message_calls(plan: ToolPlan, text: str) -> list[dict[str, Any]] | None:
-    """A finished forced call's `message.tool_calls`; None when the text holds no complete
-    call (it was cut short)."""
-    calls = scan_calls(plan, text, finished=True)
-    if not calls or not all(c.complete for c in calls):
-        return None
-    return [
-        {
-            "id": new_call_id(),
-            "type": "function",
-            "function": {"name": c.name, "arguments": c.arguments},
-        }
-        for c in calls
-    ]
+    def _read(self, text: str) -> tuple[str | None, list[dict[str, Any]] | None]:
+        if self.fmt is None:
+            calls = scan_calls(self.plan, text, finished=True)
+            if not calls or not all(c.complete for c in calls):
+                return text, None
+            content = None
+        else:
+            content, calls = self.fmt.parse(text)
+            if not calls:
+                return text, None
+        ids = self.ids + [new_call_id() for _ in calls[len(self.ids) :]]
+        return content, [
+            {
+                "id": ids[i],
+                "type": "function",
+                "function": {"name": c.name, "arguments": c.arguments},
+            }
+            for i, c in enumerate(calls)
+        ]

@@ -18,13 +18,11 @@ from transformers import AutoTokenizer
 from engine import EngineConfig, LLMEngine
 from engine.async_engine import AsyncEngine
 from gateway.protocol import ChatCompletionRequest
-from gateway.tool_calls import (
-    TOOLS_INSTRUCTIONS,
-    ToolCallStream,
-    message_calls,
-    render_messages,
-    tool_plan,
-)
+from gateway.tool_calls import ToolCallStream, tool_plan
+from gateway.tool_parsers import FORMATS
+from gateway.tool_prompt import INSTRUCTIONS, render_messages
+
+HERMES = FORMATS["hermes"]
 
 MODEL = "demo"
 WEATHER = {
@@ -173,9 +171,11 @@ def test_a_conversation_with_tool_results_goes_on(server: Server) -> None:
         messages=MESSAGES,
         tools=[WEATHER],
         tool_choice="required",
+        parallel_tool_calls=False,
         max_tokens=64,
         temperature=0,
     )
+    assert first.choices[0].finish_reason == "tool_calls", first.choices[0]
     calls = first.choices[0].message.tool_calls
     history = [
         *MESSAGES,
@@ -193,7 +193,7 @@ def test_a_conversation_with_tool_results_goes_on(server: Server) -> None:
     ("extra", "param", "words"),
     [
         ({"tools": [WEATHER]}, "tool_choice", 'tool_choice "auto"'),
-        ({"tools": [WEATHER], "tool_choice": "auto"}, "tool_choice", "tool-call parser"),
+        ({"tools": [WEATHER], "tool_choice": "auto"}, "tool_choice", "--tool-call-parser"),
         (
             {"tools": [WEATHER], "tool_choice": {"type": "function", "function": {"name": "x"}}},
             "tool_choice",
@@ -256,27 +256,27 @@ def request(**fields: Any) -> ChatCompletionRequest:
 
 
 def test_partial_outputs_stream_the_calls_they_hold() -> None:
-    plan = tool_plan(request(tools=[WEATHER, ADD], tool_choice="required"))
+    plan = tool_plan(request(tools=[WEATHER, ADD], tool_choice="required"), auto=False)
     assert plan is not None
     text = (
         '[{"name":"get_weather","parameters":{"city":"P\\"a,r}is","unit":"celsius"}},'
         '{"name":"add","parameters":{"a":2,"b":3}}]'
     )
     stream = ToolCallStream(plan)
-    deltas = [d for end in range(len(text) + 1) for d in stream.deltas(text[:end], False)]
+    deltas = [d for end in range(len(text) + 1) for d in stream.deltas(text[:end], False)[1]]
     calls: dict[int, list[str]] = {}
     for delta in deltas:
         entry = calls.setdefault(delta["index"], ["", ""])
         if "id" in delta:
             entry[0] = delta["function"]["name"]
         entry[1] += delta["function"].get("arguments", "")
-    whole = message_calls(plan, text)
-    assert whole is not None
+    content, whole = ToolCallStream(plan).final(text)
+    assert content is None and whole is not None
     assert [tuple(calls[i]) for i in sorted(calls)] == [
         (c["function"]["name"], c["function"]["arguments"]) for c in whole
     ]
     assert json.loads(whole[0]["function"]["arguments"])["city"] == 'P"a,r}is'
-    assert message_calls(plan, text[:-12]) is None  # cut short: no whole call
+    assert ToolCallStream(plan).final(text[:-12]) == (text[:-12], None)  # cut short
 
 
 def test_tools_reach_a_template_that_does_not_know_them_as_a_system_message(
@@ -302,14 +302,15 @@ def test_tools_reach_a_template_that_does_not_know_them_as_a_system_message(
             {"role": "tool", "tool_call_id": "call_2", "content": "5"},
         ],
     )
-    messages, tools = render_messages(body.messages, tool_plan(body), native=False)
+    messages, tools = render_messages(body.messages, tool_plan(body, False), False, HERMES)
     assert tools is None
     assert messages[0]["role"] == "system" and messages[0]["content"].startswith("Be brief.")
-    assert TOOLS_INSTRUCTIONS.split("{tools}")[0].strip() in messages[0]["content"]
+    assert INSTRUCTIONS.split("{tools}")[0].strip() in messages[0]["content"]
     assert '"name": "get_weather"' in messages[0]["content"]
     assert messages[2] == {
         "role": "assistant",
-        "content": '<tool_call>{"name": "get_weather", "arguments": {"city": "Paris"}}</tool_call>',
+        "content": '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n'
+        "</tool_call>",
     }
     assert messages[3] == {
         "role": "user",
@@ -349,7 +350,7 @@ def test_a_template_that_knows_tools_gets_them_as_they_are(demo_model_dir: Path)
             {"role": "tool", "tool_call_id": "call_9", "content": "3 C"},
         ],
     )
-    messages, tools = render_messages(body.messages, tool_plan(body), native=True)
+    messages, tools = render_messages(body.messages, tool_plan(body, False), True, HERMES)
     tokenizer = AutoTokenizer.from_pretrained(demo_model_dir)
     text = tokenizer.apply_chat_template(
         messages, tools=tools, chat_template=NATIVE_TEMPLATE, tokenize=False
