@@ -186,6 +186,12 @@ _bench_command(
     "Guided vs unguided decode on W1, and grammar compile times (`--help` lists the options).",
 )
 _bench_command(
+    "tools",
+    "bench.tool_calls",
+    "Forced tool calls against any server: validity, cost against guided JSON, first delta "
+    "(`--help` lists the options).",
+)
+_bench_command(
     "fairness",
     "bench.fairness",
     "A tenant flooding at 10x another's rate (fcfs vs fair TTFT) and 2:1 weighted shares "
