@@ -12,9 +12,11 @@ from typing import Any
 import jsonschema
 import openai
 import pytest
-from live_server import Server, build_test_app, live_server
+from live_server import Server, build_test_app, live_server, register_public
 from transformers import AutoTokenizer
 
+from adapters.peft import describe_base
+from adapters.registry import AdapterRegistry
 from engine import EngineConfig, LLMEngine
 from engine.async_engine import AsyncEngine
 from gateway.protocol import ChatCompletionRequest
@@ -385,3 +387,31 @@ def test_smollm2_forced_calls_validate(
             choice = resp.choices[0]
             assert choice.finish_reason == "tool_calls", choice
             check_calls(choice.message.tool_calls, {"get_weather", "add"})
+
+
+def test_forced_calls_under_an_adapter_with_the_prefix_cache(
+    demo_model_dir: Path, demo_adapters: dict[str, Path], tmp_path: Path
+) -> None:
+    """A tenant's adapter calls tools as the base does; the second identical request reads
+    its prompt (tools included) from the prefix cache."""
+    registry = AdapterRegistry(describe_base(demo_model_dir), max_lora_rank=16)
+    registry.register("r8-all", demo_adapters["r8-all"])
+    config = EngineConfig(model=str(demo_model_dir), kv_cache_memory=32 << 20, max_model_len=1024)
+    engine = AsyncEngine(LLMEngine(config, lora_loader=registry.load), max_waiting=16)
+    engine.start()
+    app = build_test_app(engine, MODEL, tmp_path, demo_model_dir)
+    register_public(app, "r8-all", demo_adapters["r8-all"])
+    with live_server(app, engine) as server:
+        kwargs: dict[str, Any] = dict(
+            messages=MESSAGES,
+            tools=[WEATHER, ADD],
+            tool_choice={"type": "function", "function": {"name": "get_weather"}},
+            max_tokens=64,
+            temperature=0,
+        )
+        runs = [server.client().chat.completions.create(model=m, **kwargs) for m in ("r8-all",) * 2]
+        for resp in runs:
+            assert resp.choices[0].finish_reason == "tool_calls"
+            check_calls(resp.choices[0].message.tool_calls, {"get_weather"})
+        assert runs[1].usage.prompt_tokens_details.cached_tokens > 0
+        assert server.wait_all_blocks_free()
