@@ -149,7 +149,9 @@ class _Sampler:
         return {"boolean": True, "null": None}.get(kind, "x")
 
     def _object(self, schema: dict[str, Any], depth: int) -> dict[str, Any]:
-        props = schema.get("properties") if isinstance(schema.get("properties"), dict) else {}
+        props: dict[str, Any] = (
+            schema["properties"] if isinstance(schema.get("properties"), dict) else {}
+        )
         required = [r for r in schema.get("required", []) if isinstance(r, str)]
         # Rich near the top only: below, a recursive schema's every property recurses.
         names = list(props) if self.rich and depth < 3 else [p for p in props if p in required]
@@ -421,7 +423,7 @@ class Llguidance:
     def compile(self, schema: Any) -> tuple[Any, str, list[str]]:
         import llguidance.numpy as llnp
 
-        options = {"whitespace_flexible": False, "item_separator": ",", "key_separator": ":"}
+        options: Any = {"whitespace_flexible": False, "item_separator": ",", "key_separator": ":"}
         try:
             grammar = self.llg.LLMatcher.grammar_from_json_schema(
                 json.dumps(schema), defaults=options
@@ -524,14 +526,18 @@ def bench_schema(
             result.mask_mismatches += verdict.mask_mismatches
             if verdict.accepted == valid:
                 continue
-            entry = {"document": doc_label, "text": text[:200], "keywords": keywords}
+            entry: dict[str, Any] = {
+                "document": doc_label,
+                "text": text[:200],
+                "keywords": keywords,
+            }
             if verdict.accepted:
-                ends = (
+                checked: set[str] = (
                     backend.end_check_keywords(handle)
                     if hasattr(backend, "end_check_keywords")
                     else set()
                 )
-                entry["end_checked"] = bool(keywords) and set(keywords) <= ends
+                entry["end_checked"] = bool(keywords) and set(keywords) <= checked
                 result.wrong_accepts.append(entry)
             else:
                 result.wrong_rejects.append(entry)
@@ -693,7 +699,7 @@ def main(argv: list[str] | None = None) -> None:
     hf_config = AutoConfig.from_pretrained(args.tokenizer)
     eos = sorted(_eos_token_ids(hf_config, tokenizer, args.tokenizer))
     vocab_size = int(hf_config.vocab_size)
-    backends = [
+    backends: list[Any] = [
         Xgrammar(tokenizer, vocab_size, eos, args.tokenizer, strict=not args.loose),
         Llguidance(tokenizer, vocab_size, eos),
     ]
@@ -712,7 +718,7 @@ def main(argv: list[str] | None = None) -> None:
     )
     total = print_report(rows, names, console)
     if args.json is not None:
-        out = {"summary": total, "rows": [asdict(r) for r in rows]}
+        out: dict[str, Any] = {"summary": total, "rows": [asdict(r) for r in rows]}
         for r in out["rows"]:
             for b in r["backends"].values():
                 b["mask_us"] = len(b["mask_us"])  # the count; the percentiles are in the summary
