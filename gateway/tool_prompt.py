@@ -8,6 +8,7 @@ and tool results as user turns in `<tool_response>` blocks.
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from typing import Any
 
 from gateway.protocol import ChatMessage, Tool
@@ -33,7 +34,9 @@ def render_messages(
     format the generic rendering shows."""
     tools = None if plan is None else [_tool_json(t) for t in plan.tools]
     if native:
-        return [_native_message(m, messages) for m in messages], tools
+        # Mistral's templates refuse call ids that are not 9 letters or digits.
+        ids = _mistral_id if fmt.name == "mistral" else str
+        return [_native_message(m, messages, ids) for m in messages], tools
     rendered: list[dict[str, Any]] = []
     for message in messages:
         entry = _generic_message(message, fmt)
@@ -72,12 +75,18 @@ def _arguments(text: str) -> Any:
         return text
 
 
-def _native_message(message: ChatMessage, history: list[ChatMessage]) -> dict[str, Any]:
+def _mistral_id(call_id: str | None) -> str:
+    return "".join(c for c in call_id or "" if c.isalnum())[-9:].rjust(9, "0")
+
+
+def _native_message(
+    message: ChatMessage, history: list[ChatMessage], ids: Callable[[Any], str]
+) -> dict[str, Any]:
     entry: dict[str, Any] = {"role": message.role, "content": message.text()}
     if message.tool_calls:
         entry["tool_calls"] = [
             {
-                "id": call.id,
+                "id": ids(call.id),
                 "type": "function",
                 "function": {
                     "name": call.function.name,
@@ -87,7 +96,7 @@ def _native_message(message: ChatMessage, history: list[ChatMessage]) -> dict[st
             for call in message.tool_calls
         ]
     if message.role == "tool":
-        entry["tool_call_id"] = message.tool_call_id
+        entry["tool_call_id"] = ids(message.tool_call_id)
         name = _called_name(history, message.tool_call_id)
         if name is not None:
             entry["name"] = name

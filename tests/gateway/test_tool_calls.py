@@ -360,6 +360,9 @@ def test_a_template_that_knows_tools_gets_them_as_they_are(demo_model_dir: Path)
     assert text.startswith("TOOLS:get_weather;add;")  # HF trims the newlines
     assert "assistant:[call get_weather Oslo]" in text
     assert "tool:3 C(get_weather call_9)" in text
+    # Mistral's templates want ids of 9 letters or digits: the same call, shortened alike.
+    mistral, _ = render_messages(body.messages, tool_plan(body, False), True, FORMATS["mistral"])
+    assert mistral[1]["tool_calls"][0]["id"] == mistral[2]["tool_call_id"] == "00000call9"[-9:]
 
 
 # -- a real model ----------------------------------------------------------------------------------
