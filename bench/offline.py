@@ -24,6 +24,10 @@ computed token, summed over forward passes (see `bench.hf_baseline.hf_kv_slots` 
 1.00 is no waste; ours pays block rounding, HF pays left padding. Below 1.00 means
 sharing: with prefix caching, 16 requests read one physical copy of the shared prefix.
 
+"MFU" is model-FLOPs utilisation (bench.mfu): the model FLOPs of the tokens each side
+computed (prefix-cache hits excluded; HF's padding excluded) per second, over the peak a
+2048-cubed matmul reaches in the engine's dtype, measured in the same run.
+
 `run_offline` is the reusable entry point (a CLI command can wrap it); `results_table`
 renders its rows.
 """
@@ -52,6 +56,7 @@ from rich.progress import (
 from rich.table import Table
 
 from bench.hf_baseline import build_hf, hf_generate, run_hf
+from bench.mfu import PEAK_SIZE, ModelFlops, matmul_peak, mfu
 from bench.workloads import (
     WORKLOAD_NAMES,
     Workload,
@@ -169,6 +174,7 @@ def _run_ours_once(
     return {
         "wall_s": wall,
         "output_tokens": num_out,
+        "cached_tokens": kv.num_hit_tokens - hit0,
         "tok_s": num_out / wall,
         "kv_alloc_tokens": alloc,
         "kv_used_tokens": used,
@@ -330,6 +336,10 @@ def run_offline(
         else:
             num_params = sum(p.numel() for p in llm.engine.runner.model.parameters())
         env = environment(model_dir, num_params, llm)
+        peak_task = progress.add_task("matmul peak", total=None)
+        env["peak_flops"] = matmul_peak(llm.engine.runner.dtype)
+        progress.update(peak_task, total=1, completed=1)
+        model_flops = ModelFlops.from_config(hf_config)
         _print_header(console, env, batch_size, output_len, block_size, seed)
 
         warm = progress.add_task("warmup", total=None)
@@ -375,6 +385,11 @@ def run_offline(
             hf = None
             if hf_model is not None:
                 hf = run_hf(hf_model, hf_tok, wl, batch_size, output_len, progress, repeat)
+            lens = [len(p) for p in wl.prompts]
+            for result in (ours, extra, hf):
+                if result is not None:
+                    flops = model_flops.run(lens, output_len, result.get("cached_tokens", 0))
+                    result["mfu"] = mfu(flops, result["wall_s"], env["peak_flops"])
             rows.append(_row(base, ours, hf))
             if extra is not None:
                 rows.append(_row({**base, "workload": extra_name}, extra, hf))
@@ -418,7 +433,8 @@ def _print_header(
         f"load average {env['loadavg_1m']:.2f} before the runs\n"
         f"batch {batch_size}, {output_len} output tokens, greedy, block {block_size}, "
         f"seed {seed}; KV {env.get('kv_bytes_per_token', 0):.0f} B/token, "
-        f"pool {env.get('kv_pool_blocks', '?')} blocks",
+        f"pool {env.get('kv_pool_blocks', '?')} blocks; a {PEAK_SIZE}^3 matmul peaks at "
+        f"{env.get('peak_flops', 0) / 1e9:.0f} GFLOP/s (the MFU columns' denominator)",
         highlight=False,
     )
 
@@ -434,6 +450,8 @@ def results_table(rows: Sequence[dict[str, Any]]) -> Table:
         "HF KV alloc/used",
         "ours wall s",
         "HF wall s",
+        "ours MFU",
+        "HF MFU",
         "greedy match",
     ):
         table.add_column(name, justify="left" if name == "workload" else "right")
@@ -444,7 +462,7 @@ def results_table(rows: Sequence[dict[str, Any]]) -> Table:
 
     for row in rows:
         if row.get("skipped"):
-            table.add_row(row["workload"], "skipped", *[""] * 7)
+            table.add_row(row["workload"], "skipped", *[""] * 9)
             continue
         table.add_row(
             row["workload"],
@@ -455,6 +473,8 @@ def results_table(rows: Sequence[dict[str, Any]]) -> Table:
             fmt(row, "hf_kv_alloc_used", ".3f"),
             fmt(row, "ours_wall_s", ".2f"),
             fmt(row, "hf_wall_s", ".2f"),
+            fmt(row, "ours_mfu", ".1%"),
+            fmt(row, "hf_mfu", ".1%"),
             fmt(row, "greedy_match", ".0%"),
         )
     return table

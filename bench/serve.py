@@ -2,13 +2,18 @@
 
     python -m bench.serve --base-url http://127.0.0.1:8000 --model NAME --workload w1
         [--concurrency 16] [--num-prompts 64] [--output-len 64] [--adapters a,b,c,d]
-        [--deadline 600] [--cpu 1] [--json FILE]
+        [--deadline 600] [--cpu 1] [--json FILE] [--model-dir DIR [--dtype bfloat16]]
 
 Every request is a streamed /v1/completions call with an exact-length token-id
 prompt, temperature 0, ignore_eos and max_tokens = output_len, so ours and
 vLLM's servers do the same work. Workloads: w1 = 128-token prompts; w2 = w1
 behind one shared 1024-token prefix; w3 = w1 round-robin over `--adapters`
 (each adapter is a model name); wv = prompt lengths uniform in 32..256.
+
+With `--model-dir` (the served model's HF directory) the row has MFU: the model FLOPs of
+the tokens served (bench.mfu; prompt tokens the server reports as cached excluded) per
+second of the run, over the peak a large matmul reaches in `--dtype` on this machine,
+measured by this client before the run while the server idles.
 
 The run is bounded twice: by the number of prompts and by a deadline, after
 which outstanding requests are cancelled and reported as failed.
@@ -27,9 +32,12 @@ from typing import Any
 
 import httpx
 import numpy as np
+import torch
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
+
+from bench.mfu import ModelFlops, matmul_peak, mfu
 
 WORKLOADS = ("w1", "w2", "w3", "wv")
 
@@ -39,6 +47,7 @@ class RequestResult:
     ok: bool
     prompt_tokens: int
     output_tokens: int = 0
+    cached_tokens: int = 0  # prompt tokens the server read from its prefix cache, if it says
     ttft: float = 0.0
     itls: list[float] = field(default_factory=list)
     e2e: float = 0.0
@@ -84,7 +93,10 @@ async def one_request(
                     continue
                 data = json.loads(line[6:])
                 if data.get("usage"):
-                    result.output_tokens = data["usage"]["completion_tokens"]
+                    usage = data["usage"]
+                    result.output_tokens = usage["completion_tokens"]
+                    details = usage.get("prompt_tokens_details") or {}
+                    result.cached_tokens = int(details.get("cached_tokens") or 0)
                 if not data.get("choices") or not data["choices"][0].get("text"):
                     continue
                 now = time.perf_counter()
@@ -173,6 +185,7 @@ def results_table(rows: list[dict[str, Any]]) -> Table:
         "ITL p50",
         "ITL p95",
         "E2E p50",
+        "MFU",
     ):
         table.add_column(col, justify="right")
     for r in rows:
@@ -187,6 +200,7 @@ def results_table(rows: list[dict[str, Any]]) -> Table:
             f"{r['itl_p50_s'] * 1e3:.1f} ms",
             f"{r['itl_p95_s'] * 1e3:.1f} ms",
             f"{r['e2e_p50_s']:.2f} s",
+            f"{r['mfu']:.1%}" if "mfu" in r else "-",
         )
     return table
 
@@ -207,8 +221,12 @@ def run_serve_bench(
     warmup: int = 4,
     console: Console | None = None,
     api_key: str | None = None,
+    model_dir: str | None = None,
+    dtype: str = "float32",
 ) -> dict[str, Any]:
-    """Drive one workload against one server; returns the summary row."""
+    """Drive one workload against one server; returns the summary row. With `model_dir`
+    (the served model's HF directory) the row has the run's MFU against a matmul peak in
+    `dtype` measured here first, while the server is idle."""
     if workload not in WORKLOADS:
         raise ValueError(f"workload must be one of {WORKLOADS}")
     if workload == "w3" and not adapters:
@@ -222,6 +240,7 @@ def run_serve_bench(
         MofNCompleteColumn(),
         TimeElapsedColumn(),
     )
+    peak = matmul_peak(getattr(torch, dtype)) if model_dir is not None else 0.0
     with Progress(*columns, console=console, transient=True) as progress:
         # First requests pay one-time costs on either server; other prompts, so they
         # prime no prefix cache.
@@ -250,6 +269,14 @@ def run_serve_bench(
         "output_len": output_len,
         **summarize(results, elapsed),
     }
+    if model_dir is not None:
+        from transformers import AutoConfig
+
+        done = [r for r in results if r.ok]
+        flops = ModelFlops.from_config(AutoConfig.from_pretrained(model_dir)).run(
+            [r.prompt_tokens for r in done], output_len, sum(r.cached_tokens for r in done)
+        )
+        row |= {"peak_flops": peak, "dtype": dtype, "mfu": mfu(flops, elapsed, peak)}
     if row["failed"]:
         console.print(f"[red]{row['failed']} requests failed: {row['errors']}")
     return row
@@ -271,6 +298,12 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--warmup", type=int, default=4, help="untimed requests sent first")
     p.add_argument("--cpu", type=int, default=None, help="pin this client to one core")
     p.add_argument("--json", type=Path, default=None)
+    p.add_argument(
+        "--model-dir",
+        default=None,
+        help="the served model's HF directory: adds MFU (model FLOPs/s over a matmul peak)",
+    )
+    p.add_argument("--dtype", default="float32", help="the peak's dtype: the server's")
     p.add_argument(
         "--api-key",
         default=os.environ.get("LORAGATE_API_KEY"),
@@ -294,6 +327,8 @@ def main(argv: list[str] | None = None) -> None:
         label=args.label,
         console=console,
         api_key=args.api_key,
+        model_dir=args.model_dir,
+        dtype=args.dtype,
     )
     console.print(results_table([row]))
     if args.json is not None:
