@@ -81,6 +81,10 @@ class Settings(BaseSettings):
     db_upgrade: bool = True  # run the migrations to head at start
     redis_url: str | None = None
     redis_failure_mode: Literal["open", "closed"] = "open"
+    redis_timeout: float = Field(default=0.25, gt=0.0, le=30.0)  # seconds per connect or read
+    redis_key_prefix: str = Field(default="loragate", min_length=1, max_length=64)
+    # A concurrency slot a replica took and never gave back (it died) frees after this.
+    concurrency_lease: float = Field(default=600.0, gt=0.0)
     # Limits a tenant gets at creation when the admin names none; None: unlimited.
     default_rpm_limit: int | None = Field(default=None, ge=1)
     default_tpm_limit: int | None = Field(default=None, ge=1)

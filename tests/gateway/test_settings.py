@@ -57,3 +57,26 @@ def test_no_auth_binds_only_loopback(host: str, allowed: bool) -> None:
     else:
         with pytest.raises(SettingsError, match="loopback"):
             settings.check_no_auth()
+
+
+def test_the_limiter_knobs_reach_the_limiter(
+    tmp_path: Path, demo_model_dir: Path, redis_url: str
+) -> None:
+    from live_server import make_tenancy
+
+    from gateway.ratelimit.redis_limiter import RedisLimiter
+
+    server = make_tenancy(
+        tmp_path,
+        demo_model_dir,
+        "demo",
+        redis_url=redis_url,
+        redis_key_prefix="lg-knobs",
+        redis_timeout=1.5,
+        concurrency_lease=42.0,
+    )
+    limiter = server.tenancy.limiter
+    assert isinstance(limiter, RedisLimiter)
+    assert limiter.key_prefix == "lg-knobs" and limiter.lease == 42.0
+    assert limiter.redis.connection_pool.connection_kwargs["socket_timeout"] == 1.5
+    assert limiter.fallback.lease == 42.0
