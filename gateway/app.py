@@ -69,6 +69,7 @@ def build_app(
         usage.router,
         admin.router,
         usage.admin_router,
+        usage.organization_router,
         admin_adapters.router,
         health_router,
     ]

@@ -211,6 +211,16 @@ async def completions(
         raise APIError(400, str(exc), param=exc.param, code="invalid_value") from exc
 
 
+# The same page at OpenAI's own path, so that the openai SDK's admin client
+# (`client.admin.organization.usage.completions(...)`, an admin token as its admin key) reads it.
+organization_router = APIRouter(
+    prefix="/v1/organization", tags=["usage"], route_class=StrictJSONRoute, responses=_ADMIN
+)
+organization_router.add_api_route(
+    "/usage/completions", completions, methods=["GET"], response_model=CompletionsPage
+)
+
+
 async def _summary(
     request: Request,
     tenancy: Tenancy,

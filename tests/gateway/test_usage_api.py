@@ -9,6 +9,7 @@ from datetime import UTC, datetime, timedelta
 from typing import Any
 
 import httpx
+import openai
 import pytest
 import sqlalchemy as sa
 from live_server import Server, admin_client
@@ -206,6 +207,26 @@ def test_openai_usage_api_buckets(tenancy_server: Server) -> None:
                 break
             cursor = got["next_page"]
         assert seen == 4 and pages == 90
+
+        # The openai SDK's admin client reads the same page at OpenAI's own path.
+        client = openai.OpenAI(
+            base_url=f"{tenancy_server.base_url}/v1",
+            api_key="unused",
+            admin_api_key=tenancy_server.tenancy.admin_token,
+        )
+        sdk = client.admin.organization.usage.completions(
+            start_time=start, end_time=start + 2 * 3600, bucket_width="1d", group_by=["project_id"]
+        )
+        assert sdk.model_dump(exclude_unset=True) == UsageCompletionsResponse.model_validate(
+            page(bucket_width="1d", end_time=start + 2 * 3600, group_by=["project_id"])
+        ).model_dump(exclude_unset=True)
+        tenant_key = openai.OpenAI(
+            base_url=f"{tenancy_server.base_url}/v1",
+            api_key="unused",
+            admin_api_key=tenancy_server.tenancy.api_key,
+        )
+        with pytest.raises(openai.AuthenticationError):  # a tenant's key is no admin token
+            tenant_key.admin.organization.usage.completions(start_time=start)
 
 
 def test_v1_usage_is_the_callers_tenant_only(tenancy_server: Server) -> None:
