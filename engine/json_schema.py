@@ -54,8 +54,16 @@ from engine.json_schema_types import (
     UnsupportedSchema,
     escape_pointer,
     type_set,
+    union,
 )
-from engine.schema_negation import Negator, excluded_words, none_of, union
+from engine.schema_negation import Negator
+from engine.schema_patterns import (
+    excluded_words,
+    full_match,
+    merge_patterns,
+    none_of,
+    python_regex,
+)
 
 __all__ = [
     "NormalizedSchema",
@@ -108,8 +116,6 @@ _TYPED_KEYWORDS = {
         "maxProperties",
     ),
 }
-# Regex constructs xgrammar cannot express: lookarounds and backreferences.
-_INEXPRESSIBLE_REGEX = re.compile(r"\(\?<?[=!]|\(\?P=|\\[1-9]|\\k<")
 _MAX_BRANCHES = 64
 _MAX_MERGE_DEPTH = 32
 
@@ -162,7 +168,7 @@ class _Normalizer:
         out: dict[str, Any] = {k: schema[k] for k in _SCALAR_KEYWORDS if k in schema}
         self._draft4_bounds(schema, out)
         if "pattern" in out:
-            out["pattern"] = _full_match(out["pattern"], ptr, "pattern")
+            out["pattern"] = full_match(out["pattern"], ptr, "pattern")
         if "const" in schema:
             out["enum"] = [schema["const"]]
         elif "enum" in schema:
@@ -174,7 +180,7 @@ class _Normalizer:
             }
         if isinstance(schema.get("patternProperties"), dict):
             out["patternProperties"] = {
-                _full_match(k, ptr, "patternProperties"): self.node(
+                full_match(k, ptr, "patternProperties"): self.node(
                     v, f"{ptr}/patternProperties/{escape_pointer(k)}"
                 )
                 for k, v in schema["patternProperties"].items()
@@ -236,12 +242,8 @@ class _Normalizer:
                 out["items"] = self.node(items, f"{ptr}/items")
 
     def any_of(self, branches: list[Any], ptr: str) -> Schema:
-        kept = [b for i, s in enumerate(branches) if (b := self.node(s, f"{ptr}/{i}")) is not False]
-        if any(b is True for b in kept):
-            return True
-        if not kept:
-            return False
-        return kept[0] if len(kept) == 1 else {"anyOf": kept}
+        # Every branch normalized (and refused if it must be) before any is dropped.
+        return union([self.node(s, f"{ptr}/{i}") for i, s in enumerate(branches)])
 
     def one_of(self, branches: list[Any], ptr: str) -> Schema:
         """anyOf, exact when no two branches can match one value, else with an end check."""
@@ -358,16 +360,10 @@ class _Normalizer:
         if len(a_opts) * len(b_opts) > _MAX_BRANCHES:
             raise UnsupportedSchema(ptr, "anyOf", f"more than {_MAX_BRANCHES} merged branches")
         rest = self.merge(a_rest or True, b_rest or True, ptr)
-        branches: list[Schema] = []
-        for x, y in itertools.product(a_opts, b_opts):
-            merged = self.merge(rest, self.merge(x, y, ptr), ptr)
-            if merged is True:
-                return True
-            if merged is not False and merged not in branches:
-                branches.append(merged)
-        if not branches:
-            return False
-        return branches[0] if len(branches) == 1 else {"anyOf": branches}
+        return union(
+            self.merge(rest, self.merge(x, y, ptr), ptr)
+            for x, y in itertools.product(a_opts, b_opts)
+        )
 
     def _merge_keywords(self, a: dict[str, Any], b: dict[str, Any], ptr: str) -> Schema:
         out = {k: v for k, v in a.items() if k not in b}
@@ -389,7 +385,7 @@ class _Normalizer:
             elif key == "enum":
                 out[key] = [v for v in x if any(_json_equal(v, w) for w in y)]
             elif key == "pattern":
-                out[key] = _merge_patterns(x, y, ptr)
+                out[key] = merge_patterns(x, y, ptr)
             elif key == "multipleOf":
                 big, small = max(x, y), min(x, y)
                 if big % small != 0:
@@ -547,7 +543,7 @@ class _Normalizer:
         if "enum" in out:
             out["enum"] = [v for v in out["enum"] if v not in forbidden]
             return out if out["enum"] else False
-        out["pattern"] = _merge_patterns(out.get("pattern"), none_of(forbidden), ptr)
+        out["pattern"] = merge_patterns(out.get("pattern"), none_of(forbidden), ptr)
         result = self.finish(out, ptr)
         return result
 
@@ -573,7 +569,7 @@ class _Normalizer:
             return
         pattern = names.get("pattern")
         if pattern is None or excluded_words(pattern) is not None:
-            names["pattern"] = _merge_patterns(pattern, none_of(named), f"{ptr}/propertyNames")
+            names["pattern"] = merge_patterns(pattern, none_of(named), f"{ptr}/propertyNames")
             self._string(names, f"{ptr}/propertyNames")
         elif any(re.fullmatch(python_regex(pattern), name) for name in named):
             self.end_checks.append((ptr, "propertyNames"))
@@ -603,20 +599,6 @@ def _subschemas(schema: Schema, ptr: str) -> list[tuple[Schema, str]]:
         if key in schema:
             found.append((schema[key], f"{ptr}/{key}"))
     return found
-
-
-def _merge_patterns(x: str | None, y: str, ptr: str) -> str:
-    """Both patterns as one, where xgrammar can read it: two none_of sets unite, and a
-    none_of set beside another pattern is moot when that pattern matches none of its words."""
-    if x is None or x == y:
-        return y
-    wx, wy = excluded_words(x), excluded_words(y)
-    if wx is not None and wy is not None:
-        return none_of(wx | wy)
-    for words, pattern in ((wx, y), (wy, x)):
-        if words is not None and not any(re.fullmatch(python_regex(pattern), w) for w in words):
-            return pattern
-    raise UnsupportedSchema(ptr, "pattern", f"merging two different patterns ({x!r}, {y!r})")
 
 
 def _name_allowed(names: Schema, name: str) -> bool | None:
@@ -662,99 +644,6 @@ def _property(schema: dict[str, Any], name: str) -> Schema:
 def _item(schema: dict[str, Any], index: int) -> Schema:
     prefix = schema.get("prefixItems", [])
     return prefix[index] if index < len(prefix) else schema.get("items", True)
-
-
-# -- patterns: JSON Schema searches (ECMA-262), xgrammar matches the whole string --------------
-
-
-def python_regex(pattern: str) -> str:
-    """The ECMA-262 pattern in Python's `re` syntax, as far as the two differ harmlessly:
-    named groups `(?<name>...)` become `(?P<name>...)`. jsonschema checks and applies patterns
-    with `re`, which refuses the ECMA form."""
-    return "".join("(?P<" + t[3:] if _named_group(t) else t for t in _regex_tokens(pattern))
-
-
-def _full_match(pattern: str, ptr: str, keyword: str) -> str:
-    """A pattern whose full match (xgrammar's reading) is the pattern's search (JSON
-    Schema's): each top-level alternative unanchored at an end gets `[\\s\\S]*` there.
-    Refuses lookarounds, backreferences, anchors inside groups, and what `re` cannot read."""
-    if _INEXPRESSIBLE_REGEX.search(pattern):
-        raise UnsupportedSchema(
-            ptr,
-            keyword,
-            f"the pattern {pattern!r} uses a lookaround or backreference, which the grammar "
-            "cannot express",
-        )
-    try:
-        re.compile(python_regex(pattern))
-    except re.error as exc:
-        raise UnsupportedSchema(
-            ptr, keyword, f"the pattern {pattern!r} is not a regular expression we read: {exc}"
-        ) from None
-    alternatives: list[list[str]] = [[]]
-    depth = 0
-    previous = ""
-    for token in _regex_tokens(pattern):
-        if token == "|" and depth == 0:
-            alternatives.append([])
-            previous = token
-            continue
-        depth += token.startswith("(") - (token == ")")
-        if token == "?" and previous == ")":
-            token = "{0,1}"  # xgrammar 0.2.9 reads (ab+)? as a?b* (pinned in the tests)
-        elif token == "?" and previous == "{0,1}":
-            token = ""  # lazy: the same language
-        alternatives[-1].append("(?:" if _named_group(token) else token)
-        previous = token
-    out = []
-    for tokens in alternatives:
-        start = "" if tokens[:1] == ["^"] else _ANY
-        tokens = tokens[1:] if not start else tokens
-        end = "" if tokens[-1:] == ["$"] else _ANY
-        tokens = tokens[:-1] if not end else tokens
-        if "^" in tokens or "$" in tokens:
-            raise UnsupportedSchema(
-                ptr,
-                keyword,
-                f"the pattern {pattern!r} has an anchor (^ or $) inside a group or mid-way, "
-                "which the grammar cannot express",
-            )
-        body = "".join(tokens)
-        out.append(f"{start}(?:{body}){end}" if body else start + end or "")
-    return "|".join(out)
-
-
-# Any string (JSON Schema patterns apply to the decoded string, newlines included).
-_ANY = "[\\s\\S]*"
-_NAMED_GROUP = re.compile(r"\(\?<(?![=!])")
-
-
-def _named_group(token: str) -> bool:
-    return token.startswith("(?<") and _NAMED_GROUP.match(token) is not None
-
-
-def _regex_tokens(pattern: str) -> list[str]:
-    """The pattern cut into escapes (`\\x`), character classes (`[...]`, ECMA: the first
-    unescaped `]` closes), group openings (`(`, `(?:`, `(?<name>`, ...) and single characters,
-    so that `^`, `$`, `|`, `(` and `)` tokens are the regex's own, never literals."""
-    tokens: list[str] = []
-    i = 0
-    while i < len(pattern):
-        c = pattern[i]
-        j = i + 1
-        if c == "\\":
-            j = i + 2
-        elif c == "[":
-            j = i + 2 if pattern.startswith("[^", i) else i + 1
-            while j < len(pattern) and pattern[j] != "]":
-                j += 2 if pattern[j] == "\\" else 1
-            j += 1
-        elif c == "(" and pattern.startswith("(?", i):
-            named = re.match(r"\(\?(<[A-Za-z_$][\w$]*>|P<\w+>|[:=!]|<[=!])?", pattern[i:])
-            j = i + (named.end() if named else 2)
-        tokens.append(pattern[i:j])
-        i = j
-    return tokens
 
 
 def _merge_types(x: Any, y: Any) -> list[str]:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from typing import Any
 
 Schema = dict[str, Any] | bool
@@ -25,3 +26,16 @@ def type_set(value: Any) -> set[str]:
     if value is None:
         return set()
     return {value} if isinstance(value, str) else set(value)
+
+
+def union(branches: Iterable[Schema]) -> Schema:
+    """anyOf of the branches, simplified: true if one is, false if none is left."""
+    kept: list[Schema] = []
+    for branch in branches:
+        if branch is True:
+            return True
+        if branch is not False and branch not in kept:
+            kept.append(branch)
+    if not kept:
+        return False
+    return kept[0] if len(kept) == 1 else {"anyOf": kept}

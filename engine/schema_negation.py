@@ -9,58 +9,23 @@ complement is the strings of length 2 or less). What real schemas negate is the 
 complement xgrammar cannot express (a `pattern` we did not write, `format`, `multipleOf`,
 `items`, `additionalProperties`, non-integral numbers) are refused by pointer.
 
-Strings outside a finite set are a regular language: `none_of` writes it as a pattern and
-remembers the set, so that later merges and negations can read the set back.
+Strings outside a finite set are written as a pattern by engine.schema_patterns.none_of.
 """
 
 from __future__ import annotations
 
-import re
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 from typing import Any
 
-from engine.json_schema_types import ALL_TYPES, Schema, UnsupportedSchema, escape_pointer, type_set
-
-# pattern -> the finite set of strings it excludes, for every pattern none_of wrote
-_EXCLUDED: dict[str, frozenset[str]] = {}
-_ANY = "[\\s\\S]"
-_CLASS_SPECIALS = set("\\]^-[")
-
-
-def none_of(words: Iterable[str]) -> str:
-    """A pattern (full-match, anchored) of every string except these."""
-    excluded = frozenset(words)
-    trie: dict[str, Any] = {}
-    for word in excluded:
-        node = trie
-        for char in word:
-            node = node.setdefault(char, {})
-        node[""] = {}  # end of a word
-    pattern = f"^{_trie_complement(trie)}$"
-    _EXCLUDED[pattern] = excluded
-    return pattern
-
-
-def excluded_words(pattern: Any) -> frozenset[str] | None:
-    """The strings a none_of pattern excludes; None for any other pattern."""
-    return _EXCLUDED.get(pattern) if isinstance(pattern, str) else None
-
-
-def _trie_complement(node: dict[str, Any]) -> str:
-    """Strings that, read from this trie node, do not end on a word. Optional parts are
-    written {0,1}: xgrammar 0.2.9 misreads `(...)?` around a repetition."""
-    children = sorted(c for c in node if c)
-    if children:
-        diverge = "[^" + "".join(_class_char(c) for c in children) + f"]{_ANY}*"
-    else:
-        diverge = f"{_ANY}+"
-    branches = [diverge] + [re.escape(c) + _trie_complement(node[c]) for c in children]
-    body = "(?:" + "|".join(branches) + ")"
-    return body if "" in node else body + "{0,1}"
-
-
-def _class_char(char: str) -> str:
-    return "\\" + char if char in _CLASS_SPECIALS else char
+from engine.json_schema_types import (
+    ALL_TYPES,
+    Schema,
+    UnsupportedSchema,
+    escape_pointer,
+    type_set,
+    union,
+)
+from engine.schema_patterns import excluded_words, none_of
 
 
 class Negator:
@@ -148,18 +113,6 @@ class Negator:
             if left:
                 branches.append({"enum": left})
         return union(branches)
-
-
-def union(branches: Iterable[Schema]) -> Schema:
-    kept: list[Schema] = []
-    for branch in branches:
-        if branch is True:
-            return True
-        if branch is not False and branch not in kept:
-            kept.append(branch)
-    if not kept:
-        return False
-    return kept[0] if len(kept) == 1 else {"anyOf": kept}
 
 
 # A bound's complement: (the type it constrains, the opposite bound, the shift to it).
