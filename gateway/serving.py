@@ -14,7 +14,6 @@ import logging
 import time
 import uuid
 from collections.abc import AsyncGenerator, AsyncIterator
-from dataclasses import dataclass, field
 from typing import Any, cast
 
 from fastapi.responses import JSONResponse, Response
@@ -29,7 +28,7 @@ from gateway.admission import Admission
 from gateway.auth import RequestTenant
 from gateway.errors import APIError, api_error
 from gateway.guided_validation import OutputValidator, Violation, checks
-from gateway.metering import STATUS_ABORTED, STATUS_ERROR, STATUS_OK, Meter, UsageFigures
+from gateway.metering import STATUS_ABORTED, STATUS_ERROR, STATUS_OK, Meter
 from gateway.metrics import Metrics
 from gateway.protocol import ChatCompletionRequest, CompletionRequest, FieldError
 from gateway.request_limits import (
@@ -38,6 +37,14 @@ from gateway.request_limits import (
     INVALID_VALUE,
     RequestLimits,
     ServerBounds,
+)
+from gateway.response_state import (
+    Choice,
+    Timer,
+    Usage,
+    status_of,
+    usage_finish_reason,
+    violation_body,
 )
 from gateway.streaming import Disconnected, MeteredStream, chain, merge, unless_disconnected
 from gateway.tool_calls import ToolCallStream, ToolPlan, parameters, tool_plan
@@ -49,90 +56,6 @@ logger = logging.getLogger(__name__)
 
 # What nginx logs for a client that hung up before its answer; no client ever reads it.
 CLIENT_CLOSED_REQUEST = 499
-
-
-@dataclass(slots=True)
-class _Choice:
-    index: int
-    text: str = ""
-    num_sent_chars: int = 0
-    token_ids: list[int] = field(default_factory=list)
-    logprobs: list[dict[int, float]] = field(default_factory=list)
-    finish_reason: str | None = None  # the engine's; metering and request_success count it
-    stop_reason: int | str | None = None  # a stop string or token id of the client's
-    violation: Violation | None = None  # a guided document that failed its schema
-    calls: ToolCallStream | None = None  # the output of a request with tools
-
-    @property
-    def answered_reason(self) -> str | None:
-        """The finish reason the client sees: `error` for a document or call that failed its
-        schema, `tool_calls` for an output that ended where its grammar ends holding calls."""
-        if self.violation is not None:
-            return "error"
-        if (
-            self.calls is not None
-            and self.finish_reason == "stop"
-            and self.stop_reason is None
-            and self.calls.final(self.text)[1]
-        ):
-            return "tool_calls"
-        return self.finish_reason
-
-
-@dataclass(slots=True)
-class _Usage:
-    """Prompt figures per prompt: its n samples share one prompt (and its cache hits)."""
-
-    prompts: dict[int, int] = field(default_factory=dict)
-    cached: dict[int, int] = field(default_factory=dict)
-
-    def record(self, prompt_index: int, update: SequenceUpdate) -> None:
-        self.prompts[prompt_index] = update.num_prompt_tokens
-        self.cached[prompt_index] = max(self.cached.get(prompt_index, 0), update.num_cached_tokens)
-
-    @property
-    def prompt_tokens(self) -> int:
-        return sum(self.prompts.values())
-
-    def figures(self, choices: list[_Choice]) -> UsageFigures:
-        return UsageFigures(
-            self.prompt_tokens, sum(self.cached.values()), sum(len(c.token_ids) for c in choices)
-        )
-
-    def body(self, choices: list[_Choice]) -> dict[str, Any]:
-        completion = sum(len(c.token_ids) for c in choices)
-        return {
-            "prompt_tokens": self.prompt_tokens,
-            "completion_tokens": completion,
-            "total_tokens": self.prompt_tokens + completion,
-            "prompt_tokens_details": {"cached_tokens": sum(self.cached.values())},
-        }
-
-
-@dataclass(slots=True)
-class _Timer:
-    """Per-request latency figures, observed into the metrics as updates arrive."""
-
-    metrics: Metrics
-    start: float = field(default_factory=time.monotonic)
-    last: float | None = None
-
-    def update(self, update: SequenceUpdate) -> None:
-        now = time.monotonic()
-        if self.last is None:
-            self.metrics.ttft.observe(now - self.start)
-            self.metrics.queue_time.observe(update.queue_time)
-        else:
-            self.metrics.itl.observe(now - self.last)
-        self.last = now
-
-    def finish(self, choices: list[_Choice], usage: _Usage) -> None:
-        m = self.metrics
-        m.e2e.observe(time.monotonic() - self.start)
-        m.prompt_tokens.inc(usage.prompt_tokens)
-        m.generation_tokens.inc(sum(len(c.token_ids) for c in choices))
-        for choice in choices:
-            m.request_success.labels(finish_reason=choice.finish_reason or "abort").inc()
 
 
 class OpenAIServing:
@@ -321,7 +244,7 @@ class OpenAIServing:
         tools: ToolPlan | None = None,
         tool_format: ToolFormat | None = None,
     ) -> Response:
-        timer = _Timer(self.metrics)  # time to first token includes a grammar's compile
+        timer = Timer(self.metrics)  # time to first token includes a grammar's compile
         if params.guided is not None:
             await self._compile_grammar(params.guided, guided_param)
         request_id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
@@ -346,7 +269,7 @@ class OpenAIServing:
             timer.start,
         )
         choices = [
-            _Choice(
+            Choice(
                 i,
                 calls=None
                 if tools is None
@@ -354,7 +277,7 @@ class OpenAIServing:
             )
             for i in range(len(prompts) * params.n)
         ]
-        usage = _Usage()
+        usage = Usage()
         created = int(time.time())
         if body.stream:
             chunks = self._stream(
@@ -374,7 +297,7 @@ class OpenAIServing:
             return MeteredStream(
                 chunks,
                 on_close=lambda: meter.end_nowait(
-                    usage.figures(choices), _finish_reason(choices), STATUS_ABORTED
+                    usage.figures(choices), usage_finish_reason(choices), STATUS_ABORTED
                 ),
                 updates=updates,
                 media_type="text/event-stream",
@@ -403,10 +326,10 @@ class OpenAIServing:
         self,
         first: tuple[int, SequenceUpdate] | None,
         updates: AsyncGenerator[tuple[int, SequenceUpdate]],
-        choices: list[_Choice],
-        usage: _Usage,
+        choices: list[Choice],
+        usage: Usage,
         n: int,
-        timer: _Timer,
+        timer: Timer,
         meter: Meter,
     ) -> None:
         """A whole response's updates, metered however they end."""
@@ -418,12 +341,12 @@ class OpenAIServing:
                     timer.update(update)
                     meter.first_token()
                     self._apply(choices, usage, prompt_index, update, n)
-            status = _status(choices)
+            status = status_of(choices)
         except asyncio.CancelledError:
-            meter.end_nowait(usage.figures(choices), _finish_reason(choices), STATUS_ABORTED)
+            meter.end_nowait(usage.figures(choices), usage_finish_reason(choices), STATUS_ABORTED)
             raise
         finally:
-            await meter.end(usage.figures(choices), _finish_reason(choices), status)
+            await meter.end(usage.figures(choices), usage_finish_reason(choices), status)
 
     def _reserved(self, prompts: list[list[int]], params: SamplingParams) -> int:
         """Tokens the limiter reserves: each prompt, and each sample's max_tokens (what remains
@@ -476,8 +399,8 @@ class OpenAIServing:
 
     @staticmethod
     def _apply(
-        choices: list[_Choice], usage: _Usage, prompt_index: int, update: SequenceUpdate, n: int
-    ) -> _Choice:
+        choices: list[Choice], usage: Usage, prompt_index: int, update: SequenceUpdate, n: int
+    ) -> Choice:
         choice = choices[prompt_index * n + update.index]
         usage.record(prompt_index, update)
         choice.token_ids.extend(update.new_token_ids)
@@ -491,7 +414,7 @@ class OpenAIServing:
                 raise APIError(500, update.error, type="internal_error")
         return choice
 
-    def _final_choice(self, choice: _Choice, chat: bool) -> dict[str, Any]:
+    def _final_choice(self, choice: Choice, chat: bool) -> dict[str, Any]:
         logprobs = (
             self._logprobs(choice.token_ids, choice.logprobs, chat) if choice.logprobs else None
         )
@@ -507,17 +430,15 @@ class OpenAIServing:
                 "message": message,
                 "logprobs": logprobs,
                 "finish_reason": reason,
-            } | _violation_body(choice)
+            } | violation_body(choice)
         return {
             "index": choice.index,
             "text": choice.text,
             "logprobs": logprobs,
             "finish_reason": choice.answered_reason,
-        } | _violation_body(choice)
+        } | violation_body(choice)
 
-    async def _check_output(
-        self, spec: GuidedSpec | None, choice: _Choice, request_id: str
-    ) -> None:
+    async def _check_output(self, spec: GuidedSpec | None, choice: Choice, request_id: str) -> None:
         """The safety net: a guided JSON document that ended where its grammar ends (not at
         max_tokens, nor at a stop string or token of the client's) is checked against its
         schema; one that fails is answered as `error`, counted and logged. Metering and the
@@ -599,10 +520,10 @@ class OpenAIServing:
         include_usage: bool,
         first: tuple[int, SequenceUpdate] | None,
         updates: AsyncIterator[tuple[int, SequenceUpdate]],
-        choices: list[_Choice],
-        usage: _Usage,
+        choices: list[Choice],
+        usage: Usage,
         params: SamplingParams,
-        timer: _Timer,
+        timer: Timer,
         meter: Meter,
     ) -> AsyncGenerator[str]:
         obj = "chat.completion.chunk" if chat else "text_completion"
@@ -666,9 +587,9 @@ class OpenAIServing:
                     if update.finished:
                         await self._check_output(params.guided, choice, request_id)
                     body["finish_reason"] = choice.answered_reason
-                    body |= _violation_body(choice)
+                    body |= violation_body(choice)
                     yield chunk([body])
-            status = _status(choices)
+            status = status_of(choices)
         except Exception as exc:  # noqa: BLE001 - the stream has begun: report it in the stream
             status = STATUS_ERROR
             err = api_error(exc)
@@ -678,23 +599,7 @@ class OpenAIServing:
             yield f"data: {json.dumps(err.body())}\n\n"
         timer.finish(choices, usage)
         # Durable before the stream's last bytes: the client that saw [DONE] is billed.
-        await meter.end(usage.figures(choices), _finish_reason(choices), status)
+        await meter.end(usage.figures(choices), usage_finish_reason(choices), status)
         if include_usage:
             yield chunk([], usage.body(choices))
         yield "data: [DONE]\n\n"
-
-
-def _violation_body(choice: _Choice) -> dict[str, Any]:
-    """The `error` field beside a choice whose document failed its schema; nothing otherwise."""
-    return {} if choice.violation is None else {"error": choice.violation.body()}
-
-
-def _status(choices: list[_Choice]) -> str:
-    """How a request whose updates all arrived ended: cut short by the engine (an abort, at
-    shutdown) or finished."""
-    return STATUS_ABORTED if any(c.finish_reason == "abort" for c in choices) else STATUS_OK
-
-
-def _finish_reason(choices: list[_Choice]) -> str | None:
-    """The usage row's finish reason: the first choice's (`abort` if it never finished)."""
-    return choices[0].finish_reason or "abort" if choices else None
