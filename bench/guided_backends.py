@@ -232,7 +232,9 @@ def _type_of(schema: dict[str, Any]) -> str:
 
 def _ref_target(root: Any, ref: str) -> Any:
     if not ref.startswith("#"):
-        return {}  # external: the validator labels what it can
+        # An external target is not here to read: documents are built as for any value,
+        # and the validator, which cannot resolve it either, leaves them unlabelled.
+        return {}
     node = root
     for token in [t for t in unquote(ref[1:]).split("/") if t]:
         token = token.replace("~1", "/").replace("~0", "~")

@@ -170,6 +170,21 @@ def build_test_app(
     return app
 
 
+@contextlib.contextmanager
+def demo_server(model_dir: Path, root: Path, **build: Any) -> Iterator[Server]:
+    """A live server named `demo` on the demo model: a small KV pool, 1024-token context,
+    one torch thread; `build` goes to build_app (e.g. tool_call_parser)."""
+    from engine import EngineConfig, LLMEngine
+
+    config = EngineConfig(
+        model=str(model_dir), kv_cache_memory=64 << 20, max_model_len=1024, num_threads=1
+    )
+    engine = AsyncEngine(LLMEngine(config), max_waiting=64)
+    engine.start()
+    with live_server(build_test_app(engine, "demo", root, model_dir, **build), engine) as server:
+        yield server
+
+
 def register_public(app: FastAPI, name: str, path: Path) -> None:
     """Register a public adapter, as `--lora-modules name=path` does at start."""
     tenancy: ServerTenancy = app.state.server_tenancy

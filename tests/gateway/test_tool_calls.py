@@ -12,7 +12,8 @@ from typing import Any
 import jsonschema
 import openai
 import pytest
-from live_server import Server, build_test_app, live_server, register_public
+from live_server import Server, build_test_app, demo_server, live_server, register_public
+from tool_schemas import ADD, NO_ARGS, WEATHER
 from transformers import AutoTokenizer
 
 from adapters.peft import describe_base
@@ -27,50 +28,13 @@ from gateway.tool_prompt import INSTRUCTIONS, render_messages
 HERMES = FORMATS["hermes"]
 
 MODEL = "demo"
-WEATHER = {
-    "type": "function",
-    "function": {
-        "name": "get_weather",
-        "description": "The weather in a city.",
-        "parameters": {
-            "type": "object",
-            "properties": {
-                "city": {"type": "string", "maxLength": 12},
-                "unit": {"enum": ["celsius", "fahrenheit"]},
-            },
-            "required": ["city", "unit"],
-            "additionalProperties": False,
-        },
-    },
-}
-# A schema with its own $defs: rebased when the calls' array embeds it.
-ADD = {
-    "type": "function",
-    "function": {
-        "name": "add",
-        "parameters": {
-            "$defs": {"small": {"type": "integer", "minimum": 0, "maximum": 99}},
-            "type": "object",
-            "properties": {"a": {"$ref": "#/$defs/small"}, "b": {"$ref": "#/$defs/small"}},
-            "required": ["a", "b"],
-            "additionalProperties": False,
-        },
-    },
-}
-NO_ARGS = {"type": "function", "function": {"name": "now"}}
 SCHEMAS = {t["function"]["name"]: t["function"].get("parameters") for t in (WEATHER, ADD, NO_ARGS)}
 MESSAGES = [{"role": "user", "content": "What is the weather in Paris, and 2 + 3?"}]
 
 
 @pytest.fixture(scope="module")
 def server(demo_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
-    config = EngineConfig(
-        model=str(demo_model_dir), kv_cache_memory=64 << 20, max_model_len=1024, num_threads=1
-    )
-    engine = AsyncEngine(LLMEngine(config), max_waiting=64)
-    engine.start()
-    app = build_test_app(engine, MODEL, tmp_path_factory.mktemp("tenancy"), demo_model_dir)
-    with live_server(app, engine) as server:
+    with demo_server(demo_model_dir, tmp_path_factory.mktemp("tenancy")) as server:
         yield server
 
 

@@ -12,43 +12,19 @@ from typing import Any
 
 import jsonschema
 import pytest
-from live_server import Server, build_test_app, live_server
-
-from engine import EngineConfig, LLMEngine
-from engine.async_engine import AsyncEngine
+from live_server import Server, demo_server
+from tool_schemas import WEATHER
 
 # LiteLLM reads its model price map from the network at import unless told not to.
 os.environ.setdefault("LITELLM_LOCAL_MODEL_COST_MAP", "True")
 
-WEATHER = {
-    "type": "function",
-    "function": {
-        "name": "get_weather",
-        "description": "The weather in a city.",
-        "parameters": {
-            "type": "object",
-            "properties": {
-                "city": {"type": "string", "maxLength": 12},
-                "unit": {"enum": ["celsius", "fahrenheit"]},
-            },
-            "required": ["city", "unit"],
-            "additionalProperties": False,
-        },
-    },
-}
 SCHEMA = WEATHER["function"]["parameters"]
 QUESTION = "What is the weather in Paris?"
 
 
 @pytest.fixture(scope="module")
 def server(demo_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
-    config = EngineConfig(
-        model=str(demo_model_dir), kv_cache_memory=64 << 20, max_model_len=1024, num_threads=1
-    )
-    engine = AsyncEngine(LLMEngine(config), max_waiting=64)
-    engine.start()
-    app = build_test_app(engine, "demo", tmp_path_factory.mktemp("tenancy"), demo_model_dir)
-    with live_server(app, engine) as server:
+    with demo_server(demo_model_dir, tmp_path_factory.mktemp("tenancy")) as server:
         yield server
 
 

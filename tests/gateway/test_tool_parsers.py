@@ -11,11 +11,10 @@ from typing import Any
 
 import pytest
 import xgrammar as xgr
-from live_server import Server, build_test_app, live_server
+from live_server import Server, demo_server
 from transformers import AutoConfig, AutoTokenizer
 
-from engine import EngineConfig, LLMEngine
-from engine.async_engine import AsyncEngine
+from engine import EngineConfig
 from engine.request import GuidedSpec
 from gateway.protocol import ChatCompletionRequest
 from gateway.settings import Settings, SettingsError
@@ -201,19 +200,9 @@ def test_auto_needs_a_parser() -> None:
 
 @pytest.fixture(scope="module")
 def server(demo_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
-    config = EngineConfig(
-        model=str(demo_model_dir), kv_cache_memory=64 << 20, max_model_len=1024, num_threads=1
-    )
-    engine = AsyncEngine(LLMEngine(config), max_waiting=64)
-    engine.start()
-    app = build_test_app(
-        engine,
-        "demo",
-        tmp_path_factory.mktemp("tenancy"),
-        demo_model_dir,
-        tool_call_parser="hermes",
-    )
-    with live_server(app, engine) as server:
+    with demo_server(
+        demo_model_dir, tmp_path_factory.mktemp("tenancy"), tool_call_parser="hermes"
+    ) as server:
         yield server
 
 
