@@ -13,10 +13,12 @@ from rich.progress import Progress
 
 from bench.workloads import Workload, best_of
 
-TORCH_DTYPE = torch.float32
-
-
-def build_hf(model_dir: str, device: torch.device, progress: Progress) -> tuple[Any, Any]:
+def build_hf(
+    model_dir: str,
+    device: torch.device,
+    progress: Progress,
+    dtype: torch.dtype = torch.float32,
+) -> tuple[Any, Any]:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     task = progress.add_task("load HF", total=1)
@@ -24,7 +26,7 @@ def build_hf(model_dir: str, device: torch.device, progress: Progress) -> tuple[
     tokenizer.padding_side = "left"
     if tokenizer.pad_token_id is None:
         tokenizer.pad_token = tokenizer.eos_token or tokenizer.convert_ids_to_tokens(0)
-    model: Any = AutoModelForCausalLM.from_pretrained(model_dir, dtype=TORCH_DTYPE)
+    model: Any = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype)
     model.to(device)
     model.eval()
     progress.update(task, completed=1)

@@ -16,8 +16,9 @@ HF runs static, left-padded batches of `batch_size` prompts taken in order. Ours
 continuous batching with its default max_num_seqs (every prompt at once, as vLLM's
 offline mode does: paged KV makes that affordable); row "w1 seqs=16" repeats w1 at
 HF's concurrency to separate the two effects. Model loading and one small warmup
-generate per side are outside the timed regions. Both run in float32 on the same
-device (our engine's: CUDA if present, else CPU).
+generate per side are outside the timed regions. Both run in `--dtype` (float32 by
+default; `auto` resolves as the server does, bfloat16 where the CPU has bf16 dot
+products) on the same device (our engine's: CUDA if present, else CPU).
 
 "KV alloc/used" is the KV cache's token slots held divided by the slots holding a
 computed token, summed over forward passes (see `bench.hf_baseline.hf_kv_slots` for the exact rule).
@@ -66,9 +67,7 @@ from bench.workloads import (
     new_progress,
     parse_workloads,
 )
-
-DTYPE = "float32"
-
+from kernels import cpu_features
 
 # -- our engine -----------------------------------------------------------------------------
 
@@ -87,6 +86,7 @@ def build_ours(
     kv_cache_memory: int | None,
     progress: Progress,
     label: str,
+    dtype: str = "float32",
 ) -> Any:
     from engine.llm_engine import LLM
 
@@ -99,7 +99,7 @@ def build_ours(
         block_size=block_size,
         max_num_seqs=max_num_seqs,
         enable_prefix_caching=prefix_caching,
-        dtype=DTYPE,
+        dtype=dtype,
     )
     if kv_cache_memory is not None:
         kwargs["kv_cache_memory"] = kv_cache_memory
@@ -240,12 +240,13 @@ def environment(model_dir: str, num_params: int | None, llm: Any | None) -> dict
         "cpu_affinity": affinity,
         "torch": torch.__version__,
         "python": platform.python_version(),
-        "dtype": DTYPE,
+        "cpu": cpu_features.describe(),
         "loadavg_1m": os.getloadavg()[0] if hasattr(os, "getloadavg") else None,
     }
     if llm is not None:
         runner = llm.engine.runner
         env["device"] = str(runner.device)
+        env["dtype"] = str(runner.dtype).removeprefix("torch.")
         env["kv_bytes_per_token"] = runner.bytes_per_block / llm.engine.kv.block_size
         env["kv_pool_blocks"] = llm.engine.kv.pool.num_blocks
     return env
@@ -265,6 +266,7 @@ def run_offline(
     repeat: int = 1,
     kv_cache_memory: int | None = None,
     profile: bool = False,
+    dtype: str = "float32",
     console: Console | None = None,
 ) -> list[dict[str, Any]]:
     """Run the workloads through our engine (and HF unless skip_hf); one row per result.
@@ -277,6 +279,8 @@ def run_offline(
     sequences at once (its default, as vLLM's offline mode does); w1 is also run at
     max_num_seqs=batch_size, HF's concurrency, as an extra row. `repeat` times each measurement that
     many times and keeps the fastest (this box may be shared; walls of all runs are kept).
+    `dtype` is the engine's (`auto` resolves as the server's does); HF runs in what it
+    resolved to.
     """
     from transformers import AutoConfig, AutoTokenizer
 
@@ -307,6 +311,7 @@ def run_offline(
             num_kv_blocks=num_kv_blocks,
             kv_cache_memory=kv_cache_memory,
             progress=progress,
+            dtype=dtype,
         )
         llm = build_ours(
             model_dir, prefix_caching=True, max_num_seqs=max_num_seqs, label="ours", **build
@@ -331,7 +336,7 @@ def run_offline(
         device = llm.engine.runner.device
         hf_model = hf_tok = None
         if not skip_hf:
-            hf_model, hf_tok = build_hf(model_dir, device, progress)
+            hf_model, hf_tok = build_hf(model_dir, device, progress, llm.engine.runner.dtype)
             num_params = sum(p.numel() for p in hf_model.parameters())
         else:
             num_params = sum(p.numel() for p in llm.engine.runner.model.parameters())
@@ -427,7 +432,8 @@ def _print_header(
     params = env["num_params"]
     console.print(
         f"[bold]{env['model_name']}[/] ({env['model']}), "
-        f"{params / 1e6:.2f}M params, {env['dtype']} on {env.get('device', '?')}\n"
+        f"{params / 1e6:.2f}M params, {env.get('dtype', '?')} on {env.get('device', '?')}\n"
+        f"{env['cpu']}\n"
         f"torch {env['torch']}: {env['torch_threads']} threads; "
         f"{env['cpu_count']} cores ({env['cpu_affinity']} usable), "
         f"load average {env['loadavg_1m']:.2f} before the runs\n"
@@ -500,6 +506,12 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument(
+        "--dtype",
+        default="float32",
+        choices=["auto", "float32", "bfloat16"],
+        help="our engine's dtype (auto: as the server resolves it); HF runs in the same",
+    )
+    p.add_argument(
         "--threads",
         type=int,
         default=None,
@@ -558,6 +570,7 @@ def main(argv: list[str] | None = None) -> None:
         repeat=args.repeat,
         kv_cache_memory=None if args.kv_cache_mib is None else args.kv_cache_mib << 20,
         profile=args.profile,
+        dtype=args.dtype,
         console=console,
     )
     console.print(results_table(rows))

@@ -12,7 +12,9 @@ SCHEDULING_POLICIES = ("fair", "fcfs")
 class EngineConfig:
     model: str
     tokenizer: str | None = None
-    dtype: str = "auto"  # auto: the checkpoint's dtype on CUDA, float32 on CPU
+    # auto: the checkpoint's dtype on CUDA (float32 ones in bfloat16); on the CPU bfloat16
+    # where it has bf16 dot products (AVX-512 BF16, AMX), float32 elsewhere
+    dtype: str = "auto"
     device: str = "auto"  # auto: cuda when available, else cpu
     max_model_len: int | None = None  # None: the model's max_position_embeddings
     block_size: int = 16
@@ -36,7 +38,7 @@ class EngineConfig:
     # vocabulary projection: GEMMs large enough to pay for waking the cores the HTTP side
     # keeps (idle while a prefill runs, as the streams wait on it). None: num_threads.
     prefill_threads: int | None = None
-    cpu_kernels: bool = True  # C++ decode attention on CPU float32 (kernels.native)
+    cpu_kernels: bool = True  # C++ decode attention, RMSNorm, LoRA on CPU (kernels.native)
     # Guided decoding (engine/guided.py): limits on what a request may ask to compile.
     guided_compile_timeout: float = 10.0  # seconds a request waits for its grammar
     guided_cache_size: int = 256  # compiled grammars kept, least recently used dropped

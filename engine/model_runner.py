@@ -52,7 +52,9 @@ def resolve_dtype(name: str, hf_config: PretrainedConfig, device: torch.device) 
     if name != "auto":
         return DTYPES[name]
     if device.type == "cpu":
-        return torch.float32
+        # As vLLM does: bfloat16 where the CPU has bf16 dot products, whatever the
+        # checkpoint holds; float32 elsewhere, where bf16 is emulated and slower.
+        return torch.bfloat16 if linear.native_bf16() else torch.float32
     checkpoint = getattr(hf_config, "torch_dtype", None) or getattr(hf_config, "dtype", None)
     if isinstance(checkpoint, str):
         checkpoint = DTYPES.get(checkpoint)
@@ -111,7 +113,7 @@ class ModelRunner:
         self.native_kernels = (
             config.cpu_kernels
             and self.device.type == "cpu"
-            and self.dtype == torch.float32
+            and self.dtype in native.DTYPES
             and native.load()
         )
         self.model.use_native_kernels(self.native_kernels)

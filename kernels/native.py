@@ -23,12 +23,16 @@ from pathlib import Path
 
 import torch
 
+from kernels import cpu_features
+
 logger = logging.getLogger(__name__)
 
 _CSRC = Path(__file__).parent / "csrc"
 SOURCES = [_CSRC / "decode_attention.cpp", _CSRC / "rms_norm.cpp", _CSRC / "lora.cpp"]
 HEADERS = [_CSRC / "simd.h"]
 OPS = ("decode_attention", "rms_norm", "add_rms_norm", "add_lora_runs")
+# The model dtypes every op takes (computing in float32 either way).
+DTYPES = (torch.float32, torch.bfloat16)
 # Set to 0 to keep every kernel on its torch path (the engine's --no-cpu-kernels).
 ENV_DISABLE = "LORAGATE_CPU_KERNELS"
 
@@ -104,16 +108,6 @@ def _build_dir() -> Path:
         digest.update(source.read_bytes())
     digest.update(torch.__version__.encode())
     digest.update(platform.machine().encode())
-    digest.update(_cpu_flags().encode())
+    digest.update(cpu_features.flags_line().encode())
     root = Path(os.environ.get("LORAGATE_KERNEL_CACHE", Path.home() / ".cache" / "loragate"))
     return root / f"cpu-kernels-{digest.hexdigest()[:16]}"
-
-
-def _cpu_flags() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("flags"):
-                return line
-    except OSError:
-        pass
-    return platform.processor()

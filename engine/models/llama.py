@@ -31,8 +31,9 @@ STATIC_ROPE_TYPES = {"default", "linear", "llama3", "yarn"}
 class RMSNorm(nn.Module):
     """Computed in float32 exactly as HF does, so greedy outputs match token for token.
 
-    `native`: float32 rows go to the C++ kernels (kernels/csrc/rms_norm.cpp), which fuse
-    the residual add before the norm; only their sum of squares is ordered differently.
+    `native`: rows go to the C++ kernels (kernels/csrc/rms_norm.cpp, float32 or bfloat16),
+    which fuse the residual add before the norm; only their sum of squares is ordered
+    differently.
     """
 
     def __init__(self, hidden_size: int, eps: float) -> None:
@@ -42,11 +43,11 @@ class RMSNorm(nn.Module):
         self.native = False
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.native:
+            out = torch.empty_like(x)
+            torch.ops.loragate.rms_norm(x, self.weight, self.eps, out)
+            return out
         if x.dtype == torch.float32:
-            if self.native:
-                out = torch.empty_like(x)
-                torch.ops.loragate.rms_norm(x, self.weight, self.eps, out)
-                return out
             # One fused op, bitwise equal to the formula below in float32.
             return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
         dtype = x.dtype
@@ -56,7 +57,7 @@ class RMSNorm(nn.Module):
 
     def add_forward(self, residual: torch.Tensor, delta: torch.Tensor) -> torch.Tensor:
         """residual += delta (in place), then the norm of the sum."""
-        if self.native and residual.dtype == torch.float32:
+        if self.native:
             out = torch.empty_like(residual)
             torch.ops.loragate.add_rms_norm(residual, delta, self.weight, self.eps, out)
             return out

@@ -2,8 +2,10 @@
 // row: the torch version (engine/models/llama.py RMSNorm) is six small ops per call, and a
 // decode step calls it twice per layer on a [rows, hidden] tensor that fits in L1.
 //
-// Float32 as HF computes it: var = mean(x^2); x * rsqrt(var + eps) (1 / sqrt, correctly
-// rounded); then times the weight. Only the order of the sum of squares differs.
+// As HF computes it: var = mean(x^2) and x * rsqrt(var + eps) in float32 (1 / sqrt,
+// correctly rounded), rounded to the input's dtype, then times the weight (in the input's
+// dtype too: float32, or bfloat16 with float32 products rounded once). The residual add
+// rounds to the input's dtype as torch's does. Only the order of the sum of squares differs.
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -18,35 +20,63 @@ namespace {
 using namespace loragate;
 
 void check(const at::Tensor& t, const at::Tensor& weight, const char* what) {
-  TORCH_CHECK(t.scalar_type() == at::kFloat && t.dim() == 2 && t.is_contiguous(), what,
-              ": float32 contiguous [rows, hidden] only");
-  TORCH_CHECK(weight.scalar_type() == at::kFloat && weight.is_contiguous() &&
+  TORCH_CHECK((t.scalar_type() == at::kFloat || t.scalar_type() == at::kBFloat16) &&
+                  t.dim() == 2 && t.is_contiguous(),
+              what, ": float32 or bfloat16 contiguous [rows, hidden] only");
+  TORCH_CHECK(weight.scalar_type() == t.scalar_type() && weight.is_contiguous() &&
                   weight.numel() == t.size(1),
-              what, ": weight must be float32 [hidden]");
+              what, ": weight must be [hidden] in the input's dtype");
 }
 
-inline float sum_of_squares(const float* x, int64_t n) {
-  return dot(x, x, n);
+template <typename T>
+inline void normalize(const T* x, const T* weight, float eps, int64_t n, T* out) {
+  const float inv = 1.0f / std::sqrt(dot(x, x, n) / static_cast<float>(n) + eps);
+  int64_t i = 0;
+  for (; i + 8 <= n; i += 8)
+    store8(out + i, load8(weight + i) * round_as<T>(load8(x + i) * inv));
+  for (; i < n; ++i)
+    out[i] = static_cast<T>(to_float(weight[i]) * to_float(static_cast<T>(to_float(x[i]) * inv)));
 }
 
-inline void normalize(const float* x, const float* weight, float eps, int64_t n, float* out) {
-  const float inv = 1.0f / std::sqrt(sum_of_squares(x, n) / static_cast<float>(n) + eps);
-#pragma omp simd
-  for (int64_t i = 0; i < n; ++i) out[i] = weight[i] * (x[i] * inv);
+template <typename T>
+void rms_norm_rows(const at::Tensor& input, const at::Tensor& weight, float eps, at::Tensor& out) {
+  const int64_t hidden = input.size(1);
+  const T* x = input.data_ptr<T>();
+  const T* w = weight.data_ptr<T>();
+  T* o = out.data_ptr<T>();
+  at::parallel_for(0, input.size(0), 16, [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) normalize(x + r * hidden, w, eps, hidden, o + r * hidden);
+  });
+}
+
+template <typename T>
+void add_rms_norm_rows(at::Tensor& residual, const at::Tensor& delta, const at::Tensor& weight,
+                       float eps, at::Tensor& out) {
+  const int64_t hidden = residual.size(1);
+  T* res = residual.data_ptr<T>();
+  const T* d = delta.data_ptr<T>();
+  const T* w = weight.data_ptr<T>();
+  T* o = out.data_ptr<T>();
+  at::parallel_for(0, residual.size(0), 16, [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+      T* row = res + r * hidden;
+      const T* drow = d + r * hidden;
+      int64_t i = 0;
+      for (; i + 8 <= hidden; i += 8) store8(row + i, load8(row + i) + load8(drow + i));
+      for (; i < hidden; ++i) row[i] = static_cast<T>(to_float(row[i]) + to_float(drow[i]));
+      normalize(row, w, eps, hidden, o + r * hidden);
+    }
+  });
 }
 
 void rms_norm(const at::Tensor& input, const at::Tensor& weight, double eps, at::Tensor out) {
   check(input, weight, "rms_norm");
   check(out, weight, "rms_norm out");
   TORCH_CHECK(out.sizes() == input.sizes(), "rms_norm: out shape");
-  const int64_t hidden = input.size(1);
-  const float* x = input.data_ptr<float>();
-  const float* w = weight.data_ptr<float>();
-  float* o = out.data_ptr<float>();
-  at::parallel_for(0, input.size(0), 16, [&](int64_t begin, int64_t end) {
-    for (int64_t r = begin; r < end; ++r)
-      normalize(x + r * hidden, w, static_cast<float>(eps), hidden, o + r * hidden);
-  });
+  if (input.scalar_type() == at::kFloat)
+    rms_norm_rows<float>(input, weight, static_cast<float>(eps), out);
+  else
+    rms_norm_rows<c10::BFloat16>(input, weight, static_cast<float>(eps), out);
 }
 
 // residual += delta; out = rms_norm(residual).
@@ -57,20 +87,10 @@ void add_rms_norm(at::Tensor residual, const at::Tensor& delta, const at::Tensor
   check(out, weight, "add_rms_norm out");
   TORCH_CHECK(delta.sizes() == residual.sizes() && out.sizes() == residual.sizes(),
               "add_rms_norm: shapes differ");
-  const int64_t hidden = residual.size(1);
-  float* res = residual.data_ptr<float>();
-  const float* d = delta.data_ptr<float>();
-  const float* w = weight.data_ptr<float>();
-  float* o = out.data_ptr<float>();
-  at::parallel_for(0, residual.size(0), 16, [&](int64_t begin, int64_t end) {
-    for (int64_t r = begin; r < end; ++r) {
-      float* row = res + r * hidden;
-      const float* drow = d + r * hidden;
-#pragma omp simd
-      for (int64_t i = 0; i < hidden; ++i) row[i] += drow[i];
-      normalize(row, w, static_cast<float>(eps), hidden, o + r * hidden);
-    }
-  });
+  if (residual.scalar_type() == at::kFloat)
+    add_rms_norm_rows<float>(residual, delta, weight, static_cast<float>(eps), out);
+  else
+    add_rms_norm_rows<c10::BFloat16>(residual, delta, weight, static_cast<float>(eps), out);
 }
 
 }  // namespace

@@ -1,9 +1,20 @@
 // Small SIMD helpers shared by the CPU kernels: 8-lane float vectors with GCC/Clang's vector
 // extensions (one AVX register; pairs of SSE registers where there is no AVX), loads and
 // stores that need no alignment, and the dot product and row update every kernel uses.
+//
+// Every load widens to float32 and every store rounds from it, so a kernel templated on its
+// storage type (float or c10::BFloat16) computes in float32 either way: a bf16 value is the
+// top half of a float's bits, widened by a shift; stores round to nearest even, as torch's.
 #pragma once
 
+#include <c10/util/BFloat16.h>
+
+#ifdef __AVX2__
+#include <immintrin.h>
+#endif
+
 #include <cstdint>
+#include <type_traits>
 
 namespace loragate {
 
@@ -18,25 +29,88 @@ inline vec8 load8(const float* p) {
 
 inline void store8(float* p, vec8 v) { __builtin_memcpy(p, &v, sizeof(v)); }
 
+typedef uint16_t u16vec8 __attribute__((vector_size(16), aligned(2)));
+typedef uint32_t u32vec8 __attribute__((vector_size(32), aligned(4)));
+
+inline vec8 load8(const c10::BFloat16* p) {
+#ifdef __AVX2__
+  // One widening load: GCC's generic conversion below splits it into 128-bit halves.
+  const __m256i bits = _mm256_slli_epi32(
+      _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))), 16);
+  return (vec8)_mm256_castsi256_ps(bits);
+#else
+  u16vec8 half;
+  __builtin_memcpy(&half, p, sizeof(half));
+  const u32vec8 bits = __builtin_convertvector(half, u32vec8) << 16;
+  vec8 v;
+  __builtin_memcpy(&v, &bits, sizeof(v));
+  return v;
+#endif
+}
+
+// Round to nearest even (NaN kept a NaN), as c10::BFloat16's constructor does per value.
+inline void store8(c10::BFloat16* p, vec8 v) {
+  u32vec8 bits;
+  __builtin_memcpy(&bits, &v, sizeof(bits));
+  const u32vec8 rounded = (bits + (0x7fffu + ((bits >> 16) & 1u))) >> 16;
+  const u32vec8 is_nan = (u32vec8)(v != v);
+  const u32vec8 out = (rounded & ~is_nan) | (0x7fc0u & is_nan);
+  const u16vec8 half = __builtin_convertvector(out, u16vec8);
+  __builtin_memcpy(p, &half, sizeof(half));
+}
+
+inline float to_float(float x) { return x; }
+inline float to_float(c10::BFloat16 x) { return static_cast<float>(x); }
+
+// v rounded to T's precision and back: what storing as T and reading it again yields.
+template <typename T>
+inline vec8 round_as(vec8 v) {
+  if constexpr (std::is_same_v<T, float>) {
+    return v;
+  } else {
+    T tmp[8];
+    store8(tmp, v);
+    return load8(tmp);
+  }
+}
+
+// dst[i] = src[i] * scale, widened to float32.
+template <typename T>
+inline void widen(const T* src, float* dst, int64_t n, float scale = 1.f) {
+  int64_t i = 0;
+  for (; i + 8 <= n; i += 8) store8(dst + i, load8(src + i) * scale);
+  for (; i < n; ++i) dst[i] = to_float(src[i]) * scale;
+}
+
+// dst[i] = src[i] / divisor, rounded to T.
+template <typename T>
+inline void narrow(const float* src, T* dst, int64_t n, float divisor = 1.f) {
+  int64_t i = 0;
+  for (; i + 8 <= n; i += 8) store8(dst + i, load8(src + i) / divisor);
+  for (; i < n; ++i) dst[i] = static_cast<T>(src[i] / divisor);
+}
+
 inline float hsum(vec8 v) {
   return ((v[0] + v[1]) + (v[2] + v[3])) + ((v[4] + v[5]) + (v[6] + v[7]));
 }
 
 // Four independent accumulators: one dot product's FMAs do not wait on each other.
-inline float dot(const float* a, const float* b, int64_t n) {
+template <typename A, typename B>
+inline float dot(const A* a, const B* b, int64_t n) {
   vec8 acc[4] = {};
   int64_t i = 0;
   for (; i + 32 <= n; i += 32)
     for (int k = 0; k < 4; ++k) acc[k] += load8(a + i + 8 * k) * load8(b + i + 8 * k);
   float total = hsum((acc[0] + acc[1]) + (acc[2] + acc[3]));
-  for (; i < n; ++i) total += a[i] * b[i];
+  for (; i < n; ++i) total += to_float(a[i]) * to_float(b[i]);
   return total;
 }
 
 // y += a * x
-inline void axpy(float* y, const float* x, float a, int64_t n) {
+template <typename T>
+inline void axpy(float* y, const T* x, float a, int64_t n) {
 #pragma omp simd
-  for (int64_t i = 0; i < n; ++i) y[i] += a * x[i];
+  for (int64_t i = 0; i < n; ++i) y[i] += a * to_float(x[i]);
 }
 
 }  // namespace loragate

@@ -86,6 +86,8 @@ def variant_dir(
 def test_variant_matches_transformers(variant_dir: Path) -> None:
     prompts = [list(range(100, 100 + n)) for n in (5, 17, 40, 150)]
     refs = hf_greedy(variant_dir, prompts, 16)
-    llm = LLM(str(variant_dir), kv_cache_memory=16 << 20, max_num_batched_tokens=32)
+    llm = LLM(
+        str(variant_dir), kv_cache_memory=16 << 20, max_num_batched_tokens=32, dtype="float32"
+    )
     outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=16, ignore_eos=True))
     assert [o.outputs[0].token_ids for o in outs] == refs

@@ -18,7 +18,11 @@ LONG = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
 def core(demo_model_dir: Path) -> LLMEngine:
     return LLMEngine(
         EngineConfig(
-            model=str(demo_model_dir), kv_cache_memory=32 << 20, max_model_len=256, max_num_seqs=2
+            model=str(demo_model_dir),
+            kv_cache_memory=32 << 20,
+            max_model_len=256,
+            max_num_seqs=2,
+            dtype="float32",
         )
     )
 
@@ -104,7 +108,7 @@ async def test_a_poisoned_request_fails_alone(core: LLMEngine, demo_model_dir: P
     """One of sixteen makes the step raise in the loop thread: it alone fails."""
     requests = victims()
     requests.insert(9, poisoned(fail_from=2))
-    offline = LLM(str(demo_model_dir), kv_cache_memory=32 << 20, max_model_len=256)
+    offline = LLM(str(demo_model_dir), kv_cache_memory=32 << 20, max_model_len=256, dtype="float32")
     clean = [o.outputs[0].token_ids for o in offline.generate(*zip(*victims(), strict=True))]
     engine = AsyncEngine(core)
     engine.start()

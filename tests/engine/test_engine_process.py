@@ -35,6 +35,7 @@ def _config(model_dir: Path, **overrides: object) -> EngineConfig:
         "max_model_len": 256,
         "max_num_seqs": 4,
         "num_threads": 1,
+        "dtype": "float32",
     }
     return EngineConfig(**(base | overrides))  # type: ignore[arg-type]
 
@@ -86,7 +87,11 @@ async def test_outputs_equal_the_offline_engine(
     engine: EngineProcess, demo_model_dir: Path, registry: AdapterRegistry
 ) -> None:
     offline = LLM(
-        str(demo_model_dir), kv_cache_memory=32 << 20, max_model_len=256, lora_loader=registry.load
+        str(demo_model_dir),
+        kv_cache_memory=32 << 20,
+        max_model_len=256,
+        lora_loader=registry.load,
+        dtype="float32",
     )
     lora = registry.get("r8-all")
     expected = [o.outputs[0].token_ids for o in offline.generate(PROMPTS, GREEDY)]
@@ -140,7 +145,7 @@ async def test_a_poisoned_request_fails_alone(engine: EngineProcess, demo_model_
     """One of sixteen makes the step raise in the engine process: it alone fails."""
     requests = victims()
     requests.insert(4, poisoned(fail_from=3))
-    offline = LLM(str(demo_model_dir), kv_cache_memory=32 << 20, max_model_len=256)
+    offline = LLM(str(demo_model_dir), kv_cache_memory=32 << 20, max_model_len=256, dtype="float32")
     clean = [o.outputs[0].token_ids for o in offline.generate(*zip(*victims(), strict=True))]
 
     engine.max_waiting = len(requests)  # the module's engine queues two; these all queue

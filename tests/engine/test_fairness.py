@@ -313,6 +313,7 @@ def engine(model: Path, policy: str) -> LLMEngine:
             num_kv_blocks=20,
             max_model_len=160,
             max_num_batched_tokens=64,
+            dtype="float32",
         )
     )
 

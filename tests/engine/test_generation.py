@@ -14,7 +14,7 @@ from engine.detokenizer import IncrementalDetokenizer
 
 @pytest.fixture(scope="module")
 def llm(demo_model_dir: Path) -> LLM:
-    return LLM(str(demo_model_dir), kv_cache_memory=64 << 20, max_model_len=512)
+    return LLM(str(demo_model_dir), kv_cache_memory=64 << 20, max_model_len=512, dtype="float32")
 
 
 PROMPTS = ["The cat sat on the", "Once upon a time", 'JSON: {"a": 1,', "café naïve 日本語"]
@@ -147,7 +147,7 @@ def test_stop_token_ids_and_eos(llm: LLM) -> None:
 
 
 def test_max_model_len_ends_generation(demo_model_dir: Path) -> None:
-    llm = LLM(str(demo_model_dir), kv_cache_memory=16 << 20, max_model_len=40)
+    llm = LLM(str(demo_model_dir), kv_cache_memory=16 << 20, max_model_len=40, dtype="float32")
     out = llm.generate(
         [list(range(50, 80))], SamplingParams(temperature=0, max_tokens=None, ignore_eos=True)
     )[0]

@@ -43,7 +43,11 @@ THREADS = 1
 @pytest.fixture(scope="module")
 def llm(demo_model_dir: Path) -> LLM:
     return LLM(
-        str(demo_model_dir), kv_cache_memory=64 << 20, max_model_len=1024, num_threads=THREADS
+        str(demo_model_dir),
+        kv_cache_memory=64 << 20,
+        max_model_len=1024,
+        num_threads=THREADS,
+        dtype="float32",
     )
 
 
@@ -321,6 +325,7 @@ def test_guided_requests_under_lora_adapters(
         max_loras=2,
         lora_loader=registry.load,
         num_threads=THREADS,
+        dtype="float32",
     )
     loras = [registry.get("r4-attn"), registry.get("r8-all"), None] * 2
     schemas = ["array_of_objects", "defs_ref", "any_of_objects"] * 2
@@ -359,7 +364,12 @@ def test_preemption_does_not_advance_a_matcher_twice(demo_model_dir: Path, llm: 
     ]
     roomy = llm.generate(prompts, params)
     tight = LLM(
-        str(demo_model_dir), num_kv_blocks=40, block_size=4, max_model_len=160, num_threads=THREADS
+        str(demo_model_dir),
+        num_kv_blocks=40,
+        block_size=4,
+        max_model_len=160,
+        num_threads=THREADS,
+        dtype="float32",
     )
     cramped = tight.generate(prompts, params)
     assert tight.engine.scheduler.num_preemptions > 0
@@ -555,7 +565,13 @@ def test_a_grammar_matching_only_the_empty_string_is_refused(llm: LLM) -> None:
 
 @pytest.fixture(scope="module")
 def smollm2(smollm2_dir: Path) -> LLM:
-    return LLM(str(smollm2_dir), kv_cache_memory=256 << 20, max_model_len=1024, num_threads=THREADS)
+    return LLM(
+        str(smollm2_dir),
+        kv_cache_memory=256 << 20,
+        max_model_len=1024,
+        num_threads=THREADS,
+        dtype="float32",
+    )
 
 
 @pytest.fixture(scope="module")

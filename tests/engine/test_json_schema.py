@@ -470,7 +470,13 @@ def test_refusals_name_the_pointer_and_keyword(schema: dict[str, Any], words: st
 
 @pytest.fixture(scope="module")
 def llm(demo_model_dir: Path) -> LLM:
-    return LLM(str(demo_model_dir), kv_cache_memory=64 << 20, max_model_len=512, num_threads=1)
+    return LLM(
+        str(demo_model_dir),
+        kv_cache_memory=64 << 20,
+        max_model_len=512,
+        num_threads=1,
+        dtype="float32",
+    )
 
 
 def test_demo_outputs_follow_the_normalized_schemas(llm: LLM) -> None:

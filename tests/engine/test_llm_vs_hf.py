@@ -56,7 +56,7 @@ CONFIGS = {
 def test_greedy_matches_hf(
     name: str, demo_model_dir: Path, prompts: list[list[int]], hf_outputs: list[list[int]]
 ) -> None:
-    llm = LLM(str(demo_model_dir), kv_cache_memory=64 << 20, **CONFIGS[name])
+    llm = LLM(str(demo_model_dir), kv_cache_memory=64 << 20, **CONFIGS[name], dtype="float32")
     params = SamplingParams(temperature=0.0, max_tokens=NUM_OUTPUT, ignore_eos=True)
     # Twice: the second pass runs on a warm prefix cache.
     for _ in range(2):
@@ -76,7 +76,7 @@ def test_greedy_matches_hf(
 def test_batch_composition_does_not_change_greedy_output(
     demo_model_dir: Path, prompts: list[list[int]], hf_outputs: list[list[int]]
 ) -> None:
-    llm = LLM(str(demo_model_dir), kv_cache_memory=64 << 20, max_num_seqs=3)
+    llm = LLM(str(demo_model_dir), kv_cache_memory=64 << 20, max_num_seqs=3, dtype="float32")
     params = SamplingParams(temperature=0.0, max_tokens=NUM_OUTPUT, ignore_eos=True)
     outs = llm.generate(prompts[::-1], params)
     assert [o.outputs[0].token_ids for o in outs] == hf_outputs[::-1]

@@ -30,7 +30,9 @@ def random_prompts(lengths: list[int], seed: int) -> list[list[int]]:
 
 
 def make_llm(model_dir: Path, registry: AdapterRegistry, **kwargs) -> LLM:
-    defaults = dict(num_kv_blocks=512, block_size=16, max_loras=4, max_num_batched_tokens=96)
+    defaults = dict(
+        num_kv_blocks=512, block_size=16, max_loras=4, max_num_batched_tokens=96, dtype="float32"
+    )
     return LLM(str(model_dir), lora_loader=registry.load, **(defaults | kwargs))
 
 

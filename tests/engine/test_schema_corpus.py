@@ -42,7 +42,7 @@ def cache(demo_model_dir: Path) -> GrammarCache:
     hf_config = AutoConfig.from_pretrained(demo_model_dir)
     tokenizer = AutoTokenizer.from_pretrained(demo_model_dir)
     eos = _eos_token_ids(hf_config, tokenizer, str(demo_model_dir))
-    config = EngineConfig(model=str(demo_model_dir))
+    config = EngineConfig(model=str(demo_model_dir), dtype="float32")
     return grammar_cache(config, tokenizer, int(hf_config.vocab_size), eos)
 
 

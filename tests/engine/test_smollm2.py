@@ -21,7 +21,7 @@ MAX_TOKENS = 32
 
 
 def test_greedy_chat_matches_transformers(smollm2_dir: Path) -> None:
-    llm = LLM(str(smollm2_dir), kv_cache_memory=256 << 20, max_model_len=1024)
+    llm = LLM(str(smollm2_dir), kv_cache_memory=256 << 20, max_model_len=1024, dtype="float32")
     tok = llm.tokenizer
     prompts = [
         list(

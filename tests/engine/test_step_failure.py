@@ -17,7 +17,7 @@ from engine.step_failure import isolate_failures
 
 @pytest.fixture(scope="module")
 def llm(demo_model_dir: Path) -> LLM:
-    return LLM(str(demo_model_dir), kv_cache_memory=32 << 20, max_model_len=256)
+    return LLM(str(demo_model_dir), kv_cache_memory=32 << 20, max_model_len=256, dtype="float32")
 
 
 def _run(llm: LLM, poison_at: int | None, fail_from: int = 1) -> list[tuple[list[int], str]]:

@@ -21,7 +21,11 @@ MAX_ADAPTER_BYTES = 4 << 20
 @pytest.fixture(scope="module")
 def tenancy_engine(demo_model_dir: Path) -> Iterator[AsyncEngine]:
     config = EngineConfig(
-        model=str(demo_model_dir), kv_cache_memory=64 << 20, max_model_len=1024, num_threads=1
+        model=str(demo_model_dir),
+        kv_cache_memory=64 << 20,
+        max_model_len=1024,
+        num_threads=1,
+        dtype="float32",
     )
     loader = RegisteredLoader(describe_base(demo_model_dir), max_lora_rank=16)
     engine = AsyncEngine(LLMEngine(config, lora_loader=loader), max_waiting=64)

@@ -177,7 +177,11 @@ def demo_server(model_dir: Path, root: Path, **build: Any) -> Iterator[Server]:
     from engine import EngineConfig, LLMEngine
 
     config = EngineConfig(
-        model=str(model_dir), kv_cache_memory=64 << 20, max_model_len=1024, num_threads=1
+        model=str(model_dir),
+        kv_cache_memory=64 << 20,
+        max_model_len=1024,
+        num_threads=1,
+        dtype="float32",
     )
     engine = AsyncEngine(LLMEngine(config), max_waiting=64)
     engine.start()

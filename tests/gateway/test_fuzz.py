@@ -150,6 +150,7 @@ def server(demo_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> It
         max_model_len=128,  # bounds any accepted request's work
         num_threads=1,
         guided_compile_timeout=2.0,
+        dtype="float32",
     )
     engine = EngineProcess(config, max_waiting=256)
     engine.start()

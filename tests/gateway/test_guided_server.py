@@ -44,6 +44,7 @@ def server(demo_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> It
         num_threads=1,  # see tests/engine/test_guided.py
         guided_max_schema_bytes=MAX_SCHEMA_BYTES,
         guided_max_schema_depth=MAX_SCHEMA_DEPTH,
+        dtype="float32",
     )
     engine = AsyncEngine(LLMEngine(config), max_waiting=64)
     engine.start()
@@ -251,7 +252,9 @@ def test_json_schema_under_an_adapter_streams_and_matches_the_offline_engine(
 ) -> None:
     registry = AdapterRegistry(describe_base(demo_model_dir), max_lora_rank=16)
     registry.register("r8-all", demo_adapters["r8-all"])
-    config = EngineConfig(model=str(demo_model_dir), kv_cache_memory=32 << 20, max_model_len=256)
+    config = EngineConfig(
+        model=str(demo_model_dir), kv_cache_memory=32 << 20, max_model_len=256, dtype="float32"
+    )
     engine = AsyncEngine(LLMEngine(config, lora_loader=registry.load), max_waiting=16)
     engine.start()
     prompt = [5, 77, 301, 1200, 42, 9, 640]
@@ -273,7 +276,9 @@ def test_json_schema_under_an_adapter_streams_and_matches_the_offline_engine(
     for chunk in chunks:
         for choice in chunk.choices:
             texts[choice.index] += choice.text
-    offline = LLM(str(demo_model_dir), kv_cache_memory=32 << 20, lora_loader=registry.load)
+    offline = LLM(
+        str(demo_model_dir), kv_cache_memory=32 << 20, lora_loader=registry.load, dtype="float32"
+    )
     params = SamplingParams(temperature=0, max_tokens=64, guided=GuidedSpec(json_schema=POINT))
     expected = offline.generate([prompt], params, lora_request=registry.get("r8-all"))[0]
     assert texts == [expected.outputs[0].text] * 2

@@ -41,7 +41,11 @@ def server(
 ) -> Iterator[Server]:
     """Both engine loops: adapters cross into the engine process as paths and identities."""
     config = EngineConfig(
-        model=str(demo_model_dir), kv_cache_memory=64 << 20, max_model_len=512, max_loras=2
+        model=str(demo_model_dir),
+        kv_cache_memory=64 << 20,
+        max_model_len=512,
+        max_loras=2,
+        dtype="float32",
     )
     engine: EngineClient
     if request.param == "thread":
@@ -63,7 +67,11 @@ def server(
 @pytest.fixture(scope="module")
 def offline(demo_model_dir: Path, registry: AdapterRegistry) -> LLM:
     return LLM(
-        str(demo_model_dir), kv_cache_memory=32 << 20, max_model_len=512, lora_loader=registry.load
+        str(demo_model_dir),
+        kv_cache_memory=32 << 20,
+        max_model_len=512,
+        lora_loader=registry.load,
+        dtype="float32",
     )
 
 

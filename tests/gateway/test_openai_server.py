@@ -25,7 +25,9 @@ def server(
 ) -> Iterator[Server]:
     """Every test runs against both engine loops: a thread of the server's process, and
     a process of its own (`loragate serve`'s default)."""
-    config = EngineConfig(model=str(demo_model_dir), kv_cache_memory=64 << 20, max_model_len=512)
+    config = EngineConfig(
+        model=str(demo_model_dir), kv_cache_memory=64 << 20, max_model_len=512, dtype="float32"
+    )
     engine: EngineClient
     if request.param == "thread":
         engine = AsyncEngine(LLMEngine(config), max_waiting=256)
@@ -42,7 +44,7 @@ def server(
 
 @pytest.fixture(scope="module")
 def offline(demo_model_dir: Path) -> LLM:
-    return LLM(str(demo_model_dir), kv_cache_memory=32 << 20, max_model_len=512)
+    return LLM(str(demo_model_dir), kv_cache_memory=32 << 20, max_model_len=512, dtype="float32")
 
 
 def test_completion_matches_the_offline_engine(server: Server, offline: LLM) -> None:

@@ -32,7 +32,11 @@ ADMIN_PATHS = ("/admin", "/v1/load_lora_adapter", "/v1/unload_lora_adapter")
 def api(demo_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[BaseSchema]:
     # A short context bounds the work any generated request may ask for.
     config = EngineConfig(
-        model=str(demo_model_dir), kv_cache_memory=32 << 20, max_model_len=64, num_threads=1
+        model=str(demo_model_dir),
+        kv_cache_memory=32 << 20,
+        max_model_len=64,
+        num_threads=1,
+        dtype="float32",
     )
     loader = RegisteredLoader(describe_base(demo_model_dir), max_lora_rank=16)
     engine = AsyncEngine(LLMEngine(config, lora_loader=loader), max_waiting=512)

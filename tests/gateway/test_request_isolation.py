@@ -35,7 +35,11 @@ VICTIM = {
 @pytest.fixture(scope="module")
 def server(demo_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
     config = EngineConfig(
-        model=str(demo_model_dir), kv_cache_memory=64 << 20, max_model_len=512, num_threads=1
+        model=str(demo_model_dir),
+        kv_cache_memory=64 << 20,
+        max_model_len=512,
+        num_threads=1,
+        dtype="float32",
     )
     engine = EngineProcess(replace(config), max_waiting=64)
     engine.start()

@@ -336,7 +336,9 @@ def test_a_template_that_knows_tools_gets_them_as_they_are(demo_model_dir: Path)
 def test_smollm2_forced_calls_validate(
     smollm2_dir: Path, tmp_path_factory: pytest.TempPathFactory
 ) -> None:
-    config = EngineConfig(model=str(smollm2_dir), kv_cache_memory=128 << 20, max_model_len=2048)
+    config = EngineConfig(
+        model=str(smollm2_dir), kv_cache_memory=128 << 20, max_model_len=2048, dtype="float32"
+    )
     engine = AsyncEngine(LLMEngine(config), max_waiting=16)
     engine.start()
     app = build_test_app(engine, "smollm2", tmp_path_factory.mktemp("tenancy"), smollm2_dir)
@@ -363,7 +365,9 @@ def test_forced_calls_under_an_adapter_with_the_prefix_cache(
     its prompt (tools included) from the prefix cache."""
     registry = AdapterRegistry(describe_base(demo_model_dir), max_lora_rank=16)
     registry.register("r8-all", demo_adapters["r8-all"])
-    config = EngineConfig(model=str(demo_model_dir), kv_cache_memory=32 << 20, max_model_len=1024)
+    config = EngineConfig(
+        model=str(demo_model_dir), kv_cache_memory=32 << 20, max_model_len=1024, dtype="float32"
+    )
     engine = AsyncEngine(LLMEngine(config, lora_loader=registry.load), max_waiting=16)
     engine.start()
     app = build_test_app(engine, MODEL, tmp_path, demo_model_dir)

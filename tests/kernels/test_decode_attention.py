@@ -153,3 +153,36 @@ def test_bad_tables_are_refused_not_read(
             1 / math.sqrt(64),
             torch.empty(1, 4, 64),
         )
+
+
+@pytest.mark.parametrize(
+    ("lens", "shared_tokens", "dim"),
+    [([5, 16, 17, 33, 100], 0, 64), ([40] * 16, 32, 64), ([9, 50, 130], 16, 128), ([7, 70], 0, 40)],
+)
+def test_bfloat16_computes_in_float32(lens: list[int], shared_tokens: int, dim: int) -> None:
+    """bf16 caches and queries are widened as read: the result is the float32 attention of
+    the bf16 values, rounded once (within one bf16 ulp), where the torch specification
+    rounds every intermediate to bf16 and drifts further."""
+    query, key_cache, value_cache, tables = _case(3, lens, shared_tokens, dim=dim)
+    q, k, v = query.bfloat16(), key_cache.bfloat16(), value_cache.bfloat16()
+    ours = _attend(q, k, v, tables, lens, native_path=True)
+    assert ours.dtype == torch.bfloat16
+    dense = _dense(q.float(), k.float(), v.float(), tables, lens, dim**-0.5)
+    torch.testing.assert_close(ours.float(), dense, rtol=2**-8, atol=1e-6)
+    spec = _attend(q, k, v, tables, lens, native_path=False)
+    torch.testing.assert_close(ours, spec, rtol=2e-2, atol=2e-2)
+
+
+def test_mixed_dtypes_are_refused() -> None:
+    cache = torch.zeros(2, 8, 16, 64, dtype=torch.bfloat16)
+    with pytest.raises(RuntimeError, match="must all be float32 or all bfloat16"):
+        torch.ops.loragate.decode_attention(
+            torch.zeros(1, 4, 64),
+            cache,
+            cache,
+            None,
+            torch.tensor([[0]]),
+            torch.tensor([3]),
+            0.125,
+            torch.empty(1, 4, 64),
+        )

@@ -1,0 +1,203 @@
+"""loragate against vLLM-CPU in one run: the servers take turns (one up at a time, the order
+swapped every round), each round drives every workload at both with `bench serve` (the
+client pinned to one core), and the table gives each side's runs, their medians and the
+ratio of medians.
+
+    loragate bench vs-vllm --model models/smollm2 [--dtype auto] [--workloads w1,w2]
+        [--rounds 2] [--num-prompts 64] [--vllm-venv /tmp/peers/vllm-venv]
+
+vLLM comes from `../shared/peers/` (setup_vllm.sh installs it, serve_vllm.sh serves a
+directory); ours is `loragate serve --no-auth` at its defaults. `--dtype` goes to both
+servers (`auto`: each resolves it as it does for its users; vLLM picks bfloat16 on a CPU
+with AVX-512 BF16, as ours does). Every run uses its own prompt seed, so no run finds its
+prompts in a prefix cache; both servers of a round get the same seed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import httpx
+from rich.console import Console
+from rich.table import Table
+
+from kernels import cpu_features
+
+PEERS = Path(__file__).resolve().parents[1].parent / "shared" / "peers"
+READY_TIMEOUT_S = 600.0
+
+
+def _wait_ready(url: str, proc: subprocess.Popen[bytes], log: Path) -> None:
+    deadline = time.monotonic() + READY_TIMEOUT_S
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"server exited ({proc.returncode}); log: {log}")
+        try:
+            if httpx.get(f"{url}/v1/models", timeout=2).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(1)
+    raise RuntimeError(f"server not ready after {READY_TIMEOUT_S:.0f} s; log: {log}")
+
+
+def _start(side: str, args: argparse.Namespace, name: str, log: Path) -> subprocess.Popen[bytes]:
+    env = os.environ | {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
+    if side == "loragate":
+        workdir = Path(tempfile.mkdtemp(prefix="vs-vllm-"))
+        cmd = [
+            str(Path(sys.executable).parent / "loragate"), "serve",
+            "--model", args.model, "--served-model-name", name,
+            "--port", str(args.port), "--no-auth", "--dtype", args.dtype,
+            "--database-url", f"sqlite+aiosqlite:///{workdir}/db.sqlite",
+            "--adapter-store", str(workdir / "adapters"),
+        ]  # fmt: skip
+    else:
+        env |= {"VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1", "VLLM_CPU_KVCACHE_SPACE": "2"}
+        cmd = [
+            f"{args.vllm_venv}/bin/python", "-m", "vllm.entrypoints.openai.api_server",
+            "--model", str(Path(args.model).resolve()), "--served-model-name", name,
+            "--host", "127.0.0.1", "--port", str(args.port), "--max-model-len", "2048",
+            "--dtype", args.dtype,
+        ]  # fmt: skip
+    out = log.open("wb")
+    return subprocess.Popen(
+        cmd, stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True
+    )
+
+
+def _stop(proc: subprocess.Popen[bytes]) -> None:
+    if proc.poll() is None:
+        os.killpg(proc.pid, signal.SIGTERM)
+        try:
+            proc.wait(60)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+
+
+def _bench(
+    args: argparse.Namespace, side: str, name: str, workload: str, seed: int
+) -> dict[str, Any]:
+    with tempfile.NamedTemporaryFile(suffix=".json") as out:
+        subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "bench.serve",
+                "--base-url",
+                f"http://127.0.0.1:{args.port}",
+                "--model",
+                name,
+                "--workload",
+                workload,
+                "--num-prompts",
+                str(args.num_prompts),
+                "--seed",
+                str(seed),
+                "--cpu",
+                "1",
+                "--label",
+                side,
+                "--json",
+                out.name,
+                "--model-dir",
+                args.model,
+                "--dtype",
+                args.peak_dtype,
+            ],  # fmt: skip
+            check=True,
+            stdout=subprocess.DEVNULL,
+        )
+        return json.loads(Path(out.name).read_text())
+
+
+def run(args: argparse.Namespace, console: Console) -> dict[str, dict[str, list[dict[str, Any]]]]:
+    """rows[workload][side]: one summary row per round."""
+    name = Path(args.model).name
+    rows: dict[str, dict[str, list[dict[str, Any]]]] = {
+        w: {"loragate": [], "vllm": []} for w in args.workloads
+    }
+    logs = Path(tempfile.mkdtemp(prefix="vs-vllm-logs-"))
+    for round_ in range(args.rounds):
+        order = ["loragate", "vllm"] if round_ % 2 == 0 else ["vllm", "loragate"]
+        for side in order:
+            log = logs / f"{side}-{round_}.log"
+            console.print(f"round {round_ + 1}/{args.rounds}: starting {side} (log {log})")
+            proc = _start(side, args, name, log)
+            try:
+                _wait_ready(f"http://127.0.0.1:{args.port}", proc, log)
+                for i, workload in enumerate(args.workloads):
+                    row = _bench(args, side, name, workload, seed=1000 * (round_ + 1) + i)
+                    rows[workload][side].append(row)
+                    console.print(
+                        f"  {side} {workload}: {row['output_tok_s']:.0f} tok/s, "
+                        f"TTFT p50 {row['ttft_p50_s'] * 1e3:.0f} ms, "
+                        f"ITL p50 {row['itl_p50_s'] * 1e3:.1f} ms, failed {row['failed']}"
+                    )
+            finally:
+                _stop(proc)
+    return rows
+
+
+def table(rows: dict[str, dict[str, list[dict[str, Any]]]], dtype: str) -> Table:
+    t = Table(title=f"loragate vs vLLM-CPU, {dtype}: runs (median)")
+    for col in ("workload", "loragate tok/s", "vLLM tok/s", "ratio", "TTFT p50 ours / vLLM",
+                "ITL p50 ours / vLLM", "MFU ours / vLLM"):  # fmt: skip
+        t.add_column(col, justify="right")
+
+    def med(side_rows: list[dict[str, Any]], key: str) -> float:
+        return statistics.median(r[key] for r in side_rows) if side_rows else float("nan")
+
+    for workload, sides in rows.items():
+        ours, theirs = sides["loragate"], sides["vllm"]
+        runs = {s: " ".join(f"{r['output_tok_s']:.0f}" for r in sides[s]) for s in sides}
+        t.add_row(
+            workload,
+            f"{runs['loragate']} ({med(ours, 'output_tok_s'):.0f})",
+            f"{runs['vllm']} ({med(theirs, 'output_tok_s'):.0f})",
+            f"{med(ours, 'output_tok_s') / med(theirs, 'output_tok_s'):.2f}x",
+            f"{med(ours, 'ttft_p50_s') * 1e3:.0f} / {med(theirs, 'ttft_p50_s') * 1e3:.0f} ms",
+            f"{med(ours, 'itl_p50_s') * 1e3:.1f} / {med(theirs, 'itl_p50_s') * 1e3:.1f} ms",
+            f"{med(ours, 'mfu'):.0%} / {med(theirs, 'mfu'):.0%}",
+        )
+    return t
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(prog="loragate bench vs-vllm", description=__doc__.split("\n")[0])
+    p.add_argument("--model", required=True, help="a Hugging Face model directory")
+    p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"])
+    p.add_argument("--workloads", default="w1,w2", help="comma-separated: w1, w2, wv")
+    p.add_argument("--rounds", type=int, default=2)
+    p.add_argument("--num-prompts", type=int, default=64)
+    p.add_argument("--port", type=int, default=18080)
+    p.add_argument("--vllm-venv", default="/tmp/peers/vllm-venv")
+    p.add_argument("--json", type=Path, default=None, help="write every row here")
+    args = p.parse_args(argv)
+    args.workloads = [w for w in args.workloads.split(",") if w]
+    if not Path(args.vllm_venv, "bin", "python").exists():
+        p.error(f"no vLLM at {args.vllm_venv}: run {PEERS / 'setup_vllm.sh'} first")
+    bf16 = cpu_features.native_bf16()
+    args.peak_dtype = args.dtype if args.dtype != "auto" else ("bfloat16" if bf16 else "float32")
+    console = Console(width=max(Console().width, 130))
+    console.print(f"{Path(args.model).name}, --dtype {args.dtype} ({args.peak_dtype} here); "
+                  f"{cpu_features.describe()}")  # fmt: skip
+    rows = run(args, console)
+    console.print(table(rows, args.peak_dtype))
+    if args.json is not None:
+        args.json.write_text(json.dumps(rows, indent=2) + "\n")
+
+
+if __name__ == "__main__":
+    main()
