@@ -13,6 +13,7 @@ from rich.progress import Progress
 
 from bench.workloads import Workload, best_of
 
+
 def build_hf(
     model_dir: str,
     device: torch.device,

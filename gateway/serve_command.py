@@ -30,7 +30,8 @@ HELP: dict[str, str] = {
     "enable_chunked_prefill": "Split long prompts across steps.",
     "max_waiting": "Queued requests before 503.",
     "scheduling_policy": "fair (tenants share the batch by weight, VTC) or fcfs.",
-    "dtype": "auto (CPU: bfloat16 with AVX-512 BF16 or AMX, else float32), float32, bfloat16 or float16.",
+    "dtype": "auto (CPU: bfloat16 with AVX-512 BF16 or AMX, else float32), float32, bfloat16, "
+    "float16.",
     "device": "auto, cpu or cuda.",
     "seed": "The engine's generator for unseeded sampling.",
     "num_threads": "Torch threads for decode steps. Default: every core but one.",
