@@ -81,6 +81,7 @@ class EngineStats:
     prefix_cache_hits: int = 0
     num_preemptions: int = 0
     num_failed_requests: int = 0  # sequences that alone failed an engine step
+    spec_decode: tuple[int, int, int] | None = None  # drafts, draft tokens, accepted; None: off
     max_loras: int | None = None  # None: LoRA disabled
     running_adapters: list[str] = field(default_factory=list)
     waiting_adapters: list[str] = field(default_factory=list)
@@ -102,6 +103,12 @@ def engine_stats(engine: LLMEngine) -> EngineStats:
         num_preemptions=scheduler.num_preemptions,
         num_failed_requests=engine.num_failed_requests,
     )
+    if engine.speculative is not None:
+        stats.spec_decode = (
+            engine.num_drafts,
+            engine.num_draft_tokens,
+            engine.num_accepted_tokens,
+        )
     if lora is not None:
         stats.max_loras = lora.max_loras
         stats.running_adapters = sorted({r.lora.name for r in running if r.lora})

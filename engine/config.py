@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from engine.spec_decode import SpeculativeConfig
+
 GiB = 1 << 30
 SCHEDULING_POLICIES = ("fair", "fcfs")
 
@@ -29,6 +31,8 @@ class EngineConfig:
     # engine/fairness.py); "fcfs" is arrival order, fairness keys ignored.
     scheduling_policy: str = "fair"
     seed: int = 0
+    # n-gram speculative decoding (engine/spec_decode.py); None: off.
+    speculative_config: SpeculativeConfig | None = None
     enable_lora: bool = True
     max_loras: int = 4  # adapters resident on the device (and so per step)
     max_lora_rank: int = 16

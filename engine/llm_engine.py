@@ -19,7 +19,9 @@ from engine.lora import LoRALoader, LoRAManager, LoRARequest, llama_fused_target
 from engine.model_runner import ModelRunner, ProgressFn
 from engine.outputs import CompletionOutput, RequestOutput, SequenceUpdate
 from engine.request import Request, RequestStatus, SamplingParams
+from engine.sampler import SamplerOutput
 from engine.scheduler import Scheduler, SchedulerOutput
+from engine.spec_decode import NgramIndex, SpeculativeConfig, can_speculate
 from engine.step_failure import Rows, isolate_failures
 
 logger = logging.getLogger(__name__)
@@ -92,6 +94,10 @@ class LLMEngine:
         # Guided sequences whose matcher does not exist yet (compiling, or not looked at).
         self._awaiting_grammar: dict[str, _Sequence] = {}
         self.num_failed_requests = 0  # sequences a failed step was pinned on
+        # Speculative decoding: its config, and vLLM's counters (drafts proposed and
+        # verified, their tokens, the tokens accepted).
+        self.speculative = config.speculative_config
+        self.num_drafts = self.num_draft_tokens = self.num_accepted_tokens = 0
         self._num_unexplained_failures = 0
         logger.info(
             "KV cache: %d blocks x %d tokens = %d tokens (%.1f MiB, %s); max concurrency at "
@@ -240,34 +246,79 @@ class LLMEngine:
         self._num_unexplained_failures = 0
         for request, num_new in sched.scheduled:
             request.num_computed_tokens += num_new
-        if sampler_out is None:
-            return updates
+        if sampler_out is not None:
+            updates += self._append_sampled(sampled, sampler_out)
+        if self.speculative is not None:
+            self._propose_drafts(self.speculative)
+        return updates
+
+    def _append_sampled(
+        self, sampled: list[Request], sampler_out: SamplerOutput
+    ) -> list[SequenceUpdate]:
+        updates = []
         now = time.monotonic()
-        for request, token_id, logprobs in zip(
-            sampled, sampler_out.token_ids, sampler_out.logprobs, strict=True
+        accepted = sampler_out.accepted_drafts or [[] for _ in sampled]
+        for request, token_id, logprobs, drafts in zip(
+            sampled, sampler_out.token_ids, sampler_out.logprobs, accepted, strict=True
         ):
             seq = self.sequences[request.request_id]
+            speculated = bool(request.spec_token_ids)
+            if speculated:
+                # The step computed every draft; only the accepted ones' KV stands.
+                request.num_computed_tokens -= len(request.spec_token_ids) - len(drafts)
+                self.num_draft_tokens += len(request.spec_token_ids)
+                self.num_accepted_tokens += len(drafts)
+                self.num_drafts += 1
+                request.spec_token_ids = []
             try:
-                updates.append(self._append_token(seq, token_id, logprobs, now))
+                updates.append(self._append_tokens(seq, [*drafts, token_id], logprobs, now))
             except Exception as exc:  # noqa: BLE001 - a stop check or detokenizer failure
                 logger.exception("request %s failed after its step", seq.parent_id)
                 self.num_failed_requests += 1
                 updates.append(self._fail(request, _failure_message(exc)))
+                continue
+            if speculated and not request.is_finished:
+                self.kv.trim(request, request.num_tokens)  # the rejected drafts' blocks
         return updates
 
-    def _append_token(
-        self, seq: _Sequence, token_id: int, logprobs: dict[int, float] | None, now: float
+    def _propose_drafts(self, config: SpeculativeConfig) -> None:
+        """Drafts for every caught-up running request that may speculate (spec_decode)."""
+        for request in self.scheduler.running:
+            if request.num_computed_tokens + 1 != request.num_tokens or not can_speculate(request):
+                continue
+            if request.ngram_index is None:
+                request.ngram_index = NgramIndex(config)
+            params = request.sampling_params
+            assert params.max_tokens is not None
+            limit = min(
+                params.max_tokens - request.num_output_tokens - 1,
+                self.max_model_len - request.num_tokens - 1,
+            )
+            request.spec_token_ids = request.ngram_index.propose(request.all_token_ids, limit)
+
+    def _append_tokens(
+        self,
+        seq: _Sequence,
+        token_ids: list[int],
+        logprobs: dict[int, float] | None,
+        now: float,
     ) -> SequenceUpdate:
+        """Append a step's tokens (one, or accepted drafts and one), checking the stop
+        conditions after each: tokens after a stop are dropped."""
         request = seq.request
-        request.all_token_ids.append(token_id)
         if request.first_token_time is None:
             request.first_token_time = now
         if logprobs is not None and request.logprobs is not None:
             request.logprobs.append(logprobs)
-        status = self._check_stop(seq, token_id)
-        if status is not None:
-            self._finish(seq, status)
-        return self._update(seq, token_id, logprobs)
+        appended = []
+        for token_id in token_ids:
+            request.all_token_ids.append(token_id)
+            appended.append(token_id)
+            status = self._check_stop(seq, token_id)
+            if status is not None:
+                self._finish(seq, status)
+                break
+        return self._update(seq, appended, logprobs)
 
     def _contain_step_failure(self, scheduled: Rows, error: Exception) -> list[SequenceUpdate]:
         """A step raised: fail only the requests that make it fail, roll the step back for
@@ -363,7 +414,7 @@ class LLMEngine:
         seq = self.sequences[request.request_id]
         request.error = error
         self._finish(seq, RequestStatus.FINISHED_ERROR)
-        return self._update(seq, None, None)
+        return self._update(seq, [], None)
 
     def _finish(self, seq: _Sequence, status: RequestStatus) -> None:
         self.scheduler.finish(seq.request, status)
@@ -375,7 +426,7 @@ class LLMEngine:
 
     @staticmethod
     def _update(
-        seq: _Sequence, token_id: int | None, logprobs: dict[int, float] | None
+        seq: _Sequence, token_ids: list[int], logprobs: dict[int, float] | None
     ) -> SequenceUpdate:
         request = seq.request
         detok = seq.detokenizer
@@ -384,7 +435,7 @@ class LLMEngine:
         return SequenceUpdate(
             request_id=seq.parent_id,
             index=seq.index,
-            new_token_ids=[] if token_id is None else [token_id],
+            new_token_ids=token_ids,
             text=text,
             new_logprobs=None if logprobs is None else [logprobs],
             num_prompt_tokens=request.num_prompt_tokens,

@@ -28,6 +28,7 @@ from engine.models.llama import (
 from engine.request import Request
 from engine.sampler import Sampler, SamplerOutput
 from engine.scheduler import SchedulerOutput
+from engine.spec_decode import verify
 from kernels import linear, native
 from kernels.attention import build_plan
 
@@ -183,34 +184,42 @@ class ModelRunner:
     def execute(
         self, sched: SchedulerOutput, kv: KVCacheManager
     ) -> tuple[list[Request], SamplerOutput | None]:
-        # Decode rows first. The torch attention groups decode rows of similar length, so
+        # Decode rows first: a caught-up request's last token, and its drafts if it
+        # speculates (engine/spec_decode.py), each token an attention row of its own over
+        # the request's blocks. The torch attention groups decode rows of similar length, so
         # they go shortest first; the C++ kernel pads nothing, so there rows go by LoRA
         # slot: each adapter's tokens are then one run of rows (two with prefills).
+        def is_decode(item: tuple[Request, int]) -> bool:
+            return item[0].num_computed_tokens + 1 == item[0].num_tokens
+
         if self.native_kernels:
-            rows = sorted(sched.scheduled, key=lambda item: (item[1] != 1, item[0].lora_slot))
+            rows = sorted(
+                sched.scheduled, key=lambda item: (not is_decode(item), item[0].lora_slot)
+            )
         else:
             rows = sorted(
-                sched.scheduled, key=lambda item: (item[1] != 1, item[0].num_computed_tokens)
+                sched.scheduled,
+                key=lambda item: (not is_decode(item), item[0].num_computed_tokens),
             )
-        num_decode = sum(1 for _, n in rows if n == 1)
         bs = self.block_size
         num_tokens = sched.num_batched_tokens
+        num_decode = sum(item[1] for item in rows if is_decode(item))
+        num_attention_rows = num_decode + sum(1 for item in rows if not is_decode(item))
         input_ids = np.empty(num_tokens, dtype=np.int64)
         positions = np.empty(num_tokens, dtype=np.int64)
         slots = np.empty(num_tokens, dtype=np.int64)
         token_lora_slots = np.empty(num_tokens, dtype=np.int64)
-        query_lens = np.empty(len(rows), dtype=np.int64)
-        seq_lens = np.empty(len(rows), dtype=np.int64)
+        query_lens = np.ones(num_attention_rows, dtype=np.int64)
+        seq_lens = np.empty(num_attention_rows, dtype=np.int64)
         block_tables: list[list[int]] = []
         sample_rows: list[Request] = []
         sample_index: list[int] = []
-        t = 0
-        for i, (request, n) in enumerate(rows):
+        spec_rows: list[tuple[Request, list[int]]] = []
+        spec_index: list[int] = []
+        t = a = 0  # the next token, the next attention row
+        for request, n in rows:
             start = request.num_computed_tokens
             table = kv.block_ids(request.request_id)
-            block_tables.append(table)
-            query_lens[i] = n
-            seq_lens[i] = start + n
             if n == 1:  # decode: plain ints beat numpy's per-call overhead
                 positions[t] = start
                 input_ids[t] = request.all_token_ids[start]
@@ -218,13 +227,30 @@ class ModelRunner:
             else:
                 pos = np.arange(start, start + n)
                 positions[t : t + n] = pos
-                input_ids[t : t + n] = request.all_token_ids[start : start + n]
+                known = request.all_token_ids[start : start + n]
+                input_ids[t : t + len(known)] = known
+                input_ids[t + len(known) : t + n] = request.spec_token_ids[: n - len(known)]
                 slots[t : t + n] = np.asarray(table)[pos // bs] * bs + pos % bs
             token_lora_slots[t : t + n] = request.lora_slot
+            if start + 1 == request.num_tokens:  # decode rows: one query token each
+                seq_lens[a : a + n] = np.arange(start + 1, start + n + 1)
+                block_tables.extend([table] * n)
+                a += n
+                if n > 1:
+                    spec_rows.append((request, request.spec_token_ids[: n - 1]))
+                    spec_index.extend(range(t, t + n))
+                else:
+                    sample_rows.append(request)
+                    sample_index.append(t)
+            else:
+                query_lens[a] = n
+                seq_lens[a] = start + n
+                block_tables.append(table)
+                a += 1
+                if start + n == request.num_tokens:
+                    sample_rows.append(request)
+                    sample_index.append(t + n - 1)
             t += n
-            if start + n == request.num_tokens:
-                sample_rows.append(request)
-                sample_index.append(t - 1)
 
         large = num_tokens >= LARGE_STEP_TOKENS
         self._set_threads(self.prefill_threads if large else self.decode_threads)
@@ -244,11 +270,27 @@ class ModelRunner:
         if sample_rows:  # guided rows' masks fill on a helper thread beside the forward
             self.sampler.grammar_bitmask.prefetch(sample_rows, self.vocab_size, self.device)
         hidden = self.model(ids_t, pos_t, plan, self.kv_caches, lora)
-        if not sample_rows:
+        if not sample_rows and not spec_rows:
             return [], None
-        index = torch.tensor(sample_index, device=self.device)
+        index = torch.tensor(sample_index + spec_index, device=self.device)
         # The vocabulary projection is the step's one large GEMM: it runs on prefill_threads.
         self._set_threads(self.prefill_threads)
         logits = self.model.compute_logits(hidden[index])
         self._set_threads(self.decode_threads)
-        return sample_rows, self.sampler(logits, sample_rows)
+        out = (
+            self.sampler(logits[: len(sample_index)], sample_rows)
+            if sample_rows
+            else SamplerOutput([], [])
+        )
+        if not spec_rows:
+            return sample_rows, out
+        out.accepted_drafts = [[] for _ in sample_rows]
+        offset = len(sample_index)
+        for request, drafts in spec_rows:
+            end = offset + len(drafts) + 1
+            tokens = verify(logits[offset:end], request, drafts, self.sampler)
+            offset = end
+            out.token_ids.append(tokens[-1])
+            out.logprobs.append(None)
+            out.accepted_drafts.append(tokens[:-1])
+        return sample_rows + [request for request, _ in spec_rows], out

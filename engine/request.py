@@ -13,6 +13,7 @@ if TYPE_CHECKING:
 
     from engine.guided import SequenceGrammar
     from engine.lora import LoRARequest
+    from engine.spec_decode import NgramIndex
 
 
 class RequestStatus(enum.IntEnum):
@@ -234,6 +235,8 @@ class Request:
         "first_token_time",
         "scheduled_time",
         "grammar",
+        "spec_token_ids",
+        "ngram_index",
     )
 
     def __init__(
@@ -278,6 +281,10 @@ class Request:
         self.scheduled_time: float | None = None
         # Guided requests: this sequence's matcher, once its grammar is compiled.
         self.grammar: SequenceGrammar | None = None
+        # Speculative decoding (engine/spec_decode.py): the drafts the next step verifies
+        # (never among the known tokens), and where this request's n-grams occurred.
+        self.spec_token_ids: list[int] = []
+        self.ngram_index: NgramIndex | None = None
 
     @property
     def adapter_id(self) -> str | None:

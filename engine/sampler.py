@@ -11,7 +11,7 @@ tokens whatever else shares the batch and however often a step is re-run.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -24,6 +24,9 @@ class SamplerOutput:
     token_ids: list[int]
     # Per row: {token_id: logprob} for the sampled token and the top-N, or None.
     logprobs: list[dict[int, float] | None]
+    # Per row: the drafts speculative decoding accepted, which come before token_ids[i]
+    # (engine/spec_decode.py); empty when no row speculated.
+    accepted_drafts: list[list[int]] = field(default_factory=list)
 
 
 def argmax(rows: torch.Tensor) -> torch.Tensor:
@@ -132,9 +135,11 @@ class Sampler:
                 )
         return logits
 
-    def _sample(
+    def probabilities(
         self, logits: torch.Tensor, requests: list[Request], greedy: list[bool]
     ) -> torch.Tensor:
+        """Each row's sampling distribution: temperature, min-p, top-k and top-p applied
+        (a greedy row's temperature is taken as 1)."""
         params = [r.sampling_params for r in requests]
         device = logits.device
         temps = torch.tensor(
@@ -142,7 +147,6 @@ class Sampler:
             device=device,
             dtype=logits.dtype,
         )
-        greedy_ids = argmax(logits)
         scaled = logits / temps.unsqueeze(1)
 
         min_ps = [p.min_p for p in params]
@@ -158,7 +162,14 @@ class Sampler:
         if any(top_ks) or any(tp < 1.0 for tp in top_ps):
             scaled = _top_k_top_p(scaled, top_ks, top_ps)
 
-        probs = scaled.softmax(dim=-1)
+        return scaled.softmax(dim=-1)
+
+    def _sample(
+        self, logits: torch.Tensor, requests: list[Request], greedy: list[bool]
+    ) -> torch.Tensor:
+        device = logits.device
+        greedy_ids = argmax(logits)
+        probs = self.probabilities(logits, requests, greedy)
         noise = torch.empty_like(probs)
         for i, r in enumerate(requests):
             if greedy[i]:

@@ -100,6 +100,11 @@ class Scheduler:
                 break
             request = self.running[len(out.scheduled)]
             num_new = min(request.num_tokens - request.num_computed_tokens, budget)
+            if request.spec_token_ids:
+                # A caught-up request verifies its drafts with its last token, as many as
+                # the budget takes (engine/spec_decode.py).
+                del request.spec_token_ids[max(0, budget - 1) :]
+                num_new += len(request.spec_token_ids)
             if self._allocate_or_preempt(request, num_new, out):
                 out.scheduled.append((request, num_new))
                 out.num_batched_tokens += num_new
@@ -227,6 +232,7 @@ class Scheduler:
         self.waiting.left_running(request)
         self._release_lora(request)
         self.kv.free(request)
+        request.spec_token_ids.clear()
         request.status = RequestStatus.PREEMPTED
         request.num_computed_tokens = 0
         request.num_preemptions += 1

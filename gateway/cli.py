@@ -198,6 +198,12 @@ _bench_command(
     "(`--help` lists the options).",
 )
 _bench_command(
+    "spec-decode",
+    "bench.spec_decode",
+    "n-gram speculative decoding vs none on a copying and a random workload "
+    "(`--help` lists the options).",
+)
+_bench_command(
     "agreement",
     "bench.agreement",
     "Greedy agreement with transformers in bfloat16, and the top-2 logit gap where it ends "

@@ -79,6 +79,21 @@ class _EngineCollector(Collector):
             "Sequences that alone made an engine step fail (failed; the others went on).",
             value=stats.num_failed_requests,
         )
+        if stats.spec_decode is not None:
+            drafts, draft_tokens, accepted = stats.spec_decode
+            yield CounterMetricFamily(
+                "loragate:spec_decode_num_drafts", "Drafts verified.", value=drafts
+            )
+            yield CounterMetricFamily(
+                "loragate:spec_decode_num_draft_tokens",
+                "Draft tokens verified.",
+                value=draft_tokens,
+            )
+            yield CounterMetricFamily(
+                "loragate:spec_decode_num_accepted_tokens",
+                "Draft tokens accepted (the output holds them).",
+                value=accepted,
+            )
         if stats.max_loras is not None:
             yield from self._lora(stats)
 

@@ -32,6 +32,8 @@ HELP: dict[str, str] = {
     "scheduling_policy": "fair (tenants share the batch by weight, VTC) or fcfs.",
     "dtype": "auto (CPU: bfloat16 with AVX-512 BF16 or AMX, else float32), float32, bfloat16, "
     "float16.",
+    "speculative_config": 'n-gram speculative decoding, vLLM\'s JSON: {"method": "ngram", '
+    '"num_speculative_tokens": 4, "prompt_lookup_max": 4, "prompt_lookup_min": 2}. Default: off.',
     "device": "auto, cpu or cuda.",
     "seed": "The engine's generator for unseeded sampling.",
     "num_threads": "Torch threads for decode steps. Default: every core but one.",

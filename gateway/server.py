@@ -15,6 +15,7 @@ import typer
 from adapters.peft import AdapterError, describe_base
 from engine.config import EngineConfig
 from engine.lora import LoRARequest
+from engine.spec_decode import SpeculativeConfig
 from gateway.settings import Settings, SettingsError
 from gateway.tenancy import DemoKey, Tenancy, open_tenancy, prepare
 from tenants.adapters import AdapterExists
@@ -38,6 +39,9 @@ def engine_config(settings: Settings) -> EngineConfig:
     return EngineConfig(
         model=s.model,
         dtype=s.dtype,
+        speculative_config=(
+            None if s.speculative_config is None else SpeculativeConfig.parse(s.speculative_config)
+        ),
         device=s.device,
         max_model_len=s.max_model_len,
         block_size=s.block_size,

@@ -21,6 +21,8 @@ from typing import Annotated, Literal
 from pydantic import Field, SecretStr, field_validator
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
+from engine.spec_decode import SpeculativeConfig
+
 PLACEHOLDER_SECRETS = {"changeme", "change-me", "secret", "password", "default", "test"}
 MIN_SECRET_BYTES = 32
 MAKE_A_SECRET = "python3 -c 'import secrets; print(secrets.token_urlsafe(48))'"
@@ -47,6 +49,8 @@ class Settings(BaseSettings):
     max_waiting: int = 1024
     scheduling_policy: Literal["fair", "fcfs"] = "fair"
     dtype: str = "auto"
+    # vLLM's JSON, e.g. {"method": "ngram", "num_speculative_tokens": 4, ...}; None: off.
+    speculative_config: str | None = None
     device: str = "auto"
     seed: int = 0
     num_threads: int | None = None
@@ -117,6 +121,13 @@ class Settings(BaseSettings):
     def _split_modules(cls, value: object) -> object:
         # vLLM's form in one environment variable: "a=path b=path".
         return value.split() if isinstance(value, str) else value
+
+    @field_validator("speculative_config")
+    @classmethod
+    def _check_speculative(cls, value: str | None) -> str | None:
+        if value is not None:
+            SpeculativeConfig.parse(value)  # a ValueError names what is wrong
+        return value
 
     @property
     def secret_key_file(self) -> Path:

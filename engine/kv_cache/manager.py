@@ -133,6 +133,21 @@ class KVCacheManager:
         if blocks:
             self.pool.free_blocks(reversed(blocks))
 
+    def trim(self, request: Request, num_tokens: int) -> None:
+        """Free the request's blocks past the first `num_tokens` tokens: the KV of drafts
+        that speculative decoding rejected. Such blocks were never published (only known
+        tokens are hashed), so they go back to the pool as plain free blocks."""
+        blocks = self.req_blocks.get(request.request_id)
+        keep = cdiv(num_tokens, self.block_size)
+        if not blocks or len(blocks) <= keep:
+            return
+        extra = blocks[keep:]
+        del blocks[keep:]
+        del self._req_block_ids[request.request_id][keep:]
+        num_cached = self._num_cached_blocks.get(request.request_id, 0)
+        self._num_cached_blocks[request.request_id] = min(num_cached, keep)
+        self.pool.free_blocks(reversed(extra))
+
     def uncache(self, request: Request) -> None:
         """Withdraw the request's blocks from the prefix cache (their contents are suspect)."""
         for block in self.req_blocks.get(request.request_id, []):
