@@ -17,6 +17,8 @@ class EngineConfig:
     # auto: the checkpoint's dtype on CUDA (float32 ones in bfloat16); on the CPU bfloat16
     # where it has bf16 dot products (AVX-512 BF16, AMX), float32 elsewhere
     dtype: str = "auto"
+    # "int8": int8 weights and activations for the decoder's projections (kernels/quant.py)
+    quantization: str | None = None
     device: str = "auto"  # auto: cuda when available, else cpu
     max_model_len: int | None = None  # None: the model's max_position_embeddings
     block_size: int = 16
@@ -77,6 +79,8 @@ class EngineConfig:
             raise ValueError(
                 f"dtype must be auto, float32, bfloat16 or float16, got {self.dtype!r}"
             )
+        if self.quantization not in (None, "int8"):
+            raise ValueError(f"quantization must be int8 or unset, got {self.quantization!r}")
         if self.device not in ("auto", "cpu", "cuda"):
             raise ValueError(f"device must be auto, cpu or cuda, got {self.device!r}")
         if self.scheduling_policy not in SCHEDULING_POLICIES:

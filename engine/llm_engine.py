@@ -23,6 +23,7 @@ from engine.sampler import SamplerOutput
 from engine.scheduler import Scheduler, SchedulerOutput
 from engine.spec_decode import NgramIndex, SpeculativeConfig, can_speculate
 from engine.step_failure import Rows, isolate_failures
+from kernels import quant_calibration
 
 logger = logging.getLogger(__name__)
 
@@ -55,7 +56,10 @@ class LLMEngine:
         self.vocab_size = int(hf_config.vocab_size)
         self.eos_token_ids = _eos_token_ids(hf_config, self.tokenizer, config.model)
 
-        self.runner = ModelRunner(config, hf_config, self.max_model_len, progress)
+        calibration = None
+        if config.quantization is not None:
+            calibration = quant_calibration.token_batches(self.tokenizer)
+        self.runner = ModelRunner(config, hf_config, self.max_model_len, progress, calibration)
         num_blocks = self.runner.num_blocks_for_memory()
         capacity = num_blocks * config.block_size
         if capacity < self.max_model_len:

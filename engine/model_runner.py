@@ -29,7 +29,7 @@ from engine.request import Request
 from engine.sampler import Sampler, SamplerOutput
 from engine.scheduler import SchedulerOutput
 from engine.spec_decode import verify
-from kernels import linear, native
+from kernels import linear, native, quant
 from kernels.attention import build_plan
 
 logger = logging.getLogger(__name__)
@@ -69,7 +69,9 @@ class ModelRunner:
         hf_config: PretrainedConfig,
         max_model_len: int,
         progress: ProgressFn | None = None,
+        calibration: list[list[int]] | None = None,
     ) -> None:
+        """`calibration`: token ids to smooth int8 activations on (config.quantization)."""
         self.config = config
         self.block_size = config.block_size
         self.device = resolve_device(config.device)
@@ -107,6 +109,8 @@ class ModelRunner:
         self.num_layers = len(self.model.layers)
         self.num_kv_heads = attn.num_kv_heads
         self.head_dim = attn.head_dim
+        if config.quantization is not None:
+            self._quantize(calibration or [])
         self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
         self.lora: LoRAManager | None = None  # set by the engine when LoRA is enabled
         self.sampler = Sampler(self.device, config.seed)
@@ -118,8 +122,36 @@ class ModelRunner:
             and native.load()
         )
         self.model.use_native_kernels(self.native_kernels)
+        quant.use_native(self.model, self.native_kernels)
         if config.cpu_kernels and self.device.type == "cpu" and linear.available():
             linear.prepack(self.model)
+
+    def _quantize(self, calibration: list[list[int]]) -> None:
+        """SmoothQuant on the calibration text, then int8 projections (kernels/quant.py)."""
+        if not calibration:
+            raise ValueError("int8 quantization needs calibration text")
+        ranges = quant.activation_ranges(self.model, self.forward_prompt, calibration)
+        quant.smooth(self.model, ranges, quant.SMOOTHING_ALPHA)
+        count = quant.quantize(self.model)
+        logger.info("int8: %d projections smoothed and quantized", count)
+
+    @torch.inference_mode()
+    def forward_prompt(self, token_ids: list[int]) -> torch.Tensor:
+        """Hidden states of one prompt from scratch, outside the KV pool (a scratch cache of
+        one block of its length per layer): calibration and perplexity."""
+        n = len(token_ids)
+        scratch = [
+            tuple(
+                torch.zeros(
+                    self.num_kv_heads, 1, n, self.head_dim, dtype=self.dtype, device=self.device
+                )
+                for _ in range(2)
+            )
+            for _ in range(self.num_layers)
+        ]
+        plan = build_plan(np.array([n]), np.array([n]), [[0]], np.arange(n), 0, n, self.device)
+        ids = torch.tensor(token_ids, device=self.device)
+        return self.model(ids, torch.arange(n, device=self.device), plan, scratch)
 
     @property
     def bytes_per_block(self) -> int:

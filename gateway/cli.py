@@ -204,6 +204,12 @@ _bench_command(
     "(`--help` lists the options).",
 )
 _bench_command(
+    "quantization",
+    "bench.quantization",
+    "int8 (W8A8, smoothed) vs the compute dtype: perplexity, greedy agreement, W1 throughput "
+    "(`--help` lists the options).",
+)
+_bench_command(
     "agreement",
     "bench.agreement",
     "Greedy agreement with transformers in bfloat16, and the top-2 logit gap where it ends "

@@ -34,6 +34,8 @@ HELP: dict[str, str] = {
     "float16.",
     "speculative_config": 'n-gram speculative decoding, vLLM\'s JSON: {"method": "ngram", '
     '"num_speculative_tokens": 4, "prompt_lookup_max": 4, "prompt_lookup_min": 2}. Default: off.',
+    "quantization": "int8: int8 weights and activations for the decoder's projections, "
+    "smoothed (SmoothQuant) on a built-in calibration text at load. Default: none.",
     "device": "auto, cpu or cuda.",
     "seed": "The engine's generator for unseeded sampling.",
     "num_threads": "Torch threads for decode steps. Default: every core but one.",

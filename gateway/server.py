@@ -39,6 +39,7 @@ def engine_config(settings: Settings) -> EngineConfig:
     return EngineConfig(
         model=s.model,
         dtype=s.dtype,
+        quantization=s.quantization,
         speculative_config=(
             None if s.speculative_config is None else SpeculativeConfig.parse(s.speculative_config)
         ),

@@ -49,6 +49,7 @@ class Settings(BaseSettings):
     max_waiting: int = 1024
     scheduling_policy: Literal["fair", "fcfs"] = "fair"
     dtype: str = "auto"
+    quantization: Literal["int8"] | None = None
     # vLLM's JSON, e.g. {"method": "ngram", "num_speculative_tokens": 4, ...}; None: off.
     speculative_config: str | None = None
     device: str = "auto"

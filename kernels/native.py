@@ -28,9 +28,21 @@ from kernels import cpu_features
 logger = logging.getLogger(__name__)
 
 _CSRC = Path(__file__).parent / "csrc"
-SOURCES = [_CSRC / "decode_attention.cpp", _CSRC / "rms_norm.cpp", _CSRC / "lora.cpp"]
+SOURCES = [
+    _CSRC / "decode_attention.cpp",
+    _CSRC / "rms_norm.cpp",
+    _CSRC / "lora.cpp",
+    _CSRC / "quant.cpp",
+]
 HEADERS = [_CSRC / "simd.h"]
-OPS = ("decode_attention", "rms_norm", "add_rms_norm", "add_lora_runs")
+OPS = (
+    "decode_attention",
+    "rms_norm",
+    "add_rms_norm",
+    "add_lora_runs",
+    "quantize_rows",
+    "dequantize_mm",
+)
 # The model dtypes every op takes (computing in float32 either way).
 DTYPES = (torch.float32, torch.bfloat16)
 # Set to 0 to keep every kernel on its torch path (the engine's --no-cpu-kernels).

@@ -1,0 +1,140 @@
+"""int8 (W8A8, smoothed) against the compute dtype, in one run: quality (perplexity on a
+fixed text, greedy agreement) and W1 throughput.
+
+    loragate bench quantization --model models/smollm2 [--dtype auto] [--repeat 2]
+
+Perplexity is our engine's own forward (the quantized linears, our attention and norms)
+over `bench/data/perplexity.txt` in windows of `--window` tokens, each scored from its
+second token on. Agreement is the greedy chat answers of bench.agreement's questions, int8
+against the unquantized engine: tokens equal before the first difference. Throughput is
+W1 (64 prompts of 128 tokens, 64 output tokens, greedy) at the engine's default
+concurrency and at 16 sequences, both engines alternating, the fastest of `--repeat` runs.
+The quality gate of the issue that asked for int8: perplexity within 2 % of bf16.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import statistics
+from pathlib import Path
+from typing import Any
+
+import torch
+from rich.console import Console
+from rich.table import Table
+
+from bench.agreement import QUESTIONS, chat_prompts
+from bench.offline import run_ours
+from bench.workloads import make_workloads, new_progress
+from kernels import cpu_features
+
+TEXT = Path(__file__).parent / "data" / "perplexity.txt"
+
+
+@torch.inference_mode()
+def perplexity(llm: Any, token_ids: list[int], window: int = 512) -> float:
+    """exp(mean negative log-likelihood) of every token after the first of each window,
+    through our engine's own forward (its quantized linears, attention and norms)."""
+    runner = llm.engine.runner
+    nll, count = 0.0, 0
+    for start in range(0, len(token_ids) - 1, window):
+        ids = token_ids[start : start + window]
+        if len(ids) < 2:
+            break
+        hidden = runner.forward_prompt(ids)
+        logprobs = torch.log_softmax(runner.model.compute_logits(hidden[:-1]), dim=-1)
+        nll -= float(logprobs.gather(1, torch.tensor(ids[1:])[:, None]).sum())
+        count += len(ids) - 1
+    return math.exp(nll / count)
+
+
+def agreed_tokens(ours: list[list[int]], reference: list[list[int]]) -> list[int]:
+    return [
+        next((i for i, (a, b) in enumerate(zip(x, y, strict=False)) if a != b), len(x))
+        for x, y in zip(ours, reference, strict=True)
+    ]
+
+
+def main(argv: list[str] | None = None) -> None:
+    from engine import LLM, SamplingParams
+
+    p = argparse.ArgumentParser(
+        prog="loragate bench quantization", description=__doc__.split("\n\n")[0]
+    )
+    p.add_argument("--model", required=True, help="Hugging Face checkpoint directory")
+    p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"])
+    p.add_argument("--window", type=int, default=512)
+    p.add_argument("--repeat", type=int, default=2)
+    p.add_argument("--max-tokens", type=int, default=64, help="greedy answer length")
+    args = p.parse_args(argv)
+    console = Console(width=max(Console().width, 120))
+
+    engines: dict[str, Any] = {}
+    with new_progress(console) as progress:
+        for label, method in (("none", None), ("int8", "int8")):
+            task = progress.add_task(f"load {label}", total=None)
+            engines[label] = LLM(
+                args.model,
+                dtype=args.dtype,
+                quantization=method,
+                kv_cache_memory=1 << 30,
+                max_model_len=2048,
+            )
+            progress.update(task, total=1, completed=1)
+        base = engines["none"]
+        dtype = str(base.engine.runner.dtype).removeprefix("torch.")
+        console.print(f"{Path(args.model).name}, {dtype}; {cpu_features.describe()}")
+        tokenizer = base.tokenizer
+        text_ids = tokenizer(TEXT.read_text(), add_special_tokens=False)["input_ids"]
+        prompts = chat_prompts(tokenizer, QUESTIONS)
+        greedy = SamplingParams(temperature=0, max_tokens=args.max_tokens, ignore_eos=True)
+        vocab = len(tokenizer)
+        special = tokenizer.all_special_ids
+        (w1,) = make_workloads(["w1"], vocab, special, num_prompts=64, seed=0)
+        quality: dict[str, tuple[float, list[list[int]]]] = {}
+        for label, llm in engines.items():
+            answers = [o.outputs[0].token_ids for o in llm.generate(prompts, greedy)]
+            quality[label] = (perplexity(llm, text_ids, args.window), answers)
+        walls: dict[str, dict[str, list[float]]] = {label: {} for label in engines}
+        for _ in range(args.repeat):
+            for label, llm in engines.items():
+                for seqs in (llm.engine.config.max_num_seqs, 16):
+                    llm.engine.scheduler.max_num_seqs = seqs
+                    row = run_ours(llm, w1, 64, progress, f"{label} w1 seqs={seqs}")
+                    walls[label].setdefault(f"seqs={seqs}", []).append(row["tok_s"])
+                llm.engine.scheduler.max_num_seqs = llm.engine.config.max_num_seqs
+
+    table = Table(title=f"int8 weights vs {dtype}: {len(text_ids)} tokens of perplexity text")
+    for col in ("weights", "perplexity", "vs " + dtype, "greedy tokens agreed (mean)",
+                "W1 tok/s", "vs " + dtype, "W1 seqs=16 tok/s", "vs " + dtype):  # fmt: skip
+        table.add_column(col, justify="right")
+    ppl0, answers0 = quality["none"]
+    best = {label: {k: max(v) for k, v in runs.items()} for label, runs in walls.items()}
+    keys = list(best["none"])
+    for label in engines:
+        ppl, answers = quality[label]
+        agreed = agreed_tokens(answers, answers0)
+        table.add_row(
+            dtype if label == "none" else "int8",
+            f"{ppl:.3f}",
+            f"{ppl / ppl0 - 1:+.2%}",
+            f"{statistics.mean(agreed):.1f} of {args.max_tokens}",
+            f"{best[label][keys[0]]:.0f}",
+            f"{best[label][keys[0]] / best['none'][keys[0]]:.2f}x",
+            f"{best[label][keys[1]]:.0f}",
+            f"{best[label][keys[1]] / best['none'][keys[1]]:.2f}x",
+        )
+    console.print(table)
+    console.print(
+        "throughput runs (tok/s): "
+        + "; ".join(
+            f"{label} {k}: " + " ".join(f"{v:.0f}" for v in runs[k])
+            for label, runs in walls.items()
+            for k in runs
+        )
+    )
+
+
+if __name__ == "__main__":
+    main()
