@@ -60,7 +60,7 @@ def _start(side: str, args: argparse.Namespace, name: str, log: Path) -> subproc
             "--model", args.model, "--served-model-name", name,
             "--port", str(args.port), "--no-auth", "--dtype", args.dtype,
             "--database-url", f"sqlite+aiosqlite:///{workdir}/db.sqlite",
-            "--adapter-store", str(workdir / "adapters"),
+            "--adapter-store", str(workdir / "adapters"), *args.loragate_args.split(),
         ]  # fmt: skip
     else:
         env |= {"VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1", "VLLM_CPU_KVCACHE_SPACE": "2"}
@@ -183,6 +183,11 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--num-prompts", type=int, default=64)
     p.add_argument("--port", type=int, default=18080)
     p.add_argument("--vllm-venv", default="/tmp/peers/vllm-venv")
+    p.add_argument(
+        "--loragate-args",
+        default="",
+        help="more `loragate serve` flags, e.g. '--quantization int8' (vLLM runs as it is)",
+    )
     p.add_argument("--json", type=Path, default=None, help="write every row here")
     args = p.parse_args(argv)
     args.workloads = [w for w in args.workloads.split(",") if w]
@@ -191,8 +196,8 @@ def main(argv: list[str] | None = None) -> None:
     bf16 = cpu_features.native_bf16()
     args.peak_dtype = args.dtype if args.dtype != "auto" else ("bfloat16" if bf16 else "float32")
     console = Console(width=max(Console().width, 130))
-    console.print(f"{Path(args.model).name}, --dtype {args.dtype} ({args.peak_dtype} here); "
-                  f"{cpu_features.describe()}")  # fmt: skip
+    console.print(f"{Path(args.model).name}, --dtype {args.dtype} ({args.peak_dtype} here) "
+                  f"{args.loragate_args}; {cpu_features.describe()}")  # fmt: skip
     rows = run(args, console)
     console.print(table(rows, args.peak_dtype))
     if args.json is not None:
