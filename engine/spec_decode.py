@@ -117,7 +117,8 @@ class NgramIndex:
 def can_speculate(request: Request) -> bool:
     p = request.sampling_params
     return (
-        request.grammar is None
+        p.guided is None
+        and request.grammar is None
         and not p.needs_penalties
         and not p.logit_bias
         and p.logprobs is None
