@@ -264,16 +264,18 @@ class ModelRunner:
                 input_ids[t + len(known) : t + n] = request.spec_token_ids[: n - len(known)]
                 slots[t : t + n] = np.asarray(table)[pos // bs] * bs + pos % bs
             token_lora_slots[t : t + n] = request.lora_slot
-            if start + 1 == request.num_tokens:  # decode rows: one query token each
+            if n == 1 and start + 1 == request.num_tokens:  # decode
+                seq_lens[a] = start + 1
+                block_tables.append(table)
+                a += 1
+                sample_rows.append(request)
+                sample_index.append(t)
+            elif start + 1 == request.num_tokens:  # its drafts: one query token each
                 seq_lens[a : a + n] = np.arange(start + 1, start + n + 1)
                 block_tables.extend([table] * n)
                 a += n
-                if n > 1:
-                    spec_rows.append((request, request.spec_token_ids[: n - 1]))
-                    spec_index.extend(range(t, t + n))
-                else:
-                    sample_rows.append(request)
-                    sample_index.append(t)
+                spec_rows.append((request, request.spec_token_ids[: n - 1]))
+                spec_index.extend(range(t, t + n))
             else:
                 query_lens[a] = n
                 seq_lens[a] = start + n
