@@ -23,6 +23,7 @@ import torch
 from rich.console import Console
 from rich.table import Table
 
+from bench.hf_baseline import hf_generate
 from kernels import cpu_features
 
 QUESTIONS = [
@@ -85,20 +86,6 @@ def first_divergence(
     )
 
 
-def chat_prompts(tokenizer: Any, questions: list[str]) -> list[list[int]]:
-    return [
-        list(
-            tokenizer.apply_chat_template(
-                [{"role": "user", "content": q}],
-                add_generation_prompt=True,
-                tokenize=True,
-                return_dict=True,
-            )["input_ids"]
-        )
-        for q in questions
-    ]
-
-
 def run_agreement(
     model_dir: str, dtype: str = "bfloat16", max_tokens: int = 64
 ) -> list[tuple[int, Divergence | None]]:
@@ -109,23 +96,15 @@ def run_agreement(
     from engine import LLM, SamplingParams
 
     llm = LLM(model_dir, kv_cache_memory=256 << 20, max_model_len=1024, dtype=dtype)
-    prompts = chat_prompts(llm.tokenizer, QUESTIONS)
+    prompts = [llm.chat_prompt(q) for q in QUESTIONS]
     params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
     ours = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
     reference = AutoModelForCausalLM.from_pretrained(model_dir, dtype=llm.engine.runner.dtype)
     reference.eval()
     results = []
     for prompt, mine in zip(prompts, ours, strict=True):
-        ids = torch.tensor([prompt])
-        out = reference.generate(
-            ids,
-            attention_mask=torch.ones_like(ids),
-            max_new_tokens=max_tokens,
-            do_sample=False,
-            eos_token_id=None,
-            pad_token_id=0,
-        )
-        theirs = out[0, len(prompt) :].tolist()
+        # One prompt at a time: no padding, as our engine sees it.
+        theirs = hf_generate(reference, llm.tokenizer, [prompt], max_tokens)[0].tolist()
         results.append((len(mine), first_divergence(reference, prompt, mine, theirs)))
     return results
 

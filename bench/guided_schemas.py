@@ -228,7 +228,7 @@ def run_schema_bench(
         guided_run: dict[str, float] = {}
         plain_run: dict[str, float] = {}
         if accepted:
-            prompts = [_chat(llm, schema_prompt(r.name, by_name[r.name])) for r, _ in accepted]
+            prompts = [llm.chat_prompt(schema_prompt(r.name, by_name[r.name])) for r, _ in accepted]
             params = [
                 SamplingParams(temperature=0, max_tokens=max_tokens, guided=s) for _, s in accepted
             ]
@@ -256,16 +256,6 @@ def run_schema_bench(
         ),
         "schemas": [asdict(r) for r in results],
     }
-
-
-def _chat(llm: Any, message: str) -> list[int]:
-    encoded = llm.tokenizer.apply_chat_template(
-        [{"role": "user", "content": message}],
-        add_generation_prompt=True,
-        tokenize=True,
-        return_dict=True,
-    )
-    return list(encoded["input_ids"])
 
 
 def _classify(result: SchemaResult, schema: Any, request_output: Any) -> None:

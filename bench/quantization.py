@@ -24,7 +24,7 @@ import torch
 from rich.console import Console
 from rich.table import Table
 
-from bench.agreement import QUESTIONS, chat_prompts
+from bench.agreement import QUESTIONS
 from bench.offline import run_ours
 from bench.workloads import make_workloads, new_progress
 from kernels import cpu_features
@@ -87,7 +87,7 @@ def main(argv: list[str] | None = None) -> None:
         console.print(f"{Path(args.model).name}, {dtype}; {cpu_features.describe()}")
         tokenizer = base.tokenizer
         text_ids = tokenizer(TEXT.read_text(), add_special_tokens=False)["input_ids"]
-        prompts = chat_prompts(tokenizer, QUESTIONS)
+        prompts = [base.chat_prompt(q) for q in QUESTIONS]
         greedy = SamplingParams(temperature=0, max_tokens=args.max_tokens, ignore_eos=True)
         vocab = len(tokenizer)
         special = tokenizer.all_special_ids

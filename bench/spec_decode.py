@@ -50,23 +50,13 @@ def invoice(rng: random.Random) -> str:
     return "\n".join(lines)
 
 
-def copy_prompts(tokenizer: Any, n: int, seed: int = 0) -> list[list[int]]:
+def copy_prompts(llm: Any, n: int, seed: int = 0) -> list[list[int]]:
     rng = random.Random(seed)
     ask = (
         "Extract the customer, the date, every item with its model and price, and the total "
         "from this invoice. Repeat the values exactly as written.\n\n"
     )
-    return [
-        list(
-            tokenizer.apply_chat_template(
-                [{"role": "user", "content": ask + invoice(rng)}],
-                add_generation_prompt=True,
-                tokenize=True,
-                return_dict=True,
-            )["input_ids"]
-        )
-        for _ in range(n)
-    ]
+    return [llm.chat_prompt(ask + invoice(rng)) for _ in range(n)]
 
 
 def timed(
@@ -122,7 +112,10 @@ def main(argv: list[str] | None = None) -> None:
         dtype = str(engines["off"].engine.runner.dtype).removeprefix("torch.")
         (w1,) = make_workloads(["w1"], len(tokenizer), tokenizer.all_special_ids, num_prompts=64)
         workloads = {
-            "copy": (copy_prompts(tokenizer, 32), SamplingParams(temperature=0, max_tokens=128)),
+            "copy": (
+                copy_prompts(engines["off"], 32),
+                SamplingParams(temperature=0, max_tokens=128),
+            ),
             "random, T=1": (
                 w1.prompts,
                 SamplingParams(temperature=1.0, max_tokens=64, ignore_eos=True),

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import logging
 import math
 import time
@@ -261,7 +262,7 @@ class LLMEngine:
     ) -> list[SequenceUpdate]:
         updates = []
         now = time.monotonic()
-        accepted = sampler_out.accepted_drafts or [[] for _ in sampled]
+        accepted = sampler_out.accepted_drafts or itertools.repeat((), len(sampled))
         for request, token_id, logprobs, drafts in zip(
             sampled, sampler_out.token_ids, sampler_out.logprobs, accepted, strict=True
         ):
@@ -503,6 +504,17 @@ class LLM:
     @property
     def tokenizer(self) -> Any:
         return self.engine.tokenizer
+
+    def chat_prompt(self, message: str) -> list[int]:
+        """The token ids of one user message through the model's chat template, ending
+        where the assistant's answer starts."""
+        encoded = self.tokenizer.apply_chat_template(
+            [{"role": "user", "content": message}],
+            add_generation_prompt=True,
+            tokenize=True,
+            return_dict=True,
+        )
+        return list(encoded["input_ids"])
 
     def generate(
         self,

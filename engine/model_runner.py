@@ -235,8 +235,9 @@ class ModelRunner:
             )
         bs = self.block_size
         num_tokens = sched.num_batched_tokens
-        num_decode = sum(item[1] for item in rows if is_decode(item))
-        num_attention_rows = num_decode + sum(1 for item in rows if not is_decode(item))
+        decode = [is_decode(item) for item in rows]
+        num_decode = sum(n for (_, n), d in zip(rows, decode, strict=True) if d)
+        num_attention_rows = num_decode + decode.count(False)
         input_ids = np.empty(num_tokens, dtype=np.int64)
         positions = np.empty(num_tokens, dtype=np.int64)
         slots = np.empty(num_tokens, dtype=np.int64)
@@ -249,7 +250,7 @@ class ModelRunner:
         spec_rows: list[tuple[Request, list[int]]] = []
         spec_index: list[int] = []
         t = a = 0  # the next token, the next attention row
-        for request, n in rows:
+        for (request, n), is_decode_row in zip(rows, decode, strict=True):
             start = request.num_computed_tokens
             table = kv.block_ids(request.request_id)
             if n == 1:  # decode: plain ints beat numpy's per-call overhead
@@ -264,13 +265,13 @@ class ModelRunner:
                 input_ids[t + len(known) : t + n] = request.spec_token_ids[: n - len(known)]
                 slots[t : t + n] = np.asarray(table)[pos // bs] * bs + pos % bs
             token_lora_slots[t : t + n] = request.lora_slot
-            if n == 1 and start + 1 == request.num_tokens:  # decode
+            if is_decode_row and n == 1:
                 seq_lens[a] = start + 1
                 block_tables.append(table)
                 a += 1
                 sample_rows.append(request)
                 sample_index.append(t)
-            elif start + 1 == request.num_tokens:  # its drafts: one query token each
+            elif is_decode_row:  # the last token and its drafts: one query token each
                 seq_lens[a : a + n] = np.arange(start + 1, start + n + 1)
                 block_tables.extend([table] * n)
                 a += n

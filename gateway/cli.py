@@ -104,17 +104,7 @@ def generate(
     )
     inputs: list[str] | list[list[int]] = prompt
     if chat:
-        inputs = [
-            list(
-                llm.tokenizer.apply_chat_template(
-                    [{"role": "user", "content": p}],
-                    add_generation_prompt=True,
-                    tokenize=True,
-                    return_dict=True,
-                )["input_ids"]
-            )
-            for p in prompt
-        ]
+        inputs = [llm.chat_prompt(p) for p in prompt]
     params = SamplingParams(temperature=temperature, max_tokens=max_tokens, seed=seed)
     for text, out in zip(prompt, llm.generate(inputs, params), strict=True):
         completion = out.outputs[0]

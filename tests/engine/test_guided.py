@@ -52,13 +52,7 @@ def llm(demo_model_dir: Path) -> LLM:
 
 
 def chat_prompt(llm: LLM, message: str) -> list[int]:
-    encoded = llm.tokenizer.apply_chat_template(
-        [{"role": "user", "content": message}],
-        add_generation_prompt=True,
-        tokenize=True,
-        return_dict=True,
-    )
-    return list(encoded["input_ids"])
+    return llm.chat_prompt(message)
 
 
 def run_schemas(llm: LLM, max_tokens: int, sampled: bool) -> dict[str, CompletionOutput]:

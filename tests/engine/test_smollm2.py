@@ -22,18 +22,7 @@ MAX_TOKENS = 32
 
 def test_greedy_chat_matches_transformers(smollm2_dir: Path) -> None:
     llm = LLM(str(smollm2_dir), kv_cache_memory=256 << 20, max_model_len=1024, dtype="float32")
-    tok = llm.tokenizer
-    prompts = [
-        list(
-            tok.apply_chat_template(
-                [{"role": "user", "content": q}],
-                add_generation_prompt=True,
-                tokenize=True,
-                return_dict=True,
-            )["input_ids"]
-        )
-        for q in QUESTIONS
-    ]
+    prompts = [llm.chat_prompt(q) for q in QUESTIONS]
     outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=MAX_TOKENS))
 
     refs = hf_greedy(smollm2_dir, prompts, MAX_TOKENS, ignore_eos=False)

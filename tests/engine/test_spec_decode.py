@@ -245,17 +245,7 @@ def test_smollm2_copies_with_most_drafts_accepted(name: str, smollm2_dir: Path) 
             **({"kv_cache_memory": 256 << 20, "max_model_len": 1024} | SMOLLM2_CONFIGS[name]),
             speculative_config=spec,
         )
-        prompts = [
-            list(
-                llm.tokenizer.apply_chat_template(
-                    [{"role": "user", "content": f"Repeat this exactly:\n\n{doc}"}],
-                    add_generation_prompt=True,
-                    tokenize=True,
-                    return_dict=True,
-                )["input_ids"]
-            )
-            for doc in DOCUMENTS
-        ]
+        prompts = [llm.chat_prompt(f"Repeat this exactly:\n\n{doc}") for doc in DOCUMENTS]
         params = SamplingParams(temperature=0, max_tokens=48)
         outputs.append([o.outputs[0].token_ids for o in llm.generate(prompts, params)])
         engines.append(llm.engine)
