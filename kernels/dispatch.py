@@ -6,9 +6,14 @@
 
 `auto` (the default) is triton on CUDA, and on the CPU native where it loads (and
 `cpu_kernels` allows it), else torch. `EngineConfig.kernels` (`LLM(..., kernels=...)`)
-asks for one by name; so does LORAGATE_KERNELS when the config says auto. Forcing
-triton on the CPU sets TRITON_INTERPRET=1 before the kernels are first imported (the
-interpreter is chosen when `@triton.jit` runs, at import): slow, for tests only.
+asks for one by name; so does LORAGATE_KERNELS when the config says auto.
+
+Forcing triton on the CPU runs the kernels under triton's interpreter (slow: tests
+only). The interpreter is chosen as `@triton.jit` decorates, at import, and triton's
+own library functions are decorated when triton is first imported, by anyone (torch
+imports it for some ops): so TRITON_INTERPRET=1 must be in the environment before
+that. `triton_ops` sets it when triton is not imported yet and refuses when it is
+imported for compiling; tests/conftest.py sets it for the whole test session.
 """
 
 from __future__ import annotations
@@ -57,15 +62,27 @@ def select(
 def triton_ops(device: torch.device) -> ModuleType:
     """`kernels.triton.ops`, imported for `device`: compiled on CUDA, interpreted elsewhere."""
     module = "kernels.triton.ops"
-    if device.type != "cuda":
-        loaded = any(name.startswith("kernels.triton.") for name in sys.modules)
-        if os.environ.get("TRITON_INTERPRET") != "1":
-            if loaded:
-                raise RuntimeError(
-                    "the triton kernels were imported without TRITON_INTERPRET=1 "
-                    "and cannot run on the CPU"
-                )
-            logger.warning("triton kernels on %s: running them under the interpreter", device)
-            os.environ["TRITON_INTERPRET"] = "1"
+    if device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
+        if _triton_compiled():
+            raise RuntimeError(
+                "triton kernels on the CPU need TRITON_INTERPRET=1 set before anything imports "
+                "triton (its own library functions are decorated at import); set it in the "
+                "environment"
+            )
+        logger.warning("triton kernels on %s: running them under the interpreter", device)
+        os.environ["TRITON_INTERPRET"] = "1"
     __import__(module)
     return sys.modules[module]
+
+
+def _triton_compiled() -> bool:
+    """Whether triton is already imported for compiling (not interpreting) kernels: then
+    triton.language's own @jit functions (tl.sum, tl.max, ...) cannot run interpreted."""
+    if "triton.language.standard" not in sys.modules and not any(
+        name.startswith("kernels.triton.") for name in sys.modules
+    ):
+        return False
+    from triton.language import standard
+    from triton.runtime.interpreter import InterpretedFunction
+
+    return not isinstance(standard.sum, InterpretedFunction)
