@@ -90,7 +90,7 @@ def _shrink_kernel(
     seg_len = tl.load(starts + seg + 1) - seg_start
     slot = tl.load(seg_slots + seg).to(tl.int64)
     width = tl.load(widths + slot)
-    if tile * BLOCK_M >= seg_len or r_tile * BLOCK_R >= width:
+    if (tile * BLOCK_M >= seg_len) | (r_tile * BLOCK_R >= width):
         return
     m = tile * BLOCK_M + tl.arange(0, BLOCK_M)
     m_mask = m < seg_len
@@ -101,8 +101,11 @@ def _shrink_kernel(
     for k0 in range(0, in_features, BLOCK_K):
         k = k0 + tl.arange(0, BLOCK_K)
         k_mask = k < in_features
+        # Masked lanes must be 0, not garbage: 0 * NaN would poison the dot.
         xt = tl.load(
-            x + rows[:, None] * stride_xt + k[None, :], mask=m_mask[:, None] & k_mask[None, :]
+            x + rows[:, None] * stride_xt + k[None, :],
+            mask=m_mask[:, None] & k_mask[None, :],
+            other=0.0,
         )
         at = tl.load(
             lora_a + slot * stride_as + r[None, :] * stride_ar + k[:, None],
@@ -143,7 +146,7 @@ def _expand_kernel(
     seg_len = tl.load(starts + seg + 1) - seg_start
     slot = tl.load(seg_slots + seg).to(tl.int64)
     width = tl.load(widths + slot)
-    if tile * BLOCK_M >= seg_len or width == 0:
+    if (tile * BLOCK_M >= seg_len) | (width == 0):
         return
     m = tile * BLOCK_M + tl.arange(0, BLOCK_M)
     m_mask = m < seg_len
