@@ -158,15 +158,15 @@ class LoRAStep:
         """y += the step's adapters' contribution for fused target `target` of `layer`."""
         m = self.manager
         a, b = m.lora_a[target][layer], m.lora_b[target][layer]
-        if self.triton is not None:
-            assert m.triton is not None
-            batch, widths = self.triton
-            m.triton.add_lora(y, x, a, b, widths[target], batch)
-        elif self.runs is not None:
+        if self.runs is not None:
             slots, starts, ends = self.runs
             torch.ops.loragate.add_lora_runs(
                 y, x, a, b, slots, starts, ends, m.widths[target], m.flat_segments[target]
             )
+        elif self.triton is not None:
+            assert m.triton is not None
+            batch, widths = self.triton
+            m.triton.add_lora(y, x, a, b, widths[target], batch)
         elif self.masks is not None:
             add_lora_masked(y, x, a, b, self.masks[target])
         else:

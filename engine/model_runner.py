@@ -121,6 +121,7 @@ class ModelRunner:
         self.triton = (
             dispatch.triton_ops(self.device) if self.kernels is dispatch.Backend.TRITON else None
         )
+        self.triton_plan = self.triton is not None
         logger.info("kernels: %s", self.kernels.value)
         self.model.use_native_kernels(self.native_kernels)
         self.model.use_triton(self.triton)
@@ -159,7 +160,7 @@ class ModelRunner:
 
     @property
     def _plan_kind(self) -> dict[str, bool]:
-        return {"native": self.native_kernels, "triton": self.triton is not None}
+        return {"native": self.native_kernels, "triton": self.triton_plan}
 
     @property
     def bytes_per_block(self) -> int:
@@ -234,7 +235,7 @@ class ModelRunner:
         def is_decode(item: tuple[Request, int]) -> bool:
             return item[0].num_computed_tokens + 1 == item[0].num_tokens
 
-        if self.native_kernels or self.triton is not None:
+        if self.native_kernels or self.triton_plan:
             rows = sorted(
                 sched.scheduled, key=lambda item: (not is_decode(item), item[0].lora_slot)
             )
@@ -307,7 +308,8 @@ class ModelRunner:
             num_decode,
             bs,
             self.device,
-            **self._plan_kind,
+            self.native_kernels,
+            self.triton_plan,
         )
         ids_t = torch.from_numpy(input_ids).to(self.device)
         pos_t = torch.from_numpy(positions).to(self.device)

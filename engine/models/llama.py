@@ -45,12 +45,12 @@ class RMSNorm(nn.Module):
         self.triton: ModuleType | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.triton is not None:
-            return self.triton.rms_norm(x, self.weight, self.eps)
         if self.native:
             out = torch.empty_like(x)
             torch.ops.loragate.rms_norm(x, self.weight, self.eps, out)
             return out
+        if self.triton is not None:
+            return self.triton.rms_norm(x, self.weight, self.eps)
         if x.dtype == torch.float32:
             # One fused op, bitwise equal to the formula below in float32.
             return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
@@ -61,12 +61,12 @@ class RMSNorm(nn.Module):
 
     def add_forward(self, residual: torch.Tensor, delta: torch.Tensor) -> torch.Tensor:
         """residual += delta (in place), then the norm of the sum."""
-        if self.triton is not None:
-            return self.triton.add_rms_norm(residual, delta, self.weight, self.eps)
         if self.native:
             out = torch.empty_like(residual)
             torch.ops.loragate.add_rms_norm(residual, delta, self.weight, self.eps, out)
             return out
+        if self.triton is not None:
+            return self.triton.add_rms_norm(residual, delta, self.weight, self.eps)
         return self(residual.add_(delta))
 
 
