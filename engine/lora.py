@@ -145,13 +145,13 @@ class LoRAStep:
         groups: list[LoRAGroup],
         masks: list[torch.Tensor] | None,
         runs: tuple[list[int], list[int], list[int]] | None = None,
-        triton: tuple[Any, torch.Tensor] | None = None,
+        triton: tuple[Any, list[Any]] | None = None,
     ) -> None:
         self.manager = manager
         self.groups = groups
         self.masks = masks  # per target, for the dense path; None: grouped
         self.runs = runs  # (slots, starts, ends) for the C++ grouped path; None: torch
-        # (kernels.triton LoRABatch, widths [targets, slots] int32 on the device)
+        # (kernels.triton LoRABatch, a SlotLayout per target: widths and module blocks)
         self.triton = triton
 
     def apply(self, layer: int, target: int, x: torch.Tensor, y: torch.Tensor) -> None:
@@ -165,8 +165,8 @@ class LoRAStep:
             )
         elif self.triton is not None:
             assert m.triton is not None
-            batch, widths = self.triton
-            m.triton.add_lora(y, x, a, b, widths[target], batch)
+            batch, layouts = self.triton
+            m.triton.add_lora(y, x, a, b, layouts[target], batch)
         elif self.masks is not None:
             add_lora_masked(y, x, a, b, self.masks[target])
         else:
@@ -470,8 +470,10 @@ class LoRAManager:
         if self.triton is not None:
             # The kernels gather each slot's tokens wherever they are: one segment per slot.
             batch = self.triton.lora_batch(torch.from_numpy(token_slots), self.device)
-            widths = torch.tensor(self.widths, dtype=torch.int32).to(self.device)
-            return LoRAStep(self, [], None, triton=(batch, widths))
+            layouts = self.triton.slot_layouts(
+                self.widths, self.segments, self.max_lora_rank, self.device
+            )
+            return LoRAStep(self, [], None, triton=(batch, layouts))
         # Runs of equal slots: the model runner orders rows by slot when it can, and then
         # each adapter's tokens are a slice or two, which the grouped path takes at the
         # cost of its own rank alone.

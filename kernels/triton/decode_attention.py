@@ -144,7 +144,7 @@ def _merge_kernel(
     w = tl.where(lse > float("-inf"), tl.exp2(lse - m), 0.0)
     parts = tl.load(
         part_out + (base + s)[:, None] * HEAD_DIM_PAD + d[None, :],
-        mask=(s < num_splits)[:, None],
+        mask=(s < num_splits)[:, None] & (d < head_dim)[None, :],  # the padding is never written
         other=0.0,
     )
     total = tl.sum(w, axis=0)

@@ -11,11 +11,14 @@ under no adapter (slot -1) are in no segment and are never touched.
 
 Both kernels run one program per (segment, tile of BLOCK_M tokens, ...); a grid sized
 by the longest segment leaves programs past a shorter one's end to return at once.
-shrink: ... x rank tile, looping over `in`; expand: ... x output tile of BLOCK_N columns,
-reading each slot's first `width` rows of B only, so a rank-4 adapter in a rank-16
-stack reads rank-4 bytes. Fused q/k/v and gate/up stacks (engine/lora.py: module i of
-a slot at rows [i*r, (i+1)*r), zero outside its own columns) need nothing special:
-their zero blocks contribute zero.
+shrink: ... x rank tile, looping over `in`, reading each slot's first `width` rows of A
+only, so a rank-4 adapter in a rank-16 stack reads rank-4 bytes. expand: ... x output
+tile of BLOCK_N columns, reading for each column only the rows of B that can be non-zero
+there. Fused q/k/v and gate/up stacks (engine/lora.py) hold module i of a rank-r slot at
+rows [i*r, (i+1)*r) of A and B, B zero outside that module's columns; a `SlotLayout`
+lists each slot's (first row, end row, first column, end column) blocks, and an output
+tile reads only the blocks whose columns it overlaps: a third of q/k/v's B, half of
+gate/up's, rather than their zeros too.
 
 Rounding follows the torch specification: the shrunk activations are rounded to the
 model dtype before the expand, and the update is added to y in float32 then rounded.
@@ -31,6 +34,52 @@ import triton.language as tl
 
 from kernels.triton._checks import check, check_float, check_index, next_pow2, same_device
 from kernels.triton._tile import dot
+
+# Modules packed into one fused target at most (q, k, v).
+MAX_MODULES = 3
+
+
+@dataclass(frozen=True, slots=True)
+class SlotLayout:
+    """One fused target's slots, on the device: widths [slots] int32 (rows of A/B in use),
+    blocks [slots, MAX_MODULES, 4] int32 (row0, row1, col0, col1; unused ones all zero)."""
+
+    widths: torch.Tensor
+    blocks: torch.Tensor
+    max_rank: int  # the largest row1 - row0: sizes the expand's rank tile
+
+
+def slot_layouts(
+    widths: list[list[int]],
+    blocks: list[list[list[tuple[int, int, int, int]]]],
+    max_rank: int,
+    device: torch.device,
+) -> list[SlotLayout]:
+    """Layouts of every fused target (widths[target][slot], blocks[target][slot]: the
+    engine's LoRAManager.widths and .segments) in one copy to the device."""
+    targets, slots = len(widths), len(widths[0])
+    host = torch.zeros(targets, slots * (1 + 4 * MAX_MODULES), dtype=torch.int32)
+    host[:, :slots] = torch.tensor(widths, dtype=torch.int32)
+    table = host[:, slots:].view(targets, slots, MAX_MODULES, 4)
+    for t, per_slot in enumerate(blocks):
+        for slot, entries in enumerate(per_slot):
+            for j, entry in enumerate(entries):
+                table[t, slot, j] = torch.tensor(entry, dtype=torch.int32)
+    dev = host.to(device)
+    return [
+        SlotLayout(
+            dev[t, :slots],
+            dev[t, slots:].view(slots, MAX_MODULES, 4),
+            max_rank,
+        )
+        for t in range(targets)
+    ]
+
+
+def dense_layout(widths: list[int], out_features: int, device: torch.device) -> SlotLayout:
+    """A stack with one module per slot: B's first `width` rows over every column."""
+    blocks = [[[(0, w, 0, out_features)] if w else [] for w in widths]]
+    return slot_layouts([widths], blocks, max(widths), device)[0]
 
 
 @dataclass(frozen=True, slots=True)
@@ -125,6 +174,7 @@ def _expand_kernel(
     xa,
     lora_b,
     widths,
+    blocks,
     order,
     starts,
     seg_slots,
@@ -136,7 +186,8 @@ def _expand_kernel(
     out_features,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
-    R_PAD: tl.constexpr,
+    RANK_PAD: tl.constexpr,
+    MODULES: tl.constexpr,
     UPCAST: tl.constexpr,
 ):
     seg = tl.program_id(0)
@@ -151,25 +202,36 @@ def _expand_kernel(
     m = tile * BLOCK_M + tl.arange(0, BLOCK_M)
     m_mask = m < seg_len
     rows = tl.load(order + seg_start + m, mask=m_mask, other=0).to(tl.int64)
-    r = tl.arange(0, R_PAD)
-    r_mask = r < width
-    n = n_tile * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_lo = n_tile * BLOCK_N
+    n = n_lo + tl.arange(0, BLOCK_N)
     n_mask = n < out_features
-    a = tl.load(
-        xa + (seg_start + m)[:, None] * stride_xa + r[None, :],
-        mask=m_mask[:, None] & r_mask[None, :],
-        other=0.0,
-    )
-    b = tl.load(
-        lora_b + slot * stride_bs + r[:, None] * stride_br + n[None, :],
-        mask=r_mask[:, None] & n_mask[None, :],
-        other=0.0,
-    )
-    update = dot(a, b, UPCAST).to(y.dtype.element_ty)
+    acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+    for j in tl.static_range(MODULES):
+        entry = blocks + (slot * MODULES + j) * 4
+        r0 = tl.load(entry)
+        r1 = tl.load(entry + 1)
+        c0 = tl.load(entry + 2)
+        c1 = tl.load(entry + 3)
+        # Only a block whose columns meet this tile's: the rest of B is zero here.
+        if (r1 > r0) & (c0 < n_lo + BLOCK_N) & (c1 > n_lo):
+            r = r0 + tl.arange(0, RANK_PAD)
+            r_mask = r < r1
+            a = tl.load(
+                xa + (seg_start + m)[:, None] * stride_xa + r[None, :],
+                mask=m_mask[:, None] & r_mask[None, :],
+                other=0.0,
+            )
+            cols = n_mask & (n >= c0) & (n < c1)
+            b = tl.load(
+                lora_b + slot * stride_bs + r[:, None] * stride_br + n[None, :],
+                mask=r_mask[:, None] & cols[None, :],
+                other=0.0,
+            )
+            acc += dot(a, b, UPCAST)
     y_ptrs = y + rows[:, None] * stride_yt + n[None, :]
     mask = m_mask[:, None] & n_mask[None, :]
     old = tl.load(y_ptrs, mask=mask)
-    tl.store(y_ptrs, (old.to(tl.float32) + update.to(tl.float32)).to(y.dtype.element_ty), mask=mask)
+    tl.store(y_ptrs, (old.to(tl.float32) + acc).to(y.dtype.element_ty), mask=mask)
 
 
 def _check_stack(name: str, stack: torch.Tensor, widths: torch.Tensor) -> None:
@@ -221,18 +283,25 @@ def lora_shrink(
 
 
 def lora_expand(
-    y: torch.Tensor, xa: torch.Tensor, lora_b: torch.Tensor, widths: torch.Tensor, batch: LoRABatch
+    y: torch.Tensor, xa: torch.Tensor, lora_b: torch.Tensor, layout: SlotLayout, batch: LoRABatch
 ) -> None:
-    """y[order[j]] += xa[j, :w] @ lora_b[slot(j), :w], in place."""
+    """y[order[j]] += xa[j, :w] @ lora_b[slot(j), :w], in place (each slot's blocks only)."""
     check(y.dim() == 2 and y.stride(1) == 1, "y must be [tokens, out], contiguous in `out`")
+    widths = layout.widths
     _check_stack("lora_b", lora_b, widths)
+    check(
+        layout.blocks.shape == (lora_b.shape[0], MAX_MODULES, 4)
+        and layout.blocks.dtype == torch.int32
+        and layout.blocks.is_contiguous(),
+        f"layout blocks must be [slots, {MAX_MODULES}, 4] int32, contiguous",
+    )
     check(
         lora_b.shape[2] == y.shape[1],
         f"lora_b gives {lora_b.shape[2]} features, y has {y.shape[1]}",
     )
     check(lora_b.dtype == y.dtype == xa.dtype, "y, xa and lora_b must share a dtype")
     check(xa.shape == (batch.order.shape[0], lora_b.shape[1]), "xa must be lora_shrink's output")
-    same_device(y, xa, lora_b, widths, batch.order)
+    same_device(y, xa, lora_b, widths, layout.blocks, batch.order)
     out_features = y.shape[1]
     on_gpu = y.device.type == "cuda"
     block_m, block_n = 16, 128 if on_gpu else 64
@@ -245,6 +314,7 @@ def lora_expand(
         xa,
         lora_b,
         widths,
+        layout.blocks,
         batch.order,
         batch.starts,
         batch.slots,
@@ -256,7 +326,8 @@ def lora_expand(
         out_features,
         BLOCK_M=block_m,
         BLOCK_N=block_n,
-        R_PAD=max(16, next_pow2(lora_b.shape[1])),
+        RANK_PAD=max(16, next_pow2(layout.max_rank)),
+        MODULES=MAX_MODULES,
         UPCAST=not on_gpu,
     )
 
@@ -266,8 +337,8 @@ def add_lora(
     x: torch.Tensor,
     lora_a: torch.Tensor,
     lora_b: torch.Tensor,
-    widths: torch.Tensor,
+    layout: SlotLayout,
     batch: LoRABatch,
 ) -> None:
     """y += each adapted token's own adapter update (`kernels.lora.add_lora`'s contract)."""
-    lora_expand(y, lora_shrink(x, lora_a, widths, batch), lora_b, widths, batch)
+    lora_expand(y, lora_shrink(x, lora_a, layout.widths, batch), lora_b, layout, batch)

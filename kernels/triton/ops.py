@@ -7,19 +7,27 @@ import torch
 from kernels.attention import PagedMetadata
 from kernels.triton.decode_attention import decode_attention
 from kernels.triton.kv_write import write_kv
-from kernels.triton.lora_shrink_expand import LoRABatch, add_lora, lora_batch
+from kernels.triton.lora_shrink_expand import (
+    LoRABatch,
+    SlotLayout,
+    add_lora,
+    lora_batch,
+    slot_layouts,
+)
 from kernels.triton.prefill_attention import prefill_attention
 from kernels.triton.rms_norm import add_rms_norm, rms_norm
 from kernels.triton.rotary import rotary_
 
 __all__ = [
     "LoRABatch",
+    "SlotLayout",
     "add_lora",
     "add_rms_norm",
     "lora_batch",
     "paged_attention",
     "rms_norm",
     "rotary_",
+    "slot_layouts",
     "write_kv",
 ]
 

@@ -24,7 +24,7 @@ from engine.lora import (
 from kernels import dispatch
 from kernels.lora import LoRAGroup, add_lora
 from kernels.triton.lora_shrink_expand import add_lora as triton_add_lora
-from kernels.triton.lora_shrink_expand import lora_batch
+from kernels.triton.lora_shrink_expand import dense_layout, lora_batch
 
 CONFIG = SimpleNamespace(
     num_attention_heads=4, num_key_value_heads=2, head_dim=16, hidden_size=64, intermediate_size=96
@@ -90,6 +90,10 @@ STEPS = {
 def test_every_fused_target_matches_the_specification(dtype: torch.dtype, step: str) -> None:
     slots = np.array(STEPS[step], dtype=np.int64)
     reference, mine = manager(dtype, torch.device("cpu"), False), manager(dtype, DEVICE, True)
+    # What the triton kernels must never read is poisoned: rows past a slot's width, and the
+    # blocks of B outside each module's own columns (zero in the engine's fused stacks).
+    for stack in [*mine.lora_a, *mine.lora_b]:
+        stack.masked_fill_(stack == 0, float("nan"))
     ref_step, my_step = reference.step_context(slots), mine.step_context(slots)
     if step == "all-base":
         assert ref_step is None and my_step is None
@@ -133,13 +137,8 @@ def test_widths_bound_what_is_read() -> None:
     batch = lora_batch(torch.tensor([0, 0, 0, 1, 1]), DEVICE)
     assert batch is not None
     out = y.to(DEVICE)
-    triton_add_lora(
-        out,
-        x.to(DEVICE),
-        a.to(DEVICE),
-        b.to(DEVICE),
-        torch.tensor(widths, dtype=torch.int32, device=DEVICE),
-        batch,
-    )
+    a[0, 4:] = b[0, 4:] = float("nan")  # past slot 0's width
+    layout = dense_layout(widths, 48, DEVICE)
+    triton_add_lora(out, x.to(DEVICE), a.to(DEVICE), b.to(DEVICE), layout, batch)
     torch.testing.assert_close(out.cpu(), expected, rtol=2e-5, atol=2e-5)
     assert out[3:].eq(0).all()
