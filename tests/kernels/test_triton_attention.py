@@ -47,14 +47,27 @@ def triton_attention(step, block_size: int, scale: float) -> torch.Tensor:  # ty
         triton=True,
     )
     assert plan.paged is not None and not plan.decode_groups and not plan.prefill_rows
-    out = ops.paged_attention(
-        step.query.to(DEVICE),
-        step.key_cache.to(DEVICE),
-        step.value_cache.to(DEVICE),
-        plan.paged,
-        scale,
-    )
+    key_cache, value_cache = poisoned(step, block_size)
+    out = ops.paged_attention(step.query.to(DEVICE), key_cache, value_cache, plan.paged, scale)
     return out.cpu().float()
+
+
+def poisoned(step, block_size: int) -> tuple[torch.Tensor, torch.Tensor]:  # type: ignore[no-untyped-def]
+    """The caches on the device with NaN in every slot no row may read (blocks in no table,
+    the slots of a row's last block past its length): a kernel that reads one fails."""
+    kvh, num_blocks, _, head_dim = step.key_cache.shape
+    readable = torch.zeros(num_blocks * block_size, dtype=torch.bool)
+    for table, seq_len in zip(step.block_tables, step.seq_lens.tolist(), strict=True):
+        pos = torch.arange(seq_len)
+        readable[
+            torch.tensor(table, dtype=torch.long)[pos // block_size] * block_size + pos % block_size
+        ] = True
+    caches = []
+    for cache in (step.key_cache, step.value_cache):
+        c = cache.clone().view(kvh, -1, head_dim)
+        c[:, ~readable] = float("nan")
+        caches.append(c.view(cache.shape).to(DEVICE))
+    return caches[0], caches[1]
 
 
 # Decode lengths at, just past and just short of block boundaries, and a one-token row.
@@ -119,8 +132,7 @@ def test_split_k_merges_to_the_same_result(num_splits: int) -> None:
     out = torch.zeros(step.query.shape, device=DEVICE)
     decode_attention(
         step.query.to(DEVICE),
-        step.key_cache.to(DEVICE),
-        step.value_cache.to(DEVICE),
+        *poisoned(step, 8),
         plan.paged.block_tables,
         plan.paged.seq_lens,
         100,
@@ -167,6 +179,7 @@ def test_decode_rows_sharing_leading_blocks() -> None:
         (4, 4, 64, torch.float32, 16),
         (8, 2, 80, torch.float16, 16),
         (8, 1, 64, torch.bfloat16, 8),
+        (8, 2, 128, torch.float32, 16),
         (4, 2, 64, torch.float32, 1),  # one token per block
     ],
 )
