@@ -253,6 +253,7 @@ class LoRAManager:
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="lora-loader")
         self.native = False  # the C++ grouped op (kernels.native), set by the model runner
         self.triton: ModuleType | None = None  # kernels.triton.ops, set by the model runner
+        self._triton_layouts: list[Any] | None = None  # per target; remade after slots change
         self.num_loads = 0  # installs into a slot
         self.num_disk_loads = 0
 
@@ -434,6 +435,7 @@ class LoRAManager:
         state.adapter_id = None
         for widths in self.widths:
             widths[slot] = 0
+        self._triton_layouts = None
 
     def _install(self, slot: int, packed: PackedLoRA) -> None:
         r = packed.rank
@@ -459,6 +461,7 @@ class LoRAManager:
             self.flat_segments[t] = _flatten(self.segments[t])
         self.slots[slot].adapter_id = packed.adapter_id
         self.slot_of[packed.adapter_id] = slot
+        self._triton_layouts = None
         self.num_loads += 1
 
     # -- the step ---------------------------------------------------------------------------
@@ -470,10 +473,11 @@ class LoRAManager:
         if self.triton is not None:
             # The kernels gather each slot's tokens wherever they are: one segment per slot.
             batch = self.triton.lora_batch(torch.from_numpy(token_slots), self.device)
-            layouts = self.triton.slot_layouts(
-                self.widths, self.segments, self.max_lora_rank, self.device
-            )
-            return LoRAStep(self, [], None, triton=(batch, layouts))
+            if self._triton_layouts is None:
+                self._triton_layouts = self.triton.slot_layouts(
+                    self.widths, self.segments, self.max_lora_rank, self.device
+                )
+            return LoRAStep(self, [], None, triton=(batch, self._triton_layouts))
         # Runs of equal slots: the model runner orders rows by slot when it can, and then
         # each adapter's tokens are a slice or two, which the grouped path takes at the
         # cost of its own rank alone.

@@ -102,13 +102,19 @@ def lora_batch(token_slots: list[int] | torch.Tensor, device: torch.device) -> L
     by_slot = slots_cpu[adapted]
     order = adapted[torch.argsort(by_slot, stable=True)]
     seg_slots, counts = torch.unique_consecutive(slots_cpu[order], return_counts=True)
-    starts = torch.zeros(len(counts) + 1, dtype=torch.int64)
-    torch.cumsum(counts, 0, out=starts[1:])
+    n, segments = len(order), len(counts)
+    # One host buffer, one copy: order, then segment starts, then segment slots.
+    host = torch.empty(n + 2 * segments + 1, dtype=torch.int32)
+    host[:n] = order
+    host[n] = 0
+    torch.cumsum(counts, 0, out=host[n + 1 : n + 1 + segments])
+    host[n + 1 + segments :] = seg_slots
+    dev = host.to(device)
     return LoRABatch(
-        order=order.to(torch.int32).to(device),
-        starts=starts.to(torch.int32).to(device),
-        slots=seg_slots.to(torch.int32).to(device),
-        num_segments=len(counts),
+        order=dev[:n],
+        starts=dev[n : n + 1 + segments],
+        slots=dev[n + 1 + segments :],
+        num_segments=segments,
         max_segment_len=int(counts.max()),
     )
 
