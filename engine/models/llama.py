@@ -108,14 +108,14 @@ class RotaryEmbedding(nn.Module):
         return cos, sin
 
 
-def apply_rope(x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
-    cos, signed_sin = rope
-    return x * cos + torch.roll(x, x.shape[-1] // 2, dims=-1) * signed_sin
-
-
 # The torch path's per-token (cos, signed_sin), each [num_tokens, 1, head_dim]; the triton
 # path's (positions, cos table, signed_sin table): its kernel looks the rows up itself.
 Rope = tuple[torch.Tensor, ...]
+
+
+def apply_rope(x: torch.Tensor, rope: Rope) -> torch.Tensor:
+    cos, signed_sin = rope
+    return x * cos + torch.roll(x, x.shape[-1] // 2, dims=-1) * signed_sin
 
 
 class Attention(nn.Module):
@@ -147,10 +147,8 @@ class Attention(nn.Module):
         # q and k heads side by side: one rotary pass for both.
         qk = qkv[:, : self.q_size + self.kv_size].view(n, -1, self.head_dim)
         ops = self.triton
-        if ops is not None:
-            qk = ops.rotary_(qk, *rope)  # in place, in qkv
-        else:
-            qk = apply_rope(qk, cast(tuple[torch.Tensor, torch.Tensor], rope))
+        # The triton kernel rotates in place, in qkv.
+        qk = apply_rope(qk, rope) if ops is None else ops.rotary_(qk, *rope)
         q, k = qk[:, : self.num_heads], qk[:, self.num_heads :]
         v = qkv[:, self.q_size + self.kv_size :].view(n, self.num_kv_heads, self.head_dim)
         key_cache, value_cache = kv_cache
