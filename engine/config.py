@@ -45,6 +45,10 @@ class EngineConfig:
     # keeps (idle while a prefill runs, as the streams wait on it). None: num_threads.
     prefill_threads: int | None = None
     cpu_kernels: bool = True  # C++ decode attention, RMSNorm, LoRA on CPU (kernels.native)
+    # Which kernels run (kernels/dispatch.py): auto (triton on CUDA; on the CPU native, or
+    # torch without cpu_kernels; $LORAGATE_KERNELS may name one), triton (on the CPU: under
+    # triton's interpreter, for tests), native or torch.
+    kernels: str = "auto"
     # Guided decoding (engine/guided.py): limits on what a request may ask to compile.
     guided_compile_timeout: float = 10.0  # seconds a request waits for its grammar
     guided_cache_size: int = 256  # compiled grammars kept, least recently used dropped
@@ -83,6 +87,8 @@ class EngineConfig:
             raise ValueError(f"quantization must be int8 or unset, got {self.quantization!r}")
         if self.device not in ("auto", "cpu", "cuda"):
             raise ValueError(f"device must be auto, cpu or cuda, got {self.device!r}")
+        if self.kernels not in ("auto", "triton", "native", "torch"):
+            raise ValueError(f"kernels must be auto, triton, native or torch, got {self.kernels!r}")
         if self.scheduling_policy not in SCHEDULING_POLICIES:
             raise ValueError(
                 f"scheduling_policy must be fair or fcfs, got {self.scheduling_policy!r}"

@@ -84,6 +84,7 @@ class LLMEngine:
             )
             self.runner.lora = self.lora
             self.lora.native = self.runner.native_kernels
+            self.lora.triton = self.runner.triton
         self.scheduler = Scheduler(
             self.kv,
             max_num_seqs=config.max_num_seqs,

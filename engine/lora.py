@@ -10,6 +10,7 @@ from collections import OrderedDict
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
+from types import ModuleType
 from typing import Any
 
 import numpy as np
@@ -136,7 +137,7 @@ class LoRAStep:
     ops per linear), large ones the grouped path (work proportional to tokens).
     """
 
-    __slots__ = ("manager", "groups", "masks", "runs")
+    __slots__ = ("manager", "groups", "masks", "runs", "triton")
 
     def __init__(
         self,
@@ -144,11 +145,14 @@ class LoRAStep:
         groups: list[LoRAGroup],
         masks: list[torch.Tensor] | None,
         runs: tuple[list[int], list[int], list[int]] | None = None,
+        triton: tuple[Any, list[Any]] | None = None,
     ) -> None:
         self.manager = manager
         self.groups = groups
         self.masks = masks  # per target, for the dense path; None: grouped
         self.runs = runs  # (slots, starts, ends) for the C++ grouped path; None: torch
+        # (kernels.triton LoRABatch, a SlotLayout per target: widths and module blocks)
+        self.triton = triton
 
     def apply(self, layer: int, target: int, x: torch.Tensor, y: torch.Tensor) -> None:
         """y += the step's adapters' contribution for fused target `target` of `layer`."""
@@ -159,6 +163,10 @@ class LoRAStep:
             torch.ops.loragate.add_lora_runs(
                 y, x, a, b, slots, starts, ends, m.widths[target], m.flat_segments[target]
             )
+        elif self.triton is not None:
+            assert m.triton is not None
+            batch, layouts = self.triton
+            m.triton.add_lora(y, x, a, b, layouts[target], batch)
         elif self.masks is not None:
             add_lora_masked(y, x, a, b, self.masks[target])
         else:
@@ -244,6 +252,8 @@ class LoRAManager:
         self._clock = 0
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="lora-loader")
         self.native = False  # the C++ grouped op (kernels.native), set by the model runner
+        self.triton: ModuleType | None = None  # kernels.triton.ops, set by the model runner
+        self._triton_layouts: list[Any] | None = None  # per target; remade after slots change
         self.num_loads = 0  # installs into a slot
         self.num_disk_loads = 0
 
@@ -425,6 +435,7 @@ class LoRAManager:
         state.adapter_id = None
         for widths in self.widths:
             widths[slot] = 0
+        self._triton_layouts = None
 
     def _install(self, slot: int, packed: PackedLoRA) -> None:
         r = packed.rank
@@ -450,6 +461,7 @@ class LoRAManager:
             self.flat_segments[t] = _flatten(self.segments[t])
         self.slots[slot].adapter_id = packed.adapter_id
         self.slot_of[packed.adapter_id] = slot
+        self._triton_layouts = None
         self.num_loads += 1
 
     # -- the step ---------------------------------------------------------------------------
@@ -458,6 +470,14 @@ class LoRAManager:
         """Group the step's tokens by slot (-1: base model only)."""
         if len(token_slots) == 0 or token_slots.max() < 0:  # the common all-base step
             return None
+        if self.triton is not None:
+            # The kernels gather each slot's tokens wherever they are: one segment per slot.
+            batch = self.triton.lora_batch(torch.from_numpy(token_slots), self.device)
+            if self._triton_layouts is None:
+                self._triton_layouts = self.triton.slot_layouts(
+                    self.widths, self.segments, self.max_lora_rank, self.device
+                )
+            return LoRAStep(self, [], None, triton=(batch, self._triton_layouts))
         # Runs of equal slots: the model runner orders rows by slot when it can, and then
         # each adapter's tokens are a slice or two, which the grouped path takes at the
         # cost of its own rank alone.

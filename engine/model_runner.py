@@ -29,7 +29,7 @@ from engine.request import Request
 from engine.sampler import Sampler, SamplerOutput
 from engine.scheduler import SchedulerOutput
 from engine.spec_decode import verify
-from kernels import linear, native, quant
+from kernels import dispatch, linear, quant
 from kernels.attention import build_plan
 
 logger = logging.getLogger(__name__)
@@ -115,13 +115,16 @@ class ModelRunner:
         self.lora: LoRAManager | None = None  # set by the engine when LoRA is enabled
         self.sampler = Sampler(self.device, config.seed)
         self.vocab_size = int(hf_config.vocab_size)
-        self.native_kernels = (
-            config.cpu_kernels
-            and self.device.type == "cpu"
-            and self.dtype in native.DTYPES
-            and native.load()
+        self.kernels = dispatch.select(config.kernels, self.device, self.dtype, config.cpu_kernels)
+        self.native_kernels = self.kernels is dispatch.Backend.NATIVE
+        # kernels.triton.ops when the triton kernels run, else None
+        self.triton = (
+            dispatch.triton_ops(self.device) if self.kernels is dispatch.Backend.TRITON else None
         )
+        self.triton_plan = self.triton is not None
+        logger.info("kernels: %s", self.kernels.value)
         self.model.use_native_kernels(self.native_kernels)
+        self.model.use_triton(self.triton)
         quant.use_native(self.model, self.native_kernels)
         if config.cpu_kernels and self.device.type == "cpu" and linear.available():
             linear.prepack(self.model)
@@ -149,9 +152,15 @@ class ModelRunner:
             )
             for _ in range(self.num_layers)
         ]
-        plan = build_plan(np.array([n]), np.array([n]), [[0]], np.arange(n), 0, n, self.device)
+        plan = build_plan(
+            np.array([n]), np.array([n]), [[0]], np.arange(n), 0, n, self.device, **self._plan_kind
+        )
         ids = torch.tensor(token_ids, device=self.device)
         return self.model(ids, torch.arange(n, device=self.device), plan, scratch)
+
+    @property
+    def _plan_kind(self) -> dict[str, bool]:
+        return {"native": self.native_kernels, "triton": self.triton_plan}
 
     @property
     def bytes_per_block(self) -> int:
@@ -185,7 +194,9 @@ class ModelRunner:
             * 2
             for _ in range(self.num_layers)
         ]
-        plan = build_plan(np.array([n]), np.array([n]), [[0]], np.arange(n), 0, n, self.device)
+        plan = build_plan(
+            np.array([n]), np.array([n]), [[0]], np.arange(n), 0, n, self.device, **self._plan_kind
+        )
         with torch.no_grad():
             self.model.compute_logits(self.model(ids, pos, plan, scratch)[-1:])
         torch.cuda.synchronize()
@@ -219,12 +230,12 @@ class ModelRunner:
         # Decode rows first: a caught-up request's last token, and its drafts if it
         # speculates (engine/spec_decode.py), each token an attention row of its own over
         # the request's blocks. The torch attention groups decode rows of similar length, so
-        # they go shortest first; the C++ kernel pads nothing, so there rows go by LoRA
-        # slot: each adapter's tokens are then one run of rows (two with prefills).
+        # they go shortest first; the C++ and triton kernels pad nothing, so there rows go
+        # by LoRA slot: each adapter's tokens are then one run of rows (two with prefills).
         def is_decode(item: tuple[Request, int]) -> bool:
             return item[0].num_computed_tokens + 1 == item[0].num_tokens
 
-        if self.native_kernels:
+        if self.native_kernels or self.triton_plan:
             rows = sorted(
                 sched.scheduled, key=lambda item: (not is_decode(item), item[0].lora_slot)
             )
@@ -298,6 +309,7 @@ class ModelRunner:
             bs,
             self.device,
             self.native_kernels,
+            self.triton_plan,
         )
         ids_t = torch.from_numpy(input_ids).to(self.device)
         pos_t = torch.from_numpy(positions).to(self.device)

@@ -206,6 +206,12 @@ _bench_command(
     "(`--help` lists the options).",
 )
 _bench_command(
+    "kernels",
+    "bench.kernels",
+    "The triton kernels on a GPU: decode attention bandwidth, a Llama-3-8B decode step against "
+    "the HBM roofline, 4 LoRA adapters' share (`--toy`: the CPU interpreter; `--help`).",
+)
+_bench_command(
     "fairness",
     "bench.fairness",
     "A tenant flooding at 10x another's rate (fcfs vs fair TTFT) and 2:1 weighted shares "

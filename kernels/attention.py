@@ -25,8 +25,11 @@ one call per layer). Rows with cached context are attended one at a time with
 SDPA over their gathered blocks: padding them together would waste more than
 the loop costs.
 
-This torch version is the specification; a triton kernel with the same
-signatures must match it.
+This torch version is the specification; the triton kernels (kernels/triton) must
+match it. They take a plan of their own (`build_plan(..., triton=True)`): no groups, no
+masks, only `PagedMetadata`, the step's block tables and lengths for every row, which
+the kernels read in place. A plan is built for one path; the CPU paths never build the
+triton one's tensors.
 """
 
 from __future__ import annotations
@@ -77,6 +80,20 @@ class FreshPrefills:
 
 
 @dataclass(slots=True)
+class PagedMetadata:
+    """Every attention row of the step for the triton kernels: decode rows (one query
+    token each) first, then prefill rows, as in the step's tokens."""
+
+    block_tables: torch.Tensor  # [rows, max_blocks] int32, zero-padded
+    seq_lens: torch.Tensor  # [rows] int32: keys each row attends, its queries included
+    query_start_loc: torch.Tensor  # [rows + 1] int32: row r's queries are tokens [r], [r + 1])
+    num_decode: int
+    num_rows: int
+    max_decode_seq_len: int  # host ints: they size the kernels' grids
+    max_prefill_query_len: int
+
+
+@dataclass(slots=True)
 class AttentionPlan:
     slot_mapping: torch.Tensor  # [num_tokens] int64
     num_decode: int
@@ -85,6 +102,8 @@ class AttentionPlan:
     fresh_prefills: list[FreshPrefills]
     # Decode groups go to the C++ kernel (kernels.native), which reads blocks in place.
     native: bool = False
+    # Set (and nothing else but slot_mapping) for the triton kernels.
+    paged: PagedMetadata | None = None
 
 
 # A decode group's fixed cost, in padded key slots: splitting rows into
@@ -101,10 +120,21 @@ def build_plan(
     block_size: int,
     device: torch.device,
     native: bool = False,
+    triton: bool = False,
 ) -> AttentionPlan:
     """Rows [0, num_decode) must have query_len == 1, sorted by seq_len for the
     grouping to pay off; the rest are prefills. `native`: decode with the C++ kernel,
-    which pads nothing, so its rows are one group (one pass over a shared prefix)."""
+    which pads nothing, so its rows are one group (one pass over a shared prefix).
+    `triton`: only the triton kernels' metadata."""
+    if triton:
+        return AttentionPlan(
+            slot_mapping=torch.from_numpy(slot_mapping).to(device),
+            num_decode=num_decode,
+            decode_groups=[],
+            prefill_rows=[],
+            fresh_prefills=[],
+            paged=_paged_metadata(query_lens, seq_lens, block_tables, num_decode, device),
+        )
     groups = []
     if num_decode:
         bt = np.zeros((num_decode, max(len(t) for t in block_tables[:num_decode])), np.int64)
@@ -142,6 +172,34 @@ def build_plan(
         prefill_rows=prefill_rows,
         fresh_prefills=fresh,
         native=native,
+    )
+
+
+def _paged_metadata(
+    query_lens: np.ndarray,
+    seq_lens: np.ndarray,
+    block_tables: list[list[int]],
+    num_decode: int,
+    device: torch.device,
+) -> PagedMetadata:
+    rows = len(query_lens)
+    # One host buffer, one copy to the device: tables, then lengths, then query offsets.
+    width = max((len(t) for t in block_tables[:rows]), default=0) or 1
+    host = np.zeros(rows * width + 2 * rows + 1, np.int32)
+    tables = host[: rows * width].reshape(rows, width)
+    for i, table in enumerate(block_tables[:rows]):
+        tables[i, : len(table)] = table
+    host[rows * width : rows * width + rows] = seq_lens[:rows]
+    np.cumsum(query_lens, out=host[rows * width + rows + 1 :])
+    dev = torch.from_numpy(host).to(device)
+    return PagedMetadata(
+        block_tables=dev[: rows * width].view(rows, width),
+        seq_lens=dev[rows * width : rows * width + rows],
+        query_start_loc=dev[rows * width + rows :],
+        num_decode=num_decode,
+        num_rows=rows,
+        max_decode_seq_len=int(seq_lens[:num_decode].max()) if num_decode else 0,
+        max_prefill_query_len=int(query_lens[num_decode:].max()) if rows > num_decode else 0,
     )
 
 

@@ -8,6 +8,13 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+import torch
+
+# The triton kernels (kernels/triton) run on a CPU under triton's interpreter, which must be
+# chosen before anything in the process imports triton (torch and transformers may, for
+# their own kernels): here, before any test module is imported. With a GPU they compile.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
 @pytest.fixture(scope="session")

@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from types import ModuleType
 from typing import cast
 
 import torch
@@ -33,7 +34,7 @@ class RMSNorm(nn.Module):
 
     `native`: rows go to the C++ kernels (kernels/csrc/rms_norm.cpp, float32 or bfloat16),
     which fuse the residual add before the norm; only their sum of squares is ordered
-    differently.
+    differently. `triton`: kernels/triton/rms_norm.py (kernels.dispatch), the same rounding.
     """
 
     def __init__(self, hidden_size: int, eps: float) -> None:
@@ -41,12 +42,15 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(hidden_size))
         self.eps = eps
         self.native = False
+        self.triton: ModuleType | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.native:
             out = torch.empty_like(x)
             torch.ops.loragate.rms_norm(x, self.weight, self.eps, out)
             return out
+        if self.triton is not None:
+            return self.triton.rms_norm(x, self.weight, self.eps)
         if x.dtype == torch.float32:
             # One fused op, bitwise equal to the formula below in float32.
             return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
@@ -61,6 +65,8 @@ class RMSNorm(nn.Module):
             out = torch.empty_like(residual)
             torch.ops.loragate.add_rms_norm(residual, delta, self.weight, self.eps, out)
             return out
+        if self.triton is not None:
+            return self.triton.add_rms_norm(residual, delta, self.weight, self.eps)
         return self(residual.add_(delta))
 
 
@@ -102,12 +108,14 @@ class RotaryEmbedding(nn.Module):
         return cos, sin
 
 
-def apply_rope(x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+# The torch path's per-token (cos, signed_sin), each [num_tokens, 1, head_dim]; the triton
+# path's (positions, cos table, signed_sin table): its kernel looks the rows up itself.
+Rope = tuple[torch.Tensor, ...]
+
+
+def apply_rope(x: torch.Tensor, rope: Rope) -> torch.Tensor:
     cos, signed_sin = rope
     return x * cos + torch.roll(x, x.shape[-1] // 2, dims=-1) * signed_sin
-
-
-Rope = tuple[torch.Tensor, torch.Tensor]
 
 
 class Attention(nn.Module):
@@ -122,6 +130,7 @@ class Attention(nn.Module):
         self.scale = self.head_dim**-0.5
         self.qkv_proj = nn.Linear(config.hidden_size, self.q_size + 2 * self.kv_size, bias=bias)
         self.o_proj = nn.Linear(self.q_size, config.hidden_size, bias=False)
+        self.triton: ModuleType | None = None  # kernels.triton.ops, set by use_triton
 
     def forward(
         self,
@@ -137,14 +146,20 @@ class Attention(nn.Module):
             lora.apply(self.layer, QKV, x, qkv)
         # q and k heads side by side: one rotary pass for both.
         qk = qkv[:, : self.q_size + self.kv_size].view(n, -1, self.head_dim)
-        qk = apply_rope(qk, rope)
+        ops = self.triton
+        # The triton kernel rotates in place, in qkv.
+        qk = apply_rope(qk, rope) if ops is None else ops.rotary_(qk, *rope)
         q, k = qk[:, : self.num_heads], qk[:, self.num_heads :]
         v = qkv[:, self.q_size + self.kv_size :].view(n, self.num_kv_heads, self.head_dim)
         key_cache, value_cache = kv_cache
-        write_kv(k, v, key_cache, value_cache, plan.slot_mapping)
-        out = paged_attention(q, key_cache, value_cache, plan, self.scale, k, v).view(
-            n, self.q_size
-        )
+        if ops is not None:
+            assert plan.paged is not None, "a plan built for the triton kernels"
+            ops.write_kv(k, v, key_cache, value_cache, plan.slot_mapping)
+            out = ops.paged_attention(q, key_cache, value_cache, plan.paged, self.scale)
+        else:
+            write_kv(k, v, key_cache, value_cache, plan.slot_mapping)
+            out = paged_attention(q, key_cache, value_cache, plan, self.scale, k, v)
+        out = out.view(n, self.q_size)
         y = self.o_proj(out)
         if lora is not None:
             lora.apply(self.layer, O_PROJ, out, y)
@@ -221,6 +236,7 @@ class LlamaForCausalLM(nn.Module):
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         if self.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
+        self.triton: ModuleType | None = None
 
     def forward(
         self,
@@ -231,7 +247,11 @@ class LlamaForCausalLM(nn.Module):
         lora: LoRAStep | None = None,
     ) -> torch.Tensor:
         residual = self.embed_tokens(input_ids)
-        rope = self.rotary(positions, residual.dtype)
+        rope: Rope
+        if self.triton is not None:
+            rope = (positions, self.rotary.cos, self.rotary.signed_sin)
+        else:
+            rope = self.rotary(positions, residual.dtype)
         delta = None
         for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
             delta = layer(rope, residual, delta, plan, kv_cache, lora)
@@ -242,6 +262,14 @@ class LlamaForCausalLM(nn.Module):
         for module in self.modules():
             if isinstance(module, RMSNorm):
                 module.native = enabled
+
+    def use_triton(self, ops: ModuleType | None) -> None:
+        """Route norms, rotary, KV writes and attention to kernels.triton.ops (from
+        kernels.dispatch.triton_ops); None: back to the torch/C++ paths."""
+        self.triton = ops
+        for module in self.modules():
+            if isinstance(module, RMSNorm | Attention):
+                module.triton = ops
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden).float()
