@@ -34,7 +34,7 @@ SOURCES = [
     _CSRC / "lora.cpp",
     _CSRC / "quant.cpp",
 ]
-HEADERS = [_CSRC / "simd.h"]
+HEADERS = [_CSRC / "simd.h", _CSRC / "decode_attention_bf16.h"]
 OPS = (
     "decode_attention",
     "rms_norm",

@@ -9,7 +9,8 @@
 // Layout: key_cache / value_cache [kv_heads, num_blocks, block_size, head_dim], contiguous;
 // query and out [rows, heads, head_dim] with head_dim contiguous. float32 or bfloat16, all
 // four alike; bfloat16 is widened as it is read, and everything is computed in float32
-// (scores, softmax, the weighted sum) and rounded once into `out`.
+// (scores, softmax, the weighted sum) and rounded once into `out`. On CPUs with AVX-512 BF16,
+// bfloat16 at head_dim 64 or 128 takes decode_attention_bf16.h's path instead.
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -23,60 +24,12 @@
 #include <type_traits>
 #include <vector>
 
+#include "decode_attention_bf16.h"
 #include "simd.h"
 
 namespace {
 
 using namespace loragate;
-
-// e^x for 8 lanes: Cephes' expf (range reduction by ln 2 in two parts, a degree-6
-// polynomial, the exponent put back into the float's bits); within 2 ulp of expf over the
-// range softmax uses (x <= 0). Scalar expf was most of a long row's attention.
-inline vec8 exp8(vec8 x) {
-  const vec8 lo = x < -87.33654f;  // e^x underflows: the result is forced to 0 below
-  x = x < -87.33654f ? -87.33654f : x;
-  x = x > 88.3762626647949f ? 88.3762626647949f : x;
-  const vec8 fx = x * 1.44269504088896341f + 0.5f;
-  ivec8 n = __builtin_convertvector(fx, ivec8);  // toward zero; floor below
-  n -= (ivec8)(__builtin_convertvector(n, vec8) > fx) & 1;
-  const vec8 nf = __builtin_convertvector(n, vec8);
-  const vec8 r = x - nf * 0.693359375f + nf * 2.12194440e-4f;
-  vec8 p = r * 1.9875691500E-4f + 1.3981999507E-3f;
-  p = p * r + 8.3334519073E-3f;
-  p = p * r + 4.1665795894E-2f;
-  p = p * r + 1.6666665459E-1f;
-  p = p * r + 5.0000001201E-1f;
-  p = p * r * r + r + 1.0f;
-  const ivec8 bits = (n + 127) << 23;
-  vec8 scale;
-  __builtin_memcpy(&scale, &bits, sizeof(scale));
-  const vec8 result = p * scale;
-  return (vec8)((ivec8)result & ~(ivec8)lo);
-}
-
-// s[t] = e^(s[t] - m) for t < n; returns their sum.
-inline float exp_shifted(float* s, int64_t n, float m) {
-  vec8 acc = {};
-  int64_t t = 0;
-  for (; t + 8 <= n; t += 8) {
-    const vec8 v = exp8(load8(s + t) - m);
-    store8(s + t, v);
-    acc += v;
-  }
-  float sum = hsum(acc);
-  for (; t < n; ++t) {
-    s[t] = std::exp(s[t] - m);
-    sum += s[t];
-  }
-  return sum;
-}
-
-inline float max_of(const float* s, int64_t n) {
-  float m = -std::numeric_limits<float>::infinity();
-#pragma omp simd reduction(max : m)
-  for (int64_t t = 0; t < n; ++t) m = std::max(m, s[t]);
-  return m;
-}
 
 // head_dim 64 (Llama-style models up to 8B use 64 or 128): q and o live in registers for a
 // whole block; each key's dot product is a tree of independent FMAs, not one long chain.
@@ -282,6 +235,14 @@ void decode_attention(const at::Tensor& query, const at::Tensor& key_cache,
       check_block(tails[r * tail_width + b]);
 
   const float fscale = static_cast<float>(scale);
+#ifdef LORAGATE_HAVE_AVX512_BF16
+  if (dtype == at::kBFloat16 && (dim == 64 || dim == 128) && block_size % 2 == 0) {
+    auto attend = dim == 64 ? attend_bf16<64> : attend_bf16<128>;
+    attend(query, key_cache, value_cache, shared_ids, num_shared, tail_tables, seq_lens, fscale,
+           out);
+    return;
+  }
+#endif
   if (dtype == at::kFloat)
     attend<float>(query, key_cache, value_cache, shared, tail_tables, seq_lens, fscale, out);
   else

@@ -1,6 +1,7 @@
 // Small SIMD helpers shared by the CPU kernels: 8-lane float vectors with GCC/Clang's vector
 // extensions (one AVX register; pairs of SSE registers where there is no AVX), loads and
-// stores that need no alignment, and the dot product and row update every kernel uses.
+// stores that need no alignment, the dot product and row update every kernel uses, and the
+// softmax's vectorized exp and max.
 //
 // Every load widens to float32 and every store rounds from it, so a kernel templated on its
 // storage type (float or c10::BFloat16) computes in float32 either way: a bf16 value is the
@@ -13,7 +14,10 @@
 #include <immintrin.h>
 #endif
 
+#include <cmath>
 #include <cstdint>
+#include <limits>
+#include <algorithm>
 #include <type_traits>
 
 namespace loragate {
@@ -111,6 +115,55 @@ template <typename T>
 inline void axpy(float* y, const T* x, float a, int64_t n) {
 #pragma omp simd
   for (int64_t i = 0; i < n; ++i) y[i] += a * to_float(x[i]);
+}
+
+// e^x for 8 lanes: Cephes' expf (range reduction by ln 2 in two parts, a degree-6
+// polynomial, the exponent put back into the float's bits); within 2 ulp of expf over the
+// range softmax uses (x <= 0). Scalar expf was most of a long row's attention.
+inline vec8 exp8(vec8 x) {
+  const vec8 lo = x < -87.33654f;  // e^x underflows: the result is forced to 0 below
+  x = x < -87.33654f ? -87.33654f : x;
+  x = x > 88.3762626647949f ? 88.3762626647949f : x;
+  const vec8 fx = x * 1.44269504088896341f + 0.5f;
+  ivec8 n = __builtin_convertvector(fx, ivec8);  // toward zero; floor below
+  n -= (ivec8)(__builtin_convertvector(n, vec8) > fx) & 1;
+  const vec8 nf = __builtin_convertvector(n, vec8);
+  const vec8 r = x - nf * 0.693359375f + nf * 2.12194440e-4f;
+  vec8 p = r * 1.9875691500E-4f + 1.3981999507E-3f;
+  p = p * r + 8.3334519073E-3f;
+  p = p * r + 4.1665795894E-2f;
+  p = p * r + 1.6666665459E-1f;
+  p = p * r + 5.0000001201E-1f;
+  p = p * r * r + r + 1.0f;
+  const ivec8 bits = (n + 127) << 23;
+  vec8 scale;
+  __builtin_memcpy(&scale, &bits, sizeof(scale));
+  const vec8 result = p * scale;
+  return (vec8)((ivec8)result & ~(ivec8)lo);
+}
+
+// s[t] = e^(s[t] - m) for t < n; returns their sum.
+inline float exp_shifted(float* s, int64_t n, float m) {
+  vec8 acc = {};
+  int64_t t = 0;
+  for (; t + 8 <= n; t += 8) {
+    const vec8 v = exp8(load8(s + t) - m);
+    store8(s + t, v);
+    acc += v;
+  }
+  float sum = hsum(acc);
+  for (; t < n; ++t) {
+    s[t] = std::exp(s[t] - m);
+    sum += s[t];
+  }
+  return sum;
+}
+
+inline float max_of(const float* s, int64_t n) {
+  float m = -std::numeric_limits<float>::infinity();
+#pragma omp simd reduction(max : m)
+  for (int64_t t = 0; t < n; ++t) m = std::max(m, s[t]);
+  return m;
 }
 
 }  // namespace loragate

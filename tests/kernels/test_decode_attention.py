@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 import torch
 
-from kernels import native
+from kernels import cpu_features, native
 from kernels.attention import build_plan, paged_attention
 
 pytestmark = pytest.mark.skipif(not native.load(), reason="CPU kernels could not be built here")
@@ -38,7 +38,10 @@ def _case(
     return query, key_cache, value_cache, tables
 
 
-def _dense(query, key_cache, value_cache, tables, lens, scale):  # type: ignore[no-untyped-def]
+def _dense(query, key_cache, value_cache, tables, lens, scale, bf16_probs=False):  # type: ignore[no-untyped-def]
+    """Softmax attention in float64. `bf16_probs`: the unnormalized probabilities are
+    rounded to bfloat16 before they weigh the values (their sum is not), as flash attention
+    and the AVX-512 BF16 kernel do."""
     kv_heads, _, block_size, dim = key_cache.shape
     per_kv = query.shape[1] // kv_heads
     out = torch.empty_like(query)
@@ -46,9 +49,17 @@ def _dense(query, key_cache, value_cache, tables, lens, scale):  # type: ignore[
         k = key_cache[:, table].reshape(kv_heads, -1, dim)[:, :n]
         v = value_cache[:, table].reshape(kv_heads, -1, dim)[:, :n]
         k, v = k.repeat_interleave(per_kv, 0), v.repeat_interleave(per_kv, 0)
-        p = torch.softmax((query[r, :, None, :].double() @ k.double().transpose(1, 2)) * scale, -1)
-        out[r] = (p @ v.double())[:, 0].float()
+        s = (query[r, :, None, :].double() @ k.double().transpose(1, 2)) * scale
+        e = torch.exp(s - s.amax(-1, keepdim=True))
+        weights = e.float().bfloat16().double() if bf16_probs else e
+        out[r] = ((weights @ v.double()) / e.sum(-1, keepdim=True))[:, 0].float()
     return out
+
+
+def _bf16_dot_products(dim: int) -> bool:
+    """The C++ kernel takes its AVX-512 BF16 path here, for even block sizes
+    (kernels/csrc/decode_attention_bf16.h)."""
+    return "avx512_bf16" in cpu_features.flags() and dim in (64, 128)
 
 
 def _attend(query, key_cache, value_cache, tables, lens, native_path):  # type: ignore[no-untyped-def]
@@ -156,19 +167,35 @@ def test_bad_tables_are_refused_not_read(
 
 
 @pytest.mark.parametrize(
-    ("lens", "shared_tokens", "dim"),
-    [([5, 16, 17, 33, 100], 0, 64), ([40] * 16, 32, 64), ([9, 50, 130], 16, 128), ([7, 70], 0, 40)],
+    ("lens", "shared_tokens", "dim", "heads", "kv_heads", "block_size"),
+    [
+        ([5, 16, 17, 33, 100], 0, 64, 4, 2, 16),
+        ([40] * 16, 32, 64, 4, 2, 16),
+        ([9, 50, 130], 16, 128, 4, 2, 16),
+        ([7, 70], 0, 40, 4, 2, 16),
+        ([3, 300, 1031], 0, 64, 8, 1, 16),  # every query head on one kv head, odd lengths
+        ([33, 95, 200], 64, 64, 9, 3, 32),  # SmolLM2's heads; blocks of 32: two key tiles each
+        ([7, 20], 0, 64, 4, 2, 5),  # an odd block size: the generic loops
+    ],
 )
-def test_bfloat16_computes_in_float32(lens: list[int], shared_tokens: int, dim: int) -> None:
-    """bf16 caches and queries are widened as read: the result is the float32 attention of
-    the bf16 values, rounded once (within one bf16 ulp), where the torch specification
-    rounds every intermediate to bf16 and drifts further."""
-    query, key_cache, value_cache, tables = _case(3, lens, shared_tokens, dim=dim)
+def test_bfloat16_computes_in_float32(
+    lens: list[int], shared_tokens: int, dim: int, heads: int, kv_heads: int, block_size: int
+) -> None:
+    """bf16 caches and queries: scores, softmax and the weighted sum in float32, rounded
+    once (within one bf16 ulp), where the torch specification rounds every intermediate to
+    bf16 and drifts further. With bf16 dot products (AVX-512 BF16) the probabilities that
+    weigh the values are bf16, as in flash attention; elsewhere they stay float32."""
+    query, key_cache, value_cache, tables = _case(
+        3, lens, shared_tokens, heads, kv_heads, dim, block_size
+    )
     q, k, v = query.bfloat16(), key_cache.bfloat16(), value_cache.bfloat16()
     ours = _attend(q, k, v, tables, lens, native_path=True)
     assert ours.dtype == torch.bfloat16
-    dense = _dense(q.float(), k.float(), v.float(), tables, lens, dim**-0.5)
-    torch.testing.assert_close(ours.float(), dense, rtol=2**-8, atol=1e-6)
+    bf16_path = _bf16_dot_products(dim) and block_size % 2 == 0
+    dense = _dense(q.float(), k.float(), v.float(), tables, lens, dim**-0.5, bf16_path)
+    # A probability whose float32 and float64 values round to neighbouring bf16 numbers moves
+    # an output by about p * |v| / 256: a few 1e-6 for a long row, where outputs are ~0.03.
+    torch.testing.assert_close(ours.float(), dense, rtol=2**-8, atol=3e-5 if bf16_path else 1e-6)
     spec = _attend(q, k, v, tables, lens, native_path=False)
     torch.testing.assert_close(ours, spec, rtol=2e-2, atol=2e-2)
 
