@@ -40,9 +40,9 @@ class EngineConfig:
     max_lora_rank: int = 16
     max_cpu_loras: int = 16  # adapters kept in CPU memory (LRU) beyond the device slots
     num_threads: int | None = None  # torch intra-op threads; None: torch's default
-    # Threads for steps of at least LARGE_STEP_TOKENS (prompt prefills) and for every step's
-    # vocabulary projection: GEMMs large enough to pay for waking the cores the HTTP side
-    # keeps (idle while a prefill runs, as the streams wait on it). None: num_threads.
+    # Threads for steps whose linears are large (model_runner.LARGE_STEP_TOKEN_PARAMS: prompt
+    # prefills, and decode steps of a real model) and for every step's vocabulary projection:
+    # GEMMs large enough to pay for the cores the HTTP side keeps. None: num_threads.
     prefill_threads: int | None = None
     cpu_kernels: bool = True  # C++ decode attention, RMSNorm, LoRA on CPU (kernels.native)
     # Which kernels run (kernels/dispatch.py): auto (triton on CUDA; on the CPU native, or

@@ -128,10 +128,7 @@ class EngineProcess(EngineClient):
             name="loragate-engine",
             daemon=True,
         )
-        # OpenMP reads its settings when the child loads torch: threads that sleep between
-        # parallel regions rather than spin, so that a prefill's second thread gives its
-        # core back to the HTTP side at once. An explicit setting is kept.
-        with _environ(OMP_WAIT_POLICY=os.environ.get("OMP_WAIT_POLICY", "PASSIVE")):
+        with _environ(**_omp_wait_settings()):
             process.start()
         child.close()
         while True:
@@ -283,6 +280,22 @@ class EngineProcess(EngineClient):
                     return True
         except (EOFError, OSError):
             return False
+
+
+# How long an OpenMP thread spins for more work before it sleeps (libgomp, torch's OpenMP on
+# Linux): about 0.2 ms. A decode step is a few hundred parallel regions microseconds apart;
+# a thread that sleeps between them (OMP_WAIT_POLICY=PASSIVE) is woken for each, and the
+# wake-ups (an interrupt between cores, dearer in a VM) cost SmolLM2's two-thread decode
+# step more than the second core gives (27 ms, as on one thread, against 19). A thread that
+# never sleeps takes the core that the HTTP side and its clients need between steps.
+OMP_SPIN_COUNT = "10000"
+
+
+def _omp_wait_settings() -> dict[str, str]:
+    """OpenMP reads these when the child loads torch; a setting of the user's is kept."""
+    if "OMP_WAIT_POLICY" in os.environ or "GOMP_SPINCOUNT" in os.environ:
+        return {}
+    return {"GOMP_SPINCOUNT": OMP_SPIN_COUNT}
 
 
 @contextlib.contextmanager

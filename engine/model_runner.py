@@ -36,9 +36,12 @@ logger = logging.getLogger(__name__)
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 CPU_DEFAULT_KV_CACHE_MEMORY = 2 << 30
-# Steps of at least this many tokens run on config.prefill_threads (GEMM-bound prefills);
-# smaller ones (decode, a few short prompts) on config.num_threads, but for the logits.
-LARGE_STEP_TOKENS = 256
+# Steps whose linears multiply at least this many token-parameters run on
+# config.prefill_threads: about 256 tokens of the 6.5M-parameter demo model, where a decode
+# step is Python and waking a second core costs more than it gives, and 13 tokens of
+# SmolLM2-135M, whose decode steps of 16 sequences are GEMMs 1.45x faster on two cores (27.2
+# vs 18.9 ms). Smaller steps run on config.num_threads, but for the logits.
+LARGE_STEP_TOKEN_PARAMS = 1_700_000_000
 
 ProgressFn = Callable[[int, int], None]
 
@@ -107,6 +110,9 @@ class ModelRunner:
             self.model.load_weights(iter_safetensors(model_dir), on_tensor)
         attn = self.model.first_attention
         self.num_layers = len(self.model.layers)
+        # A step of more tokens than this runs on prefill_threads (LARGE_STEP_TOKEN_PARAMS).
+        num_params = sum(p.numel() for p in self.model.parameters())
+        self.large_step_tokens = max(1, -(-LARGE_STEP_TOKEN_PARAMS // max(1, num_params)))
         self.num_kv_heads = attn.num_kv_heads
         self.head_dim = attn.head_dim
         if config.quantization is not None:
@@ -298,7 +304,7 @@ class ModelRunner:
                     sample_index.append(t + n - 1)
             t += n
 
-        large = num_tokens >= LARGE_STEP_TOKENS
+        large = num_tokens >= self.large_step_tokens
         self._set_threads(self.prefill_threads if large else self.decode_threads)
         plan = build_plan(
             query_lens,
