@@ -29,7 +29,7 @@ from engine.request import Request
 from engine.sampler import Sampler, SamplerOutput
 from engine.scheduler import SchedulerOutput
 from engine.spec_decode import verify
-from kernels import dispatch, linear, quant
+from kernels import dispatch, linear, native, quant
 from kernels.attention import build_plan
 
 logger = logging.getLogger(__name__)
@@ -115,6 +115,9 @@ class ModelRunner:
         self.large_step_tokens = max(1, -(-LARGE_STEP_TOKEN_PARAMS // max(1, num_params)))
         self.num_kv_heads = attn.num_kv_heads
         self.head_dim = attn.head_dim
+        # The plan kind until the kernels are chosen below: int8 calibration runs the model
+        # before that, on the torch paths.
+        self.native_kernels = self.triton_plan = self.native_prefill = False
         if config.quantization is not None:
             self._quantize(calibration or [])
         self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
@@ -129,6 +132,10 @@ class ModelRunner:
         )
         self.triton_plan = self.triton is not None
         logger.info("kernels: %s", self.kernels.value)
+        # bf16 prompts' attention in C++ too, where the CPU has bf16 dot products.
+        self.native_prefill = self.native_kernels and native.prefill_attention_available(
+            self.dtype, self.head_dim, self.block_size
+        )
         self.model.use_native_kernels(self.native_kernels)
         self.model.use_triton(self.triton)
         quant.use_native(self.model, self.native_kernels)
@@ -166,7 +173,11 @@ class ModelRunner:
 
     @property
     def _plan_kind(self) -> dict[str, bool]:
-        return {"native": self.native_kernels, "triton": self.triton_plan}
+        return {
+            "native": self.native_kernels,
+            "triton": self.triton_plan,
+            "native_prefill": self.native_prefill,
+        }
 
     @property
     def bytes_per_block(self) -> int:
@@ -314,8 +325,7 @@ class ModelRunner:
             num_decode,
             bs,
             self.device,
-            self.native_kernels,
-            self.triton_plan,
+            **self._plan_kind,
         )
         ids_t = torch.from_numpy(input_ids).to(self.device)
         pos_t = torch.from_numpy(positions).to(self.device)

@@ -94,6 +94,19 @@ class PagedMetadata:
 
 
 @dataclass(slots=True)
+class NativePrefills:
+    """Every prefill row of the step, for the C++ kernel (kernels/csrc/prefill_attention.cpp),
+    which reads each row's keys and values in place through its block table."""
+
+    block_tables: torch.Tensor  # [rows, max_blocks] int64
+    meta: torch.Tensor  # [rows, 3] int64: query_start, query_len, seq_len
+
+
+# The C++ prefill kernel scores keys sixteen at a time: blocks must hold a multiple of that.
+NATIVE_PREFILL_BLOCK_MULTIPLE = 16
+
+
+@dataclass(slots=True)
 class AttentionPlan:
     slot_mapping: torch.Tensor  # [num_tokens] int64
     num_decode: int
@@ -104,6 +117,8 @@ class AttentionPlan:
     native: bool = False
     # Set (and nothing else but slot_mapping) for the triton kernels.
     paged: PagedMetadata | None = None
+    # Set instead of prefill_rows and fresh_prefills when the C++ prefill kernel runs them.
+    native_prefills: NativePrefills | None = None
 
 
 # A decode group's fixed cost, in padded key slots: splitting rows into
@@ -121,11 +136,14 @@ def build_plan(
     device: torch.device,
     native: bool = False,
     triton: bool = False,
+    native_prefill: bool = False,
 ) -> AttentionPlan:
     """Rows [0, num_decode) must have query_len == 1, sorted by seq_len for the
     grouping to pay off; the rest are prefills. `native`: decode with the C++ kernel,
     which pads nothing, so its rows are one group (one pass over a shared prefix).
-    `triton`: only the triton kernels' metadata."""
+    `triton`: only the triton kernels' metadata. `native_prefill`: the prefill rows go to
+    the C++ prefill kernel (bf16 caches with bf16 dot products, which the caller checks)
+    where blocks hold a multiple of NATIVE_PREFILL_BLOCK_MULTIPLE tokens."""
     if triton:
         return AttentionPlan(
             slot_mapping=torch.from_numpy(slot_mapping).to(device),
@@ -148,7 +166,13 @@ def build_plan(
     prefill_rows: list[PrefillRow] = []
     fresh: list[FreshPrefills] = []
     query_start = int(query_lens[:num_decode].sum())
-    for i in range(num_decode, len(query_lens)):
+    natives = (
+        _native_prefills(query_lens, seq_lens, block_tables, num_decode, device)
+        if native_prefill and block_size % NATIVE_PREFILL_BLOCK_MULTIPLE == 0
+        else None
+    )
+    torch_rows = range(num_decode, len(query_lens)) if natives is None else range(0)
+    for i in torch_rows:
         q_len, s_len = int(query_lens[i]), int(seq_lens[i])
         if s_len == q_len:  # no cached context
             last = fresh[-1] if fresh else None
@@ -172,7 +196,32 @@ def build_plan(
         prefill_rows=prefill_rows,
         fresh_prefills=fresh,
         native=native,
+        native_prefills=natives,
     )
+
+
+def _native_prefills(
+    query_lens: np.ndarray,
+    seq_lens: np.ndarray,
+    block_tables: list[list[int]],
+    num_decode: int,
+    device: torch.device,
+) -> NativePrefills | None:
+    rows = len(query_lens) - num_decode
+    if rows == 0:
+        return None
+    width = max(len(t) for t in block_tables[num_decode:])
+    # One host buffer, one copy: the block tables, then each row's (start, length, seq_len).
+    host = np.zeros(rows * (width + 3), np.int64)
+    tables = host[: rows * width].reshape(rows, width)
+    for i, table in enumerate(block_tables[num_decode:]):
+        tables[i, : len(table)] = table
+    meta = host[rows * width :].reshape(rows, 3)
+    meta[:, 1] = query_lens[num_decode:]
+    meta[:, 0] = np.cumsum(meta[:, 1]) - meta[:, 1] + int(query_lens[:num_decode].sum())
+    meta[:, 2] = seq_lens[num_decode:]
+    dev = torch.from_numpy(host).to(device)
+    return NativePrefills(dev[: rows * width].view(rows, width), dev[rows * width :].view(rows, 3))
 
 
 def _paged_metadata(
@@ -302,6 +351,16 @@ def paged_attention(
             continue
         out[group.row_start : group.row_end] = _decode_attention(
             query[group.row_start : group.row_end], key_cache, value_cache, group, scale
+        )
+    if plan.native_prefills is not None:
+        torch.ops.loragate.prefill_attention(
+            query,
+            key_cache,
+            value_cache,
+            plan.native_prefills.block_tables,
+            plan.native_prefills.meta,
+            scale,
+            out,
         )
     for batch in plan.fresh_prefills:
         rows = slice(batch.query_start, batch.end)

@@ -30,6 +30,7 @@ logger = logging.getLogger(__name__)
 _CSRC = Path(__file__).parent / "csrc"
 SOURCES = [
     _CSRC / "decode_attention.cpp",
+    _CSRC / "prefill_attention.cpp",
     _CSRC / "rms_norm.cpp",
     _CSRC / "lora.cpp",
     _CSRC / "quant.cpp",
@@ -37,6 +38,7 @@ SOURCES = [
 HEADERS = [_CSRC / "simd.h", _CSRC / "decode_attention_bf16.h"]
 OPS = (
     "decode_attention",
+    "prefill_attention",
     "rms_norm",
     "add_rms_norm",
     "add_lora_runs",
@@ -89,6 +91,15 @@ def _build_and_load() -> bool:
         logger.warning("CPU kernels unavailable, using the torch path: %s", exc)
         return False
     return all(hasattr(torch.ops.loragate, op) for op in OPS)
+
+
+def prefill_attention_available(dtype: torch.dtype, head_dim: int, block_size: int) -> bool:
+    """Whether the C++ prefill attention runs caches of this kind here: bfloat16 with head_dim
+    64 or 128 and blocks of a multiple of 16 tokens, built for a CPU with AVX-512 BF16."""
+    if not load():
+        return False
+    probe = torch.empty(1, 1, block_size, head_dim, dtype=dtype)
+    return bool(torch.ops.loragate.prefill_attention_available(probe))
 
 
 @contextlib.contextmanager
