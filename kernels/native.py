@@ -34,6 +34,7 @@ SOURCES = [
     _CSRC / "rms_norm.cpp",
     _CSRC / "lora.cpp",
     _CSRC / "quant.cpp",
+    _CSRC / "int8_gemm.cpp",
 ]
 HEADERS = [_CSRC / "simd.h", _CSRC / "decode_attention_bf16.h"]
 OPS = (
@@ -44,6 +45,7 @@ OPS = (
     "add_lora_runs",
     "quantize_rows",
     "dequantize_mm",
+    "int8_mm_packed",
 )
 # The model dtypes every op takes (computing in float32 either way).
 DTYPES = (torch.float32, torch.bfloat16)

@@ -39,6 +39,11 @@ PROJECTIONS = ("qkv_proj", "o_proj", "gate_up_proj")
 # How much of the activations' range moves into the weights (SmoothQuant's alpha): SmolLM2's
 # perplexity +0.95 %, +0.48 %, +0.39 % at 0.5, 0.6, 0.7 with the calibration text as it is.
 SMOOTHING_ALPHA = 0.7
+# The C++ int8 GEMM (kernels/csrc/int8_gemm.cpp, AVX-512 VNNI) computes 16 outputs a vector and
+# serves steps of up to this many rows; past it torch's int8 GEMM is faster (at 2,048 rows
+# 1.4-1.6x bf16), and below it torch's is no faster than bf16.
+VNNI_COLS = 16
+VNNI_MAX_ROWS = 64
 
 
 def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -80,13 +85,27 @@ class Int8Linear(nn.Module):
         bias = linear.bias
         self.bias = None if bias is None else bias.detach().float()
         self.native = False  # the C++ halves (kernels.native), set by the model runner
+        # The weight packed for the C++ decode-sized GEMM, and its column sums (pack_for_vnni).
+        self.packed: torch.Tensor | None = None
+        self.col_sums: torch.Tensor | None = None
+
+    def pack_for_vnni(self) -> None:
+        """[out / 16, in / 4, 16, 4]: four consecutive inputs of sixteen outputs per 64 bytes,
+        as kernels/csrc/int8_gemm.cpp reads them."""
+        out_f, in_f = self.qweight.shape
+        blocks = self.qweight.view(out_f // VNNI_COLS, VNNI_COLS, in_f // 4, 4)
+        self.packed = blocks.permute(0, 2, 1, 3).contiguous()
+        self.col_sums = self.qweight.sum(dim=1, dtype=torch.int32)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.reshape(-1, self.in_features).contiguous()
         out = torch.empty(rows.shape[0], self.out_features, dtype=x.dtype, device=x.device)
         if self.native:
             xq, row_scales = torch.ops.loragate.quantize_rows(rows)
-            acc = torch._int_mm(xq, self.qweight.t())
+            if self.packed is not None and rows.shape[0] <= VNNI_MAX_ROWS:
+                acc = torch.ops.loragate.int8_mm_packed(xq, self.packed, self.col_sums)
+            else:
+                acc = torch._int_mm(xq, self.qweight.t())
             torch.ops.loragate.dequantize_mm(acc, row_scales, self.scales, self.bias, out)
         else:
             xq, row_scales = quantize_rows(rows)
@@ -172,6 +191,12 @@ def quantize(module: nn.Module) -> int:
 
 
 def use_native(module: nn.Module, enabled: bool) -> None:
+    vnni = enabled and bool(torch.ops.loragate.int8_mm_available())
     for child in module.modules():
         if isinstance(child, Int8Linear):
             child.native = enabled
+            shapes_fit = child.out_features % VNNI_COLS == 0 and child.in_features % 4 == 0
+            if vnni and shapes_fit:
+                child.pack_for_vnni()
+            else:
+                child.packed = child.col_sums = None

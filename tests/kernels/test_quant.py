@@ -45,6 +45,47 @@ def test_dequantize_mm_matches_torch(dtype: torch.dtype, bias: bool) -> None:
     )
 
 
+needs_vnni = pytest.mark.skipif(
+    not (native.load() and torch.ops.loragate.int8_mm_available()),
+    reason="needs the C++ kernels built for a CPU with AVX-512 VNNI",
+)
+
+
+@needs_vnni
+@pytest.mark.parametrize("rows", [1, 3, 16, 17, 64])
+@pytest.mark.parametrize(("outs", "ins"), [(16, 4), (80, 576), (960, 576), (3072, 576), (48, 1536)])
+def test_packed_int8_gemm_equals_torch_int_mm(rows: int, outs: int, ins: int) -> None:
+    """Integer sums are exact: the packed VNNI GEMM must be torch._int_mm bit for bit, extreme
+    values (-128 and 127 activations, whose sign flip is the unsigned trick's edge) included."""
+    g = torch.Generator().manual_seed(rows * outs + ins)
+    x = torch.randint(-128, 128, (rows, ins), generator=g, dtype=torch.int8)
+    x[0, : min(ins, 8)] = torch.tensor([-128, 127] * 4, dtype=torch.int8)[: min(ins, 8)]
+    linear = quant.Int8Linear(nn.Linear(ins, outs, bias=False))
+    linear.qweight = torch.randint(-127, 128, (outs, ins), generator=g, dtype=torch.int8)
+    linear.pack_for_vnni()
+    acc = torch.ops.loragate.int8_mm_packed(x, linear.packed, linear.col_sums)
+    assert torch.equal(acc, torch._int_mm(x, linear.qweight.t()))
+    assert torch.equal(acc, x.int() @ linear.qweight.int().t())
+
+
+@needs_vnni
+def test_int8_linear_takes_the_packed_gemm_for_decode_rows_only() -> None:
+    torch.manual_seed(0)
+    linear = quant.Int8Linear(nn.Linear(576, 960, bias=True))
+    quant.use_native(nn.Sequential(linear), True)
+    assert linear.packed is not None
+    with torch.inference_mode():
+        for rows in (16, quant.VNNI_MAX_ROWS + 1):
+            x = torch.randn(rows, 576)
+            packed = linear(x)
+            linear.packed, saved = None, linear.packed
+            plain = linear(x)
+            linear.packed = saved
+            assert torch.equal(packed, plain)
+    quant.use_native(nn.Sequential(linear), False)
+    assert linear.packed is None
+
+
 @pytest.mark.parametrize("use_native", [False, True])
 def test_an_int8_linear_approximates_the_linear(use_native: bool) -> None:
     if use_native and not native.load():
