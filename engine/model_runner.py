@@ -115,9 +115,9 @@ class ModelRunner:
         self.large_step_tokens = max(1, -(-LARGE_STEP_TOKEN_PARAMS // max(1, num_params)))
         self.num_kv_heads = attn.num_kv_heads
         self.head_dim = attn.head_dim
-        # The plan kind until the kernels are chosen below: int8 calibration runs the model
-        # before that, on the torch paths.
-        self.native_kernels = self.triton_plan = self.native_prefill = False
+        # build_plan's kernel flags. int8 calibration runs the model before the kernels are
+        # chosen below: on the torch paths, which no flag means.
+        self.plan_kind: dict[str, bool] = {}
         if config.quantization is not None:
             self._quantize(calibration or [])
         self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
@@ -130,12 +130,14 @@ class ModelRunner:
         self.triton = (
             dispatch.triton_ops(self.device) if self.kernels is dispatch.Backend.TRITON else None
         )
-        self.triton_plan = self.triton is not None
         logger.info("kernels: %s", self.kernels.value)
-        # bf16 prompts' attention in C++ too, where the CPU has bf16 dot products.
-        self.native_prefill = self.native_kernels and native.prefill_attention_available(
-            self.dtype, self.head_dim, self.block_size
-        )
+        self.plan_kind = {
+            "native": self.native_kernels,
+            "triton": self.triton is not None,
+            # bf16 prompts' attention in C++ too, where the CPU has bf16 dot products.
+            "native_prefill": self.native_kernels
+            and native.prefill_attention_available(self.dtype, self.head_dim, self.block_size),
+        }
         self.model.use_native_kernels(self.native_kernels)
         self.model.use_triton(self.triton)
         quant.use_native(self.model, self.native_kernels)
@@ -166,18 +168,10 @@ class ModelRunner:
             for _ in range(self.num_layers)
         ]
         plan = build_plan(
-            np.array([n]), np.array([n]), [[0]], np.arange(n), 0, n, self.device, **self._plan_kind
+            np.array([n]), np.array([n]), [[0]], np.arange(n), 0, n, self.device, **self.plan_kind
         )
         ids = torch.tensor(token_ids, device=self.device)
         return self.model(ids, torch.arange(n, device=self.device), plan, scratch)
-
-    @property
-    def _plan_kind(self) -> dict[str, bool]:
-        return {
-            "native": self.native_kernels,
-            "triton": self.triton_plan,
-            "native_prefill": self.native_prefill,
-        }
 
     @property
     def bytes_per_block(self) -> int:
@@ -212,7 +206,7 @@ class ModelRunner:
             for _ in range(self.num_layers)
         ]
         plan = build_plan(
-            np.array([n]), np.array([n]), [[0]], np.arange(n), 0, n, self.device, **self._plan_kind
+            np.array([n]), np.array([n]), [[0]], np.arange(n), 0, n, self.device, **self.plan_kind
         )
         with torch.no_grad():
             self.model.compute_logits(self.model(ids, pos, plan, scratch)[-1:])
@@ -252,7 +246,7 @@ class ModelRunner:
         def is_decode(item: tuple[Request, int]) -> bool:
             return item[0].num_computed_tokens + 1 == item[0].num_tokens
 
-        if self.native_kernels or self.triton_plan:
+        if self.native_kernels or self.triton is not None:
             rows = sorted(
                 sched.scheduled, key=lambda item: (not is_decode(item), item[0].lora_slot)
             )
@@ -325,7 +319,7 @@ class ModelRunner:
             num_decode,
             bs,
             self.device,
-            **self._plan_kind,
+            **self.plan_kind,
         )
         ids_t = torch.from_numpy(input_ids).to(self.device)
         pos_t = torch.from_numpy(positions).to(self.device)

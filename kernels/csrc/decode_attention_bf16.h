@@ -128,12 +128,18 @@ void attend_bf16(const at::Tensor& query, const at::Tensor& key_cache,
   const bf16* v_base = value_cache.data_ptr<bf16>();
 
   at::parallel_for(0, kv_heads * rows, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> scores(per_kv * line);
-    std::vector<bf16> probs(per_kv * line, bf16(0.f));
-    std::vector<float> sums(per_kv);
-    std::vector<float> o(kDim);
-    std::vector<__m512i> pairs((max_len / 2 + 1) * (kDim / 16));
-    std::vector<__m512bh> q(per_kv * (kDim / 32));
+    // Each thread's scratch, kept between calls (a decode step calls this once per layer):
+    // grown as rows get longer, never freed.
+    thread_local std::vector<float> scores, sums;
+    thread_local std::vector<bf16> probs;
+    thread_local std::vector<__m512i> pairs;
+    thread_local std::vector<__m512bh> q;
+    grow(scores, per_kv * line);
+    grow(probs, per_kv * line);
+    grow(sums, per_kv);
+    grow(pairs, (max_len / 2 + 1) * (kDim / 16));
+    grow(q, per_kv * (kDim / 32));
+    alignas(64) float o[kDim];
     for (int64_t task = begin; task < end; ++task) {
       const int64_t g = task / rows, r = task % rows, len = lens[r];
       const bf16* K = k_base + g * head_elems;
@@ -177,8 +183,8 @@ void attend_bf16(const at::Tensor& query, const at::Tensor& key_cache,
           for (int i = 0; i < kDim / 16; ++i)
             acc[i] = _mm512_dpbf16_ps(acc[i], weights, (__m512bh)v[i]);
         }
-        unpermute<kDim>(acc, o.data());
-        narrow(o.data(), o_base + r * o_row + (g * per_kv + h) * o_head, kDim, sums[h]);
+        unpermute<kDim>(acc, o);
+        narrow(o, o_base + r * o_row + (g * per_kv + h) * o_head, kDim, sums[h]);
       }
     }
   });

@@ -125,9 +125,8 @@ void attend(const at::Tensor& query, const at::Tensor& key_cache, const at::Tens
   // Kept between calls (one pair per calling thread): a fresh megabyte each layer is fresh
   // pages for the kernel to fault in and zero, and to unmap from both cores afterwards.
   thread_local std::vector<__m512i> packed_keys, packed_values;
-  packed_keys.resize(std::max<size_t>(packed_keys.size(), kv_heads * num_packed * key_vectors));
-  packed_values.resize(
-      std::max<size_t>(packed_values.size(), kv_heads * num_packed * value_vectors));
+  grow(packed_keys, kv_heads * num_packed * key_vectors);
+  grow(packed_values, kv_heads * num_packed * value_vectors);
   // thread_local names would mean each worker's own (empty) copies inside the lambdas below.
   __m512i* const keys_packed = packed_keys.data();
   __m512i* const values_packed = packed_values.data();
@@ -162,8 +161,8 @@ void attend(const at::Tensor& query, const at::Tensor& key_cache, const at::Tens
   at::parallel_for(0, kv_heads * row_tasks, 1, [&](int64_t begin, int64_t end) {
     thread_local std::vector<float> scores;
     thread_local std::vector<bf16> probs;
-    scores.resize(std::max<size_t>(scores.size(), kQueryTile * line));
-    probs.resize(std::max<size_t>(probs.size(), kQueryTile * line));
+    grow(scores, kQueryTile * line);
+    grow(probs, kQueryTile * line);
     float sums[kQueryTile];
     alignas(64) float o[kDim];
     for (int64_t task = begin; task < end; ++task) {
@@ -247,8 +246,10 @@ void attend(const at::Tensor& query, const at::Tensor& key_cache, const at::Tens
 }
 #endif  // LORAGATE_HAVE_AVX512_BF16
 
-bool prefill_attention_supported(const at::Tensor& key_cache) {
+// Whether this build runs caches like `key_cache` ([kv_heads, blocks, block_size, head_dim]).
+bool prefill_attention_available(const at::Tensor& key_cache) {
 #ifdef LORAGATE_HAVE_AVX512_BF16
+  if (key_cache.dim() != 4) return false;
   const int64_t dim = key_cache.size(3);
   return key_cache.scalar_type() == at::kBFloat16 && (dim == 64 || dim == 128) &&
          key_cache.size(2) % kKeyTile == 0;
@@ -260,7 +261,7 @@ bool prefill_attention_supported(const at::Tensor& key_cache) {
 void prefill_attention(const at::Tensor& query, const at::Tensor& key_cache,
                        const at::Tensor& value_cache, const at::Tensor& block_tables,
                        const at::Tensor& meta, double scale, at::Tensor out) {
-  TORCH_CHECK(key_cache.dim() == 4 && prefill_attention_supported(key_cache),
+  TORCH_CHECK(prefill_attention_available(key_cache),
               "prefill_attention: bfloat16 caches with head_dim 64 or 128 and blocks of a "
               "multiple of 16 tokens, on a CPU with AVX-512 BF16");
   TORCH_CHECK(query.scalar_type() == at::kBFloat16 && value_cache.scalar_type() == at::kBFloat16 &&
@@ -300,10 +301,6 @@ void prefill_attention(const at::Tensor& query, const at::Tensor& key_cache,
   else
     attend<128>(query, key_cache, value_cache, block_tables, meta, fscale, out);
 #endif
-}
-
-bool prefill_attention_available(const at::Tensor& key_cache) {
-  return key_cache.dim() == 4 && prefill_attention_supported(key_cache);
 }
 
 }  // namespace

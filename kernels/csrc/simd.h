@@ -166,4 +166,10 @@ inline float max_of(const float* s, int64_t n) {
   return m;
 }
 
+// Scratch kept between calls: `v` holds at least n elements (grown, never shrunk or freed).
+template <typename V>
+inline void grow(V& v, size_t n) {
+  if (v.size() < n) v.resize(n);
+}
+
 }  // namespace loragate
