@@ -45,7 +45,7 @@ OPS = (
     "add_lora_runs",
     "quantize_rows",
     "dequantize_mm",
-    "int8_mm_packed",
+    "int8_linear",
 )
 # The model dtypes every op takes (computing in float32 either way).
 DTYPES = (torch.float32, torch.bfloat16)

@@ -1,64 +1,46 @@
-// The int8 linear's GEMM at decode sizes (a few dozen rows) on CPUs with AVX-512 VNNI:
-// acc[m][n] = sum_k x[m][k] * w[n][k], int8 x int8 -> int32, exactly what torch._int_mm
-// returns (integer sums are exact, so the two agree bit for bit).
+// The whole int8 linear in one op on CPUs with AVX-512 VNNI (kernels/quant.py's
+// int8_linear_reference is its specification):
+//   out = sum over groups g of (q(x)_g . w_g) * s_x[row][g]  * s_w[col]  (+ bias[col])
+// x is quantized as the op starts, each row's groups of `group` inputs to int8 with their own
+// scale (max |x| / 127; group = the row's width is per-token quantization), then multiplied
+// against int8 weight rows (per output channel scales) with int32 sums per group.
 //
-// Why: torch's int8 GEMM reads the plain [out, in] weight every call and, at 16 rows, ran no
-// faster than oneDNN's prepacked bf16 GEMM, so int8 weights bought decode nothing. Here the
-// weight is packed once, at load, as [out / 16][in / 4][16][4]: one 64-byte load holds four
-// consecutive inputs of sixteen outputs, what vpdpbusd multiplies against four of a row's
-// inputs broadcast. vpdpbusd takes unsigned activations: x + 128 (its sign bit flipped), and
-// 128 * sum_k w[n][k] (col_sums, also computed at load) is taken back off.
+// Why one op: quantize, GEMM and scale back as three ops wrote and read an int32 matrix and
+// paid three dispatches per linear; at decode sizes that was a third of the linear's time.
+// Why our own GEMM: torch's int8 GEMM reads the plain [out, in] weight every call and at decode
+// sizes ran no faster than oneDNN's prepacked bf16 one. Here the weight is packed once, at load,
+// as [out / 16][in / 4][16][4]: one 64-byte load holds four consecutive inputs of sixteen
+// outputs, what vpdpbusd multiplies against four of a row's inputs broadcast. vpdpbusd takes
+// unsigned activations, so x is stored quantized + 128 (its sign bit flipped), and 128 * the
+// group's sum of each weight column (col_sums, computed at load) is taken back off.
+//
+// Register tile: kRows rows x kBlocks column blocks of int32 sums (24 of the 32 vector
+// registers); the float sums across groups live in a small stack array, touched once a group.
+// Tasks are (column tile, row tile) pairs, column-major, so a thread runs every row tile of a
+// column tile while its weight panel is in L2.
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
 #include <algorithm>
+#include <cmath>
 #include <cstdint>
+#include <optional>
+#include <vector>
 
-#if defined(__AVX512F__) && defined(__AVX512VNNI__)
+#include "simd.h"
+
+#if defined(__AVX512F__) && defined(__AVX512VNNI__) && defined(__AVX512BW__)
 #include <immintrin.h>
 #define LORAGATE_HAVE_AVX512_VNNI 1
 #endif
 
 namespace {
 
-constexpr int64_t kCols = 16;     // outputs per packed block (one int32 vector)
-constexpr int kBlocksPerTask = 4;  // column blocks a task keeps in registers
-constexpr int kRowTile = 4;        // rows multiplied per pass over a task's weights
+using namespace loragate;
 
-#ifdef LORAGATE_HAVE_AVX512_VNNI
-// Rows [row, row + kRowTile) (the last repeated past `rows`) times blocks [block, block +
-// kBlocks) of the packed weight, into acc.
-template <int kBlocks>
-inline void tile(const int8_t* x, int64_t rows, int64_t row, int64_t k_groups, const int8_t* w,
-                 int64_t block, const int32_t* col_sums, int32_t* acc, int64_t n) {
-  const int32_t* xr[kRowTile];
-  for (int i = 0; i < kRowTile; ++i)
-    xr[i] = reinterpret_cast<const int32_t*>(x + std::min(row + i, rows - 1) * k_groups * 4);
-  __m512i sums[kRowTile][kBlocks];
-  for (int i = 0; i < kRowTile; ++i)
-    for (int b = 0; b < kBlocks; ++b) sums[i][b] = _mm512_setzero_si512();
-  const __m512i flip = _mm512_set1_epi32(static_cast<int32_t>(0x80808080u));
-  for (int64_t g = 0; g < k_groups; ++g) {
-    __m512i wv[kBlocks];
-    for (int b = 0; b < kBlocks; ++b)
-      wv[b] = _mm512_loadu_si512(w + ((block + b) * k_groups + g) * kCols * 4);
-    for (int i = 0; i < kRowTile; ++i) {
-      const __m512i a = _mm512_xor_si512(_mm512_set1_epi32(xr[i][g]), flip);
-      for (int b = 0; b < kBlocks; ++b) sums[i][b] = _mm512_dpbusd_epi32(sums[i][b], a, wv[b]);
-    }
-  }
-  for (int b = 0; b < kBlocks; ++b) {
-    const int64_t col = (block + b) * kCols;
-    const __m512i offset = _mm512_slli_epi32(_mm512_loadu_si512(col_sums + col), 7);
-    for (int i = 0; i < kRowTile && row + i < rows; ++i)
-      _mm512_storeu_si512(acc + (row + i) * n + col, _mm512_sub_epi32(sums[i][b], offset));
-  }
-}
-#endif
-
-bool int8_mm_available() {
+bool int8_linear_available() {
 #ifdef LORAGATE_HAVE_AVX512_VNNI
   return true;
 #else
@@ -66,48 +48,228 @@ bool int8_mm_available() {
 #endif
 }
 
-at::Tensor int8_mm_packed(const at::Tensor& x, const at::Tensor& packed,
-                          const at::Tensor& col_sums) {
-  TORCH_CHECK(int8_mm_available(), "int8_mm_packed: built for a CPU without AVX-512 VNNI");
-  TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && x.scalar_type() == at::kChar,
-              "int8_mm_packed: int8 contiguous [rows, in] activations");
-  TORCH_CHECK(packed.dim() == 4 && packed.is_contiguous() && packed.scalar_type() == at::kChar &&
-                  packed.size(2) == kCols && packed.size(3) == 4,
-              "int8_mm_packed: weight packed as [out / 16, in / 4, 16, 4] int8");
-  const int64_t rows = x.size(0), k_groups = packed.size(1), n = packed.size(0) * kCols;
-  TORCH_CHECK(x.size(1) == k_groups * 4, "int8_mm_packed: activations' width != weight's");
-  TORCH_CHECK(col_sums.scalar_type() == at::kInt && col_sums.is_contiguous() &&
-                  col_sums.numel() == n,
-              "int8_mm_packed: int32 column sums, one per output");
-  at::Tensor acc = at::empty({rows, n}, x.options().dtype(at::kInt));
 #ifdef LORAGATE_HAVE_AVX512_VNNI
-  const int8_t* xp = x.data_ptr<int8_t>();
-  const int8_t* wp = packed.data_ptr<int8_t>();
-  const int32_t* cs = col_sums.data_ptr<int32_t>();
-  int32_t* ap = acc.data_ptr<int32_t>();
-  const int64_t blocks = packed.size(0);
-  const int64_t tasks = (blocks + kBlocksPerTask - 1) / kBlocksPerTask;
-  at::parallel_for(0, tasks, 1, [&](int64_t begin, int64_t end) {
-    for (int64_t t = begin; t < end; ++t) {
-      const int64_t block = t * kBlocksPerTask;
-      for (int64_t row = 0; row < rows; row += kRowTile) {
-        if (block + kBlocksPerTask <= blocks) {
-          tile<kBlocksPerTask>(xp, rows, row, k_groups, wp, block, cs, ap, n);
-        } else {
-          for (int64_t b = block; b < blocks; ++b) tile<1>(xp, rows, row, k_groups, wp, b, cs, ap, n);
-        }
+
+constexpr int64_t kCols = 16;  // outputs per packed block (one int32 vector)
+constexpr int kRows = 6;       // rows of a register tile
+constexpr int kBlocks = 4;     // column blocks of a register tile
+
+inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
+inline __m512 load16(const c10::BFloat16* p) {
+  const __m256i half = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(half), 16));
+}
+
+inline void store16(float* p, __m512 v) { _mm512_storeu_ps(p, v); }
+inline void store16(c10::BFloat16* p, __m512 v) {
+#ifdef __AVX512BF16__
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), (__m256i)_mm512_cvtneps_pbh(v));
+#else
+  // Round to nearest even, NaN kept a NaN, as c10::BFloat16 does.
+  const __m512i bits = _mm512_castps_si512(v);
+  const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
+  __m512i r = _mm512_srli_epi32(_mm512_add_epi32(bits, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7fff))), 16);
+  r = _mm512_mask_mov_epi32(r, _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q), _mm512_set1_epi32(0x7fc0));
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), _mm512_cvtepi32_epi16(r));
+#endif
+}
+
+// One row's groups to uint8 (q + 128) and their scales, as quantize_groups specifies:
+// scale = max(max |x|, 1e-8) / 127, q = round-half-even(x / scale) clamped to [-127, 127].
+template <typename T>
+void quantize_row(const T* x, int64_t cols, int64_t group, uint8_t* q, float* scales) {
+  for (int64_t g0 = 0, gi = 0; g0 < cols; g0 += group, ++gi) {
+    __m512 vmax = _mm512_setzero_ps();
+    for (int64_t i = g0; i < g0 + group; i += 16) vmax = _mm512_max_ps(vmax, _mm512_abs_ps(load16(x + i)));
+    const float scale = std::max(_mm512_reduce_max_ps(vmax), 1e-8f) / 127.f;
+    scales[gi] = scale;
+    const __m512 vs = _mm512_set1_ps(scale);
+    for (int64_t i = g0; i < g0 + group; i += 16) {
+      __m512 v = _mm512_roundscale_ps(_mm512_div_ps(load16(x + i), vs), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+      v = _mm512_min_ps(_mm512_max_ps(v, _mm512_set1_ps(-127.f)), _mm512_set1_ps(127.f));
+      const __m512i u = _mm512_add_epi32(_mm512_cvtps_epi32(v), _mm512_set1_epi32(128));
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(q + i), _mm512_cvtepi32_epi8(u));
+    }
+  }
+}
+
+struct Operands {
+  const uint8_t* xq;      // [rows][in], quantized + 128
+  const float* xs;        // [rows][groups]
+  const int8_t* w;        // [out / 16][in / 4][16][4]
+  const int32_t* sums;    // [groups][out]
+  const float* wscale;    // [out]
+  const float* bias;      // [out] or null
+  int64_t in, out, groups, group4;  // group4: a group's inputs / 4
+};
+
+// The int32 sums of rows xr[0..R) x blocks [0, B) of w over k-groups [begin, end), into
+// sums[i * B + b]. Its own function: inlined into the tile, GCC kept the 24 sums on the stack.
+template <int R, int B>
+__attribute__((noinline)) void dot_group(const int32_t* const* xr, const int8_t* w, int64_t k4,
+                                         int64_t begin, int64_t end, __m512i* out) {
+  __m512i sums[R][B];
+#pragma GCC unroll 8
+  for (int i = 0; i < R; ++i)
+#pragma GCC unroll 8
+    for (int b = 0; b < B; ++b) sums[i][b] = _mm512_setzero_si512();
+  for (int64_t g = begin; g < end; ++g) {
+    __m512i wv[B];
+#pragma GCC unroll 8
+    for (int b = 0; b < B; ++b) wv[b] = _mm512_loadu_si512(w + (b * k4 + g) * kCols * 4);
+#pragma GCC unroll 8
+    for (int i = 0; i < R; ++i) {
+      const __m512i a = _mm512_set1_epi32(xr[i][g]);
+#pragma GCC unroll 8
+      for (int b = 0; b < B; ++b) sums[i][b] = _mm512_dpbusd_epi32(sums[i][b], a, wv[b]);
+    }
+  }
+#pragma GCC unroll 8
+  for (int i = 0; i < R; ++i)
+#pragma GCC unroll 8
+    for (int b = 0; b < B; ++b) out[i * B + b] = sums[i][b];
+}
+
+// Rows [row, row + R) x blocks [block, block + B) of the output.
+template <int R, int B, typename T>
+void tile(const Operands& op, int64_t row, int64_t block, T* y) {
+  const int64_t k4 = op.in / 4;
+  alignas(64) float acc[R][B][kCols];
+  __m512i sums[R * B];
+  const int32_t* xr[R];
+  for (int i = 0; i < R; ++i) xr[i] = reinterpret_cast<const int32_t*>(op.xq + (row + i) * op.in);
+  const int8_t* w = op.w + block * k4 * kCols * 4;
+  for (int64_t gi = 0; gi < op.groups; ++gi) {
+    dot_group<R, B>(xr, w, k4, gi * op.group4, (gi + 1) * op.group4, sums);
+    for (int b = 0; b < B; ++b) {
+      const int32_t* cs = op.sums + gi * op.out + (block + b) * kCols;
+      const __m512i offset = _mm512_slli_epi32(_mm512_loadu_si512(cs), 7);
+      for (int i = 0; i < R; ++i) {
+        const __m512 part = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_sub_epi32(sums[i * B + b], offset)),
+                                          _mm512_set1_ps(op.xs[(row + i) * op.groups + gi]));
+        _mm512_store_ps(acc[i][b], gi == 0 ? part : _mm512_add_ps(_mm512_load_ps(acc[i][b]), part));
       }
     }
+  }
+  for (int b = 0; b < B; ++b) {
+    const int64_t col = (block + b) * kCols;
+    const __m512 ws = _mm512_loadu_ps(op.wscale + col);
+    for (int i = 0; i < R; ++i) {
+      __m512 v = _mm512_mul_ps(_mm512_load_ps(acc[i][b]), ws);
+      if (op.bias != nullptr) v = _mm512_add_ps(v, _mm512_loadu_ps(op.bias + col));
+      store16(y + (row + i) * op.out + col, v);
+    }
+  }
+}
+
+template <int R, typename T>
+void tile_rows(const Operands& op, int64_t row, int64_t block, int64_t blocks, T* y) {
+  switch (blocks) {
+    case 4: return tile<R, 4>(op, row, block, y);
+    case 3: return tile<R, 3>(op, row, block, y);
+    case 2: return tile<R, 2>(op, row, block, y);
+    default: return tile<R, 1>(op, row, block, y);
+  }
+}
+
+template <typename T>
+void tile_any(const Operands& op, int64_t row, int64_t rows, int64_t block, int64_t blocks, T* y) {
+  switch (rows) {
+    case 6: return tile_rows<6>(op, row, block, blocks, y);
+    case 5: return tile_rows<5>(op, row, block, blocks, y);
+    case 4: return tile_rows<4>(op, row, block, blocks, y);
+    case 3: return tile_rows<3>(op, row, block, blocks, y);
+    case 2: return tile_rows<2>(op, row, block, blocks, y);
+    default: return tile_rows<1>(op, row, block, blocks, y);
+  }
+}
+
+template <typename T>
+void int8_linear_impl(const at::Tensor& x, Operands op, at::Tensor& out) {
+  const int64_t rows = x.size(0);
+  // Scratch kept between calls, owned by the calling thread: the workers reach it through
+  // these pointers (a thread_local named inside the lambdas would be each worker's own).
+  thread_local std::vector<uint8_t> xq_scratch;
+  thread_local std::vector<float> xs_scratch;
+  grow(xq_scratch, rows * op.in);
+  grow(xs_scratch, rows * op.groups);
+  uint8_t* xq = xq_scratch.data();
+  float* xs = xs_scratch.data();
+  const T* xp = x.data_ptr<T>();
+  const int64_t group = op.group4 * 4;
+  at::parallel_for(0, rows, 8, [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r)
+      quantize_row(xp + r * op.in, op.in, group, xq + r * op.in, xs + r * op.groups);
   });
+  op.xq = xq;
+  op.xs = xs;
+  T* y = out.data_ptr<T>();
+  const int64_t blocks = op.out / kCols;
+  const int64_t col_tiles = (blocks + kBlocks - 1) / kBlocks;
+  const int64_t row_tiles = (rows + kRows - 1) / kRows;
+  at::parallel_for(0, col_tiles * row_tiles, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t) {
+      const int64_t block = (t / row_tiles) * kBlocks, row = (t % row_tiles) * kRows;
+      tile_any(op, row, std::min<int64_t>(kRows, rows - row), block,
+               std::min<int64_t>(kBlocks, blocks - block), y);
+    }
+  });
+}
+
+#endif  // LORAGATE_HAVE_AVX512_VNNI
+
+at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& col_sums,
+                       const at::Tensor& weight_scales, const std::optional<at::Tensor>& bias,
+                       int64_t group) {
+  TORCH_CHECK(int8_linear_available(), "int8_linear: built for a CPU without AVX-512 VNNI");
+  TORCH_CHECK(x.dim() == 2 && x.is_contiguous() &&
+                  (x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16),
+              "int8_linear: float32 or bfloat16 contiguous [rows, in] activations");
+  TORCH_CHECK(packed.dim() == 4 && packed.is_contiguous() && packed.scalar_type() == at::kChar &&
+                  packed.size(2) == 16 && packed.size(3) == 4,
+              "int8_linear: weight packed as [out / 16, in / 4, 16, 4] int8");
+  const int64_t in = packed.size(1) * 4, n = packed.size(0) * 16;
+  TORCH_CHECK(x.size(1) == in, "int8_linear: activations' width != weight's");
+  TORCH_CHECK(group > 0 && group % 16 == 0 && in % group == 0,
+              "int8_linear: the group must be a multiple of 16 dividing the input width");
+  const int64_t groups = in / group;
+  TORCH_CHECK(col_sums.scalar_type() == at::kInt && col_sums.is_contiguous() &&
+                  col_sums.dim() == 2 && col_sums.size(0) == groups && col_sums.size(1) == n,
+              "int8_linear: int32 column sums [in / group, out]");
+  TORCH_CHECK(weight_scales.scalar_type() == at::kFloat && weight_scales.is_contiguous() &&
+                  weight_scales.numel() == n,
+              "int8_linear: float32 weight scales, one per output");
+  TORCH_CHECK(!bias.has_value() || (bias->scalar_type() == at::kFloat && bias->is_contiguous() &&
+                                    bias->numel() == n),
+              "int8_linear: float32 bias, one per output");
+  at::Tensor out = at::empty({x.size(0), n}, x.options());
+#ifdef LORAGATE_HAVE_AVX512_VNNI
+  if (x.size(0) == 0) return out;
+  Operands op{nullptr,
+              nullptr,
+              packed.data_ptr<int8_t>(),
+              col_sums.data_ptr<int32_t>(),
+              weight_scales.data_ptr<float>(),
+              bias.has_value() ? bias->data_ptr<float>() : nullptr,
+              in,
+              n,
+              groups,
+              group / 4};
+  if (x.scalar_type() == at::kFloat)
+    int8_linear_impl<float>(x, op, out);
+  else
+    int8_linear_impl<c10::BFloat16>(x, op, out);
 #endif
-  return acc;
+  return out;
 }
 
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(loragate, m) {
-  m.def("int8_mm_packed(Tensor x, Tensor packed, Tensor col_sums) -> Tensor");
-  m.def("int8_mm_available() -> bool", &int8_mm_available);  // no tensors: one kernel for all
+  m.def(
+      "int8_linear(Tensor x, Tensor packed, Tensor col_sums, Tensor weight_scales, Tensor? bias, "
+      "int group) -> Tensor");
+  m.def("int8_linear_available() -> bool", &int8_linear_available);  // no tensors: one kernel for all
 }
 
-TORCH_LIBRARY_IMPL(loragate, CPU, m) { m.impl("int8_mm_packed", &int8_mm_packed); }
+TORCH_LIBRARY_IMPL(loragate, CPU, m) { m.impl("int8_linear", &int8_linear); }
