@@ -9,6 +9,8 @@ second token on. Agreement is the greedy chat answers of bench.agreement's quest
 against the unquantized engine: tokens equal before the first difference. Throughput is
 W1 (64 prompts of 128 tokens, 64 output tokens, greedy) at the engine's default
 concurrency and at 16 sequences, both engines alternating, the fastest of `--repeat` runs.
+A second table times the first layer's four projections of each engine alone (the weights
+hot in cache, as a layer's are not in a step) at decode and prefill row counts.
 The quality gate of the issue that asked for int8: perplexity within 2 % of bf16.
 """
 
@@ -17,6 +19,7 @@ from __future__ import annotations
 import argparse
 import math
 import statistics
+import time
 from pathlib import Path
 from typing import Any
 
@@ -47,6 +50,30 @@ def perplexity(llm: Any, token_ids: list[int], window: int = 512) -> float:
         nll -= float(logprobs.gather(1, torch.tensor(ids[1:])[:, None]).sum())
         count += len(ids) - 1
     return math.exp(nll / count)
+
+
+PROJECTIONS = ("self_attn.qkv_proj", "self_attn.o_proj", "mlp.gate_up_proj", "mlp.down_proj")
+LINEAR_ROWS = (16, 64, 2048)
+
+
+@torch.inference_mode()
+def projection_us(llm: Any, name: str, rows: int, repeat: int = 5) -> float:
+    """Microseconds per call of layer 0's projection `name` on `rows` rows, on every core (as
+    the engine runs steps of these sizes): the fastest of `repeat` timings of a few calls."""
+    runner = llm.engine.runner
+    module = runner.model.layers[0].get_submodule(name)
+    x = torch.randn(rows, module.in_features, dtype=runner.dtype)
+    calls = max(1, 4096 // rows)
+    runner._set_threads(runner.prefill_threads)
+    module(x)
+    best = math.inf
+    for _ in range(repeat):
+        start = time.perf_counter()
+        for _ in range(calls):
+            module(x)
+        best = min(best, (time.perf_counter() - start) / calls)
+    runner._set_threads(runner.decode_threads)
+    return best * 1e6
 
 
 def agreed_tokens(ours: list[list[int]], reference: list[list[int]]) -> list[int]:
@@ -126,6 +153,17 @@ def main(argv: list[str] | None = None) -> None:
             f"{best[label][keys[1]] / best['none'][keys[1]]:.2f}x",
         )
     console.print(table)
+    linears = Table(title="layer 0's projections alone (us per call, all cores)")
+    for col in ("projection", "rows", dtype, "int8", "vs " + dtype):
+        linears.add_column(col, justify="right")
+    for name in PROJECTIONS:
+        for rows in LINEAR_ROWS:
+            base_us, int8_us = (projection_us(engines[k], name, rows) for k in ("none", "int8"))
+            linears.add_row(
+                name.rsplit(".", 1)[-1], str(rows), f"{base_us:.0f}", f"{int8_us:.0f}",
+                f"{base_us / int8_us:.2f}x",
+            )  # fmt: skip
+    console.print(linears)
     console.print(
         "throughput runs (tok/s): "
         + "; ".join(
