@@ -35,6 +35,7 @@ SOURCES = [
     _CSRC / "lora.cpp",
     _CSRC / "quant.cpp",
     _CSRC / "int8_gemm.cpp",
+    _CSRC / "layer_ops.cpp",
 ]
 HEADERS = [_CSRC / "simd.h", _CSRC / "decode_attention_bf16.h"]
 OPS = (
@@ -46,6 +47,8 @@ OPS = (
     "quantize_rows",
     "dequantize_mm",
     "int8_linear",
+    "rotary_",
+    "write_kv",
 )
 # The model dtypes every op takes (computing in float32 either way).
 DTYPES = (torch.float32, torch.bfloat16)

@@ -131,6 +131,7 @@ class Attention(nn.Module):
         self.qkv_proj = nn.Linear(config.hidden_size, self.q_size + 2 * self.kv_size, bias=bias)
         self.o_proj = nn.Linear(self.q_size, config.hidden_size, bias=False)
         self.triton: ModuleType | None = None  # kernels.triton.ops, set by use_triton
+        self.native = False  # rotary and KV write in C++ (kernels/csrc/layer_ops.cpp)
 
     def forward(
         self,
@@ -147,8 +148,13 @@ class Attention(nn.Module):
         # q and k heads side by side: one rotary pass for both.
         qk = qkv[:, : self.q_size + self.kv_size].view(n, -1, self.head_dim)
         ops = self.triton
-        # The triton kernel rotates in place, in qkv.
-        qk = apply_rope(qk, rope) if ops is None else ops.rotary_(qk, *rope)
+        # The triton and C++ kernels rotate in place, in qkv.
+        if ops is not None:
+            qk = ops.rotary_(qk, *rope)
+        elif self.native:
+            torch.ops.loragate.rotary_(qk, *rope)
+        else:
+            qk = apply_rope(qk, rope)
         q, k = qk[:, : self.num_heads], qk[:, self.num_heads :]
         v = qkv[:, self.q_size + self.kv_size :].view(n, self.num_kv_heads, self.head_dim)
         key_cache, value_cache = kv_cache
@@ -157,7 +163,8 @@ class Attention(nn.Module):
             ops.write_kv(k, v, key_cache, value_cache, plan.slot_mapping)
             out = ops.paged_attention(q, key_cache, value_cache, plan.paged, self.scale)
         else:
-            write_kv(k, v, key_cache, value_cache, plan.slot_mapping)
+            write = torch.ops.loragate.write_kv if self.native else write_kv
+            write(k, v, key_cache, value_cache, plan.slot_mapping)
             out = paged_attention(q, key_cache, value_cache, plan, self.scale, k, v)
         out = out.view(n, self.q_size)
         y = self.o_proj(out)
@@ -258,9 +265,10 @@ class LlamaForCausalLM(nn.Module):
         return self.norm(residual) if delta is None else self.norm.add_forward(residual, delta)
 
     def use_native_kernels(self, enabled: bool) -> None:
-        """Route the norms to kernels.native's C++ ops (loaded by the caller)."""
+        """Route the norms, rotary and KV writes to kernels.native's C++ ops (loaded by the
+        caller)."""
         for module in self.modules():
-            if isinstance(module, RMSNorm):
+            if isinstance(module, RMSNorm | Attention):
                 module.native = enabled
 
     def use_triton(self, ops: ModuleType | None) -> None:
