@@ -23,6 +23,7 @@ from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
 from engine.lora import DOWN, GATE_UP, O_PROJ, QKV, LoRAStep
 from kernels.attention import AttentionPlan, paged_attention, write_kv
+from kernels.quant import Int8Linear
 
 SUPPORTED_ARCHITECTURES = {"LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM"}
 # Rope types whose frequencies do not depend on the running sequence length.
@@ -187,6 +188,10 @@ class MLP(nn.Module):
         gate_up = self.gate_up_proj(x)
         if lora is not None:
             lora.apply(self.layer, GATE_UP, x, gate_up)
+        elif self.act is F.silu and isinstance(self.down_proj, Int8Linear):
+            # silu(gate) * up inside the int8 linear's quantization; a LoRA on down_proj
+            # needs its input as a tensor of its own, so LoRA steps take the path below.
+            return self.down_proj.forward_gated(gate_up)
         gate, up = gate_up.split(self.intermediate_size, dim=-1)
         h = self.act(gate) * up
         y = self.down_proj(h)

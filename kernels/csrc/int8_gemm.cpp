@@ -4,6 +4,9 @@
 // x is quantized as the op starts, each row's groups of `group` inputs to int8 with their own
 // scale (max |x| / 127; group = the row's width is per-token quantization), then multiplied
 // against int8 weight rows (per output channel scales) with int32 sums per group.
+// gated: x is the fused gate/up output [gate | up] and the linear's input silu(gate) * up,
+// computed (and rounded as torch's two ops round it) as the rows are quantized: for down_proj
+// one pass over gate/up instead of torch's silu, mul and our quantization, three passes.
 //
 // Why one op: quantize, GEMM and scale back as three ops wrote and read an int32 matrix and
 // paid three dispatches per linear; at decode sizes that was a third of the linear's time.
@@ -27,6 +30,7 @@
 #include <cmath>
 #include <cstdint>
 #include <optional>
+#include <type_traits>
 #include <vector>
 
 #include "simd.h"
@@ -74,6 +78,34 @@ inline void store16(c10::BFloat16* p, __m512 v) {
 #endif
 }
 
+typedef float vec16 __attribute__((vector_size(64)));  // an __m512 for simd.h's exp_lanes
+typedef int32_t ivec16 __attribute__((vector_size(64)));
+
+// v as torch stores an op's result in T: float32 unchanged, bf16 rounded to nearest even.
+template <typename T>
+inline __m512 as_stored(__m512 v) {
+  if constexpr (std::is_same_v<T, float>) {
+    return v;
+  } else {
+#ifdef __AVX512BF16__
+    const __m256i half = (__m256i)_mm512_cvtneps_pbh(v);
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(half), 16));
+#else
+    c10::BFloat16 tmp[16];
+    store16(tmp, v);
+    return load16(tmp);
+#endif
+  }
+}
+
+// silu(x) = x / (1 + e^-x) in float32 (exp within 2 ulp of expf; past float's overflow the
+// signed 0 that expf's inf gives).
+inline __m512 silu16(__m512 v) {
+  const vec16 x = (vec16)v;
+  const vec16 y = x / (1.f + exp_lanes<vec16, ivec16>(-x));
+  return (__m512)(x < -88.3762626647949f ? x * 0.f : y);
+}
+
 // One row's groups to uint8 (q + 128) and their scales, as quantize_groups specifies:
 // scale = max(max |x|, 1e-8) / 127, q = round-half-even(x / scale) clamped to [-127, 127].
 template <typename T>
@@ -91,6 +123,19 @@ void quantize_row(const T* x, int64_t cols, int64_t group, uint8_t* q, float* sc
       _mm_storeu_si128(reinterpret_cast<__m128i*>(q + i), _mm512_cvtepi32_epi8(u));
     }
   }
+}
+
+// The same for silu(gate) * up of one row of the fused gate/up output [gate (cols) | up
+// (cols)], rounded as torch's two ops round them, through `h` (cols floats of scratch).
+template <typename T>
+void quantize_gated_row(const T* gate_up, int64_t cols, int64_t group, float* h, uint8_t* q,
+                        float* scales) {
+  const T* up = gate_up + cols;
+  for (int64_t i = 0; i < cols; i += 16) {
+    const __m512 s = as_stored<T>(silu16(load16(gate_up + i)));
+    _mm512_storeu_ps(h + i, as_stored<T>(_mm512_mul_ps(s, load16(up + i))));
+  }
+  quantize_row(h, cols, group, q, scales);
 }
 
 struct Operands {
@@ -185,7 +230,7 @@ void tile_any(const Operands& op, int64_t row, int64_t rows, int64_t block, int6
 }
 
 template <typename T>
-void int8_linear_impl(const at::Tensor& x, Operands op, at::Tensor& out) {
+void int8_linear_impl(const at::Tensor& x, Operands op, bool gated, at::Tensor& out) {
   const int64_t rows = x.size(0);
   // Scratch kept between calls, owned by the calling thread: the workers reach it through
   // these pointers (a thread_local named inside the lambdas would be each worker's own).
@@ -197,9 +242,20 @@ void int8_linear_impl(const at::Tensor& x, Operands op, at::Tensor& out) {
   float* xs = xs_scratch.data();
   const T* xp = x.data_ptr<T>();
   const int64_t group = op.group4 * 4;
-  at::parallel_for(0, rows, 8, [&](int64_t begin, int64_t end) {
-    for (int64_t r = begin; r < end; ++r)
-      quantize_row(xp + r * op.in, op.in, group, xq + r * op.in, xs + r * op.groups);
+  // Below some 64K inputs the rows are quantized on this thread: waking the others costs
+  // more than the pass (a decode step's 64 rows of 576 take about 5 us).
+  const int64_t grain = std::max<int64_t>(1, (1 << 16) / op.in);
+  at::parallel_for(0, rows, grain, [&](int64_t begin, int64_t end) {
+    if (gated) {
+      thread_local std::vector<float> h;  // this worker's own
+      grow(h, op.in);
+      for (int64_t r = begin; r < end; ++r)
+        quantize_gated_row(xp + r * 2 * op.in, op.in, group, h.data(), xq + r * op.in,
+                           xs + r * op.groups);
+    } else {
+      for (int64_t r = begin; r < end; ++r)
+        quantize_row(xp + r * op.in, op.in, group, xq + r * op.in, xs + r * op.groups);
+    }
   });
   op.xq = xq;
   op.xs = xs;
@@ -220,7 +276,7 @@ void int8_linear_impl(const at::Tensor& x, Operands op, at::Tensor& out) {
 
 at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& col_sums,
                        const at::Tensor& weight_scales, const std::optional<at::Tensor>& bias,
-                       int64_t group) {
+                       int64_t group, bool gated) {
   TORCH_CHECK(int8_linear_available(), "int8_linear: built for a CPU without AVX-512 VNNI");
   TORCH_CHECK(x.dim() == 2 && x.is_contiguous() &&
                   (x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16),
@@ -229,7 +285,9 @@ at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& packed, const at::
                   packed.size(2) == 16 && packed.size(3) == 4,
               "int8_linear: weight packed as [out / 16, in / 4, 16, 4] int8");
   const int64_t in = packed.size(1) * 4, n = packed.size(0) * 16;
-  TORCH_CHECK(x.size(1) == in, "int8_linear: activations' width != weight's");
+  TORCH_CHECK(x.size(1) == (gated ? 2 * in : in),
+              gated ? "int8_linear: gated activations' width != twice the weight's"
+                    : "int8_linear: activations' width != weight's");
   TORCH_CHECK(group > 0 && group % 16 == 0 && in % group == 0,
               "int8_linear: the group must be a multiple of 16 dividing the input width");
   const int64_t groups = in / group;
@@ -256,9 +314,9 @@ at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& packed, const at::
               groups,
               group / 4};
   if (x.scalar_type() == at::kFloat)
-    int8_linear_impl<float>(x, op, out);
+    int8_linear_impl<float>(x, op, gated, out);
   else
-    int8_linear_impl<c10::BFloat16>(x, op, out);
+    int8_linear_impl<c10::BFloat16>(x, op, gated, out);
 #endif
   return out;
 }
@@ -268,7 +326,7 @@ at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& packed, const at::
 TORCH_LIBRARY_FRAGMENT(loragate, m) {
   m.def(
       "int8_linear(Tensor x, Tensor packed, Tensor col_sums, Tensor weight_scales, Tensor? bias, "
-      "int group) -> Tensor");
+      "int group, bool gated=False) -> Tensor");
   m.def("int8_linear_available() -> bool", &int8_linear_available);  // no tensors: one kernel for all
 }
 

@@ -117,30 +117,34 @@ inline void axpy(float* y, const T* x, float a, int64_t n) {
   for (int64_t i = 0; i < n; ++i) y[i] += a * to_float(x[i]);
 }
 
-// e^x for 8 lanes: Cephes' expf (range reduction by ln 2 in two parts, a degree-6
-// polynomial, the exponent put back into the float's bits); within 2 ulp of expf over the
-// range softmax uses (x <= 0). Scalar expf was most of a long row's attention.
-inline vec8 exp8(vec8 x) {
-  const vec8 lo = x < -87.33654f;  // e^x underflows: the result is forced to 0 below
+// e^x lane by lane (V: a float vector, IV: the int32 vector of as many lanes): Cephes' expf
+// (range reduction by ln 2 in two parts, a degree-6 polynomial, the exponent put back into
+// the float's bits); within 2 ulp of expf over the range softmax uses (x <= 0). Scalar expf
+// was most of a long row's attention.
+template <typename V, typename IV>
+inline V exp_lanes(V x) {
+  const V lo = x < -87.33654f;  // e^x underflows: the result is forced to 0 below
   x = x < -87.33654f ? -87.33654f : x;
   x = x > 88.3762626647949f ? 88.3762626647949f : x;
-  const vec8 fx = x * 1.44269504088896341f + 0.5f;
-  ivec8 n = __builtin_convertvector(fx, ivec8);  // toward zero; floor below
-  n -= (ivec8)(__builtin_convertvector(n, vec8) > fx) & 1;
-  const vec8 nf = __builtin_convertvector(n, vec8);
-  const vec8 r = x - nf * 0.693359375f + nf * 2.12194440e-4f;
-  vec8 p = r * 1.9875691500E-4f + 1.3981999507E-3f;
+  const V fx = x * 1.44269504088896341f + 0.5f;
+  IV n = __builtin_convertvector(fx, IV);  // toward zero; floor below
+  n -= (IV)(__builtin_convertvector(n, V) > fx) & 1;
+  const V nf = __builtin_convertvector(n, V);
+  const V r = x - nf * 0.693359375f + nf * 2.12194440e-4f;
+  V p = r * 1.9875691500E-4f + 1.3981999507E-3f;
   p = p * r + 8.3334519073E-3f;
   p = p * r + 4.1665795894E-2f;
   p = p * r + 1.6666665459E-1f;
   p = p * r + 5.0000001201E-1f;
   p = p * r * r + r + 1.0f;
-  const ivec8 bits = (n + 127) << 23;
-  vec8 scale;
+  const IV bits = (n + 127) << 23;
+  V scale;
   __builtin_memcpy(&scale, &bits, sizeof(scale));
-  const vec8 result = p * scale;
-  return (vec8)((ivec8)result & ~(ivec8)lo);
+  const V result = p * scale;
+  return (V)((IV)result & ~(IV)lo);
 }
+
+inline vec8 exp8(vec8 x) { return exp_lanes<vec8, ivec8>(x); }
 
 // s[t] = e^(s[t] - m) for t < n; returns their sum.
 inline float exp_shifted(float* s, int64_t n, float m) {

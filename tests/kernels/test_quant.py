@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from bench.quantization import TEXT, perplexity
@@ -101,6 +102,40 @@ def test_int8_linear_matches_its_specification(
     # which bf16's final rounding can turn into one unit in its last place.
     tol = {"rtol": 1e-5, "atol": 1e-4} if dtype == torch.float32 else {"rtol": 2**-7, "atol": 1e-2}
     torch.testing.assert_close(y.float(), ref.float(), **tol)
+
+
+@needs_vnni
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("rows", [1, 7, 64])
+@pytest.mark.parametrize("group", [128, 1536])
+def test_the_gated_linear_is_the_linear_of_silu_gate_times_up(
+    dtype: torch.dtype, rows: int, group: int
+) -> None:
+    """down_proj's fused input: silu(gate) * up computed while quantizing, rounded as torch's
+    two ops round it. Only our exp's last float bits (within 2 ulp of expf) may move a bf16
+    rounding, and so, rarely, one quantization step of one input."""
+    int8 = _int8_linear(576, 1536, group, bias=False, seed=rows)
+    g = torch.Generator().manual_seed(rows)
+    gate_up = (torch.randn(rows, 2 * 1536, generator=g) * 3).to(dtype)
+    gate_up[0, 0] = -100.0  # silu's e^100 overflows: a signed 0, as torch's
+    gate, up = gate_up.split(1536, dim=-1)
+    with torch.inference_mode():
+        fused = int8.forward_gated(gate_up)
+        unfused = int8(F.silu(gate) * up)
+    assert fused.dtype == dtype and fused.shape == (rows, 576)
+    torch.testing.assert_close(fused.float(), unfused.float(), rtol=2**-7, atol=2e-2)
+    with pytest.raises(RuntimeError, match="twice the weight's"):
+        torch.ops.loragate.int8_linear(
+            gate.contiguous(), int8.packed, int8.col_sums, int8.scales, None, group, True
+        )
+
+
+def test_the_gated_linear_without_the_cpp_kernel_is_torch_then_the_linear() -> None:
+    int8 = quant.Int8Linear(nn.Linear(256, 64), 128)
+    gate_up = torch.randn(5, 512)
+    gate, up = gate_up.split(256, dim=-1)
+    with torch.inference_mode():
+        assert torch.equal(int8.forward_gated(gate_up), int8(F.silu(gate) * up))
 
 
 @needs_vnni
