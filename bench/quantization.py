@@ -1,7 +1,7 @@
 """int8 (W8A8, smoothed) against the compute dtype, in one run: quality (perplexity on a
 fixed text, greedy agreement) and W1 throughput.
 
-    loragate bench quantization --model models/smollm2 [--dtype auto] [--repeat 2]
+    loragate bench quantization --model models/smollm2 [--dtype auto] [--repeat 3]
 
 Perplexity is our engine's own forward (the quantized linears, our attention and norms)
 over `bench/data/perplexity.txt` in windows of `--window` tokens, each scored from its
@@ -20,10 +20,12 @@ import argparse
 import math
 import statistics
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 from rich.console import Console
 from rich.table import Table
 
@@ -31,6 +33,7 @@ from bench.agreement import QUESTIONS
 from bench.offline import run_ours
 from bench.workloads import make_workloads, new_progress
 from kernels import cpu_features
+from kernels.quant import Int8Linear
 
 TEXT = Path(__file__).parent / "data" / "perplexity.txt"
 
@@ -53,6 +56,9 @@ def perplexity(llm: Any, token_ids: list[int], window: int = 512) -> float:
 
 
 PROJECTIONS = ("self_attn.qkv_proj", "self_attn.o_proj", "mlp.gate_up_proj", "mlp.down_proj")
+# down_proj with its activation: silu(gate) * up then down, from the gate/up output (the int8
+# engine computes the product inside down's quantization).
+GATED_DOWN = "mlp.down_proj+silu"
 LINEAR_ROWS = (16, 64, 2048)
 
 
@@ -61,16 +67,30 @@ def projection_us(llm: Any, name: str, rows: int, repeat: int = 5) -> float:
     """Microseconds per call of layer 0's projection `name` on `rows` rows, on every core (as
     the engine runs steps of these sizes): the fastest of `repeat` timings of a few calls."""
     runner = llm.engine.runner
-    module = runner.model.layers[0].get_submodule(name)
-    x = torch.randn(rows, module.in_features, dtype=runner.dtype)
+    call: Callable[[torch.Tensor], torch.Tensor]
+    if name == GATED_DOWN:
+        mlp = runner.model.layers[0].mlp
+        x = torch.randn(rows, 2 * mlp.intermediate_size, dtype=runner.dtype)
+        if isinstance(mlp.down_proj, Int8Linear):
+            call = mlp.down_proj.forward_gated
+        else:
+
+            def call(gate_up: torch.Tensor) -> torch.Tensor:
+                gate, up = gate_up.split(mlp.intermediate_size, dim=-1)
+                return mlp.down_proj(F.silu(gate) * up)
+
+    else:
+        module = runner.model.layers[0].get_submodule(name)
+        x = torch.randn(rows, module.in_features, dtype=runner.dtype)
+        call = module
     calls = max(1, 4096 // rows)
     runner._set_threads(runner.prefill_threads)
-    module(x)
+    call(x)
     best = math.inf
     for _ in range(repeat):
         start = time.perf_counter()
         for _ in range(calls):
-            module(x)
+            call(x)
         best = min(best, (time.perf_counter() - start) / calls)
     runner._set_threads(runner.decode_threads)
     return best * 1e6
@@ -92,7 +112,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--model", required=True, help="Hugging Face checkpoint directory")
     p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"])
     p.add_argument("--window", type=int, default=512)
-    p.add_argument("--repeat", type=int, default=2)
+    p.add_argument("--repeat", type=int, default=3)
     p.add_argument("--max-tokens", type=int, default=64, help="greedy answer length")
     args = p.parse_args(argv)
     console = Console(width=max(Console().width, 120))
@@ -156,7 +176,7 @@ def main(argv: list[str] | None = None) -> None:
     linears = Table(title="layer 0's projections alone (us per call, all cores)")
     for col in ("projection", "rows", dtype, "int8", "vs " + dtype):
         linears.add_column(col, justify="right")
-    for name in PROJECTIONS:
+    for name in (*PROJECTIONS, GATED_DOWN):
         for rows in LINEAR_ROWS:
             base_us, int8_us = (projection_us(engines[k], name, rows) for k in ("none", "int8"))
             linears.add_row(
