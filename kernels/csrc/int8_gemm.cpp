@@ -72,7 +72,8 @@ inline void store16(c10::BFloat16* p, __m512 v) {
   // Round to nearest even, NaN kept a NaN, as c10::BFloat16 does.
   const __m512i bits = _mm512_castps_si512(v);
   const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
-  __m512i r = _mm512_srli_epi32(_mm512_add_epi32(bits, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7fff))), 16);
+  const __m512i bias = _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7fff));
+  __m512i r = _mm512_srli_epi32(_mm512_add_epi32(bits, bias), 16);
   r = _mm512_mask_mov_epi32(r, _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q), _mm512_set1_epi32(0x7fc0));
   _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), _mm512_cvtepi32_epi16(r));
 #endif
@@ -112,12 +113,14 @@ template <typename T>
 void quantize_row(const T* x, int64_t cols, int64_t group, uint8_t* q, float* scales) {
   for (int64_t g0 = 0, gi = 0; g0 < cols; g0 += group, ++gi) {
     __m512 vmax = _mm512_setzero_ps();
-    for (int64_t i = g0; i < g0 + group; i += 16) vmax = _mm512_max_ps(vmax, _mm512_abs_ps(load16(x + i)));
+    for (int64_t i = g0; i < g0 + group; i += 16)
+      vmax = _mm512_max_ps(vmax, _mm512_abs_ps(load16(x + i)));
     const float scale = std::max(_mm512_reduce_max_ps(vmax), 1e-8f) / 127.f;
     scales[gi] = scale;
     const __m512 vs = _mm512_set1_ps(scale);
     for (int64_t i = g0; i < g0 + group; i += 16) {
-      __m512 v = _mm512_roundscale_ps(_mm512_div_ps(load16(x + i), vs), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+      __m512 v = _mm512_roundscale_ps(_mm512_div_ps(load16(x + i), vs),
+                                      _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
       v = _mm512_min_ps(_mm512_max_ps(v, _mm512_set1_ps(-127.f)), _mm512_set1_ps(127.f));
       const __m512i u = _mm512_add_epi32(_mm512_cvtps_epi32(v), _mm512_set1_epi32(128));
       _mm_storeu_si128(reinterpret_cast<__m128i*>(q + i), _mm512_cvtepi32_epi8(u));
@@ -190,7 +193,8 @@ void tile(const Operands& op, int64_t row, int64_t block, T* y) {
       const int32_t* cs = op.sums + gi * op.out + (block + b) * kCols;
       const __m512i offset = _mm512_slli_epi32(_mm512_loadu_si512(cs), 7);
       for (int i = 0; i < R; ++i) {
-        const __m512 part = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_sub_epi32(sums[i * B + b], offset)),
+        const __m512i exact = _mm512_sub_epi32(sums[i * B + b], offset);
+        const __m512 part = _mm512_mul_ps(_mm512_cvtepi32_ps(exact),
                                           _mm512_set1_ps(op.xs[(row + i) * op.groups + gi]));
         _mm512_store_ps(acc[i][b], gi == 0 ? part : _mm512_add_ps(_mm512_load_ps(acc[i][b]), part));
       }
@@ -327,7 +331,8 @@ TORCH_LIBRARY_FRAGMENT(loragate, m) {
   m.def(
       "int8_linear(Tensor x, Tensor packed, Tensor col_sums, Tensor weight_scales, Tensor? bias, "
       "int group, bool gated=False) -> Tensor");
-  m.def("int8_linear_available() -> bool", &int8_linear_available);  // no tensors: one kernel for all
+  // No tensors: one kernel for all.
+  m.def("int8_linear_available() -> bool", &int8_linear_available);
 }
 
 TORCH_LIBRARY_IMPL(loragate, CPU, m) { m.impl("int8_linear", &int8_linear); }
