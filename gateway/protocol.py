@@ -97,7 +97,9 @@ class _SamplingFields(_Body):
     n: int = Field(1, ge=1, le=INT32_MAX)
     temperature: float | None = Field(None, ge=0.0)
     top_p: float | None = Field(None, gt=0.0, le=1.0)
-    stop: StopString | list[StopString] | None = Field(None, max_length=MAX_STOP_STRINGS)
+    # The bound on the list itself: on the union it also capped a single stop string at 16
+    # characters and reached the published schema as a string's maxLength.
+    stop: StopString | Annotated[list[StopString], Field(max_length=MAX_STOP_STRINGS)] | None = None
     seed: int | None = Field(None, ge=SEED_MIN, le=SEED_MAX)
     presence_penalty: float | None = Field(None, ge=-2.0, le=2.0)
     frequency_penalty: float | None = Field(None, ge=-2.0, le=2.0)

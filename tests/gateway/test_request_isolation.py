@@ -115,6 +115,7 @@ def _expect_error(resp: httpx.Response, status: int, param: str | None) -> dict:
         ("max_tokens", 2**40, "max_tokens"),
         ("top_k", 2**63, "top_k"),
         ("stop", ["x"] * 17, "stop"),
+        ("stop", "x" * 257, "stop"),
         ("stop_token_ids", [10**6], "stop_token_ids"),
         ("logit_bias", {"5": 101}, "logit_bias.5"),
         ("logit_bias", {"999999": 1}, "logit_bias"),
@@ -137,6 +138,13 @@ def test_an_out_of_bounds_field_is_a_400_and_the_victim_runs_on(
     )
     assert victim.result() == victim_text
     assert server.wait_all_blocks_free()
+
+
+def test_a_single_stop_string_is_bounded_as_a_listed_one_is(server: Server) -> None:
+    """The 16 bounds the list, not a lone string's characters (it once did both)."""
+    body = {"model": MODEL, "prompt": "hi", "max_tokens": 2, "stop": "never seen " * 4}
+    resp = httpx.post(f"{server.base_url}/v1/completions", headers=server.headers, json=body)
+    assert resp.status_code == 200, resp.text
 
 
 def test_chat_fields_are_bounded_too(server: Server) -> None:
