@@ -84,15 +84,18 @@ def projection_us(llm: Any, name: str, rows: int, repeat: int = 5) -> float:
         x = torch.randn(rows, module.in_features, dtype=runner.dtype)
         call = module
     calls = max(1, 4096 // rows)
-    runner._set_threads(runner.prefill_threads)
-    call(x)
-    best = math.inf
-    for _ in range(repeat):
-        start = time.perf_counter()
-        for _ in range(calls):
-            call(x)
-        best = min(best, (time.perf_counter() - start) / calls)
-    runner._set_threads(runner.decode_threads)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(runner.prefill_threads)
+    try:
+        call(x)
+        best = math.inf
+        for _ in range(repeat):
+            start = time.perf_counter()
+            for _ in range(calls):
+                call(x)
+            best = min(best, (time.perf_counter() - start) / calls)
+    finally:
+        torch.set_num_threads(threads)
     return best * 1e6
 
 

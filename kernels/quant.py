@@ -144,9 +144,7 @@ class Int8Linear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.reshape(-1, self.in_features).contiguous()
         if self.packed is not None:
-            out = torch.ops.loragate.int8_linear(
-                rows, self.packed, self.col_sums, self.scales, self.bias, self.group
-            )
+            out = self._packed_linear(rows, gated=False)
         elif self.native and self.group == self.in_features:
             out = torch.empty(rows.shape[0], self.out_features, dtype=x.dtype, device=x.device)
             xq, row_scales = torch.ops.loragate.quantize_rows(rows)
@@ -164,10 +162,12 @@ class Int8Linear(nn.Module):
             gate, up = gate_up.split(self.in_features, dim=-1)
             return self(F.silu(gate) * up)
         rows = gate_up.reshape(-1, 2 * self.in_features).contiguous()
-        out = torch.ops.loragate.int8_linear(
-            rows, self.packed, self.col_sums, self.scales, self.bias, self.group, True
+        return self._packed_linear(rows, gated=True).view(*gate_up.shape[:-1], self.out_features)
+
+    def _packed_linear(self, rows: torch.Tensor, gated: bool) -> torch.Tensor:
+        return torch.ops.loragate.int8_linear(
+            rows, self.packed, self.col_sums, self.scales, self.bias, self.group, gated
         )
-        return out.view(*gate_up.shape[:-1], self.out_features)
 
 
 @torch.no_grad()
