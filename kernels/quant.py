@@ -1,29 +1,34 @@
 """int8 linears (`--quantization int8`): int8 weights and int8 activations (W8A8) for every
-linear of a decoder layer (q/k/v, o, gate/up, down), the first three smoothed so that their
-activations quantize, down_proj's quantized in groups.
+linear of a decoder layer (q/k/v, o, gate/up, down), both quantized in groups of GROUP inputs,
+the inputs of the first three smoothed.
 
 Why W8A8 and not int8 weights alone: on a CPU without AMX a decode step of a small model
 is already bound by arithmetic at 16 sequences (bf16 GEMMs run near their peak), so halving
 the weights' bytes buys little, while VNNI's int8 dot products do twice the work of bf16's
 per instruction. Our C++ linear (kernels/csrc/int8_gemm.cpp: quantize, GEMM over a weight
-packed at load, scale back, one op) runs them; elsewhere torch's int8 GEMM (`_int_mm`). A
-token's activations are quantized per row (max |x| / 127), or per group of inputs, and the
-weights per output channel.
+packed at load, scale back, one op) runs them; elsewhere torch's int8 GEMM (`_int_mm`).
 
-Why smoothing: a small model's activations have a few channels far larger than the rest,
-and per-token int8 flattens everything else to a few levels (SmolLM2's perplexity: +11 %
-with every projection quantized). SmoothQuant (Xiao et al. 2022) moves that range into the
-weights: each input channel j of a linear is divided by s_j = max|x_j|^a / max|W_j|^(1 - a)
-and the weight's column j is multiplied by it, which leaves the product unchanged. The
-division is folded into what feeds the linear: the RMSNorm weight before q/k/v and before
-gate/up, the value projection's rows before o (shared by the query heads of one KV head, so
-their channels take one scale). down_proj's outliers move from token to token, which no
-per-channel scale follows; it takes a scale per group of inputs instead (DOWN_PROJ_GROUP).
-max|x_j| comes from a short calibration text run through the model at load
-(kernels/quant_calibration.py).
+Why groups: one scale per token (activations) and per output channel (weights) flattens the
+small values of a row that has a few large ones to a few levels. A scale per group of 64
+inputs, for the weight rows and the token alike (as llama.cpp's Q8_0 blocks of 32 do), confines
+an outlier to its group: SmolLM2's KL divergence from float32 halves (see GROUP) for about 10 %
+of int8's W1 throughput.
 
-The embedding and the lm_head keep the compute dtype. Quality gate (`loragate bench
-quantization`): perplexity within 2 % of bf16.
+Why smoothing: a small model's activations have a few channels far larger than the rest
+(SmolLM2's perplexity: +11 % with every projection quantized per token, unsmoothed).
+SmoothQuant (Xiao et al. 2022) moves that range into the weights: each input channel j of a
+linear is divided by s_j = max|x_j|^a / max|W_j|^(1 - a) and the weight's column j is
+multiplied by it, which leaves the product unchanged. The division is folded into what feeds
+the linear: the RMSNorm weight before q/k/v and before gate/up, the value projection's rows
+before o (shared by the query heads of one KV head, so their channels take one scale).
+down_proj's input, silu(gate) * up, has outliers that move from token to token, which no
+per-channel scale follows: groups alone take those. max|x_j| comes from a short calibration
+text run through the model at load (kernels/quant_calibration.py).
+
+The embedding and the lm_head keep the compute dtype. Quality gate (tests/kernels/test_quant.py,
+`loragate bench quantization`): perplexity within 2 % of float32's, the one reference every
+processor computes alike; bf16's own rounding moves with the processor's GEMMs (AMX, AVX-512
+BF16), and int8 on top of it by as much again.
 """
 
 from __future__ import annotations
@@ -38,17 +43,22 @@ from torch import nn
 QUANTIZATIONS = ("int8",)
 # The projections quantized: every linear of a decoder layer.
 PROJECTIONS = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")
-# Those whose input is smoothed (the rest are quantized in groups, below).
+# Those whose input is smoothed.
 SMOOTHED = ("qkv_proj", "o_proj", "gate_up_proj")
-# How much of the activations' range moves into the weights (SmoothQuant's alpha): SmolLM2's
-# perplexity +0.95 %, +0.48 %, +0.39 % at 0.5, 0.6, 0.7 with the calibration text as it is.
+# How much of the activations' range moves into the weights (SmoothQuant's alpha), chosen when
+# activations were quantized per token: SmolLM2's perplexity +0.95 %, +0.48 %, +0.39 % over
+# bf16 at 0.5, 0.6, 0.7 on the first 1,212 tokens of the perplexity text.
 SMOOTHING_ALPHA = 0.7
-# down_proj's input, silu(gate) * up, has outliers that move from token to token, which no
-# per-channel smoothing flattens: one scale per token raised SmolLM2's perplexity by 2.6 %
-# more than bf16's (3.5 % smoothed through up's rows). One scale per group of this many
-# inputs of a token confines an outlier to its group: +1.46 % in all at 128 (64: +1.1 %),
-# the same as with down_proj left in bf16.
-DOWN_PROJ_GROUP = 128
+# Weights and activations are quantized in groups of this many inputs, each with its own
+# scale (per output row and group of the weight, per token and group of the activations).
+# SmolLM2 over bench/data/perplexity.txt (4,851 tokens), mean KL divergence from float32 and
+# perplexity against float32's, int8 computing in float32 / in bf16: per-channel weights and
+# per-token activations (down_proj's in groups of 128) 0.0102 / 0.0125, +1.15 % / +1.48 %;
+# groups of 64 everywhere 0.0043 / 0.0058, +0.52 % / +0.80 %. On the text's first 1,212
+# tokens alone the perplexity of one scheme moved by 1.5 % with the calibration's or the
+# compute dtype's rounding, which is why the text is longer now. A multiple of 16 (the C++
+# linear's vector).
+GROUP = 64
 # The C++ linear (kernels/csrc/int8_gemm.cpp, AVX-512 VNNI) computes 16 outputs a vector and
 # quantizes 16 inputs a vector.
 VNNI_COLS = 16
@@ -94,27 +104,28 @@ def int8_linear_reference(
     group: int,
 ) -> torch.Tensor:
     """The specification of torch.ops.loragate.int8_linear: x [rows, in] quantized in groups,
-    int32 sums per group scaled by the group's scale and added up in float32, then the
-    weight's scale per output (and the bias), in x's dtype."""
+    int32 sums per group scaled by the group's activation scale times the weight's scale of
+    that group and output (weight_scales [in / group, out]), added up in float32 (and the
+    bias), in x's dtype."""
     xq, scales = quantize_groups(x, group)
     y = None
     for g, start in enumerate(range(0, x.shape[1], group)):
         acc = torch._int_mm(xq[:, start : start + group], qweight[:, start : start + group].t())
-        part = acc.float() * scales[:, g : g + 1]
+        part = acc.float() * (scales[:, g : g + 1] * weight_scales[g])
         y = part if y is None else y + part
     assert y is not None
-    y = y * weight_scales
     if bias is not None:
         y = y + bias
     return y.to(x.dtype)
 
 
 class Int8Linear(nn.Module):
-    """A linear over int8 weight rows (per-row scales) and int8 activations quantized as each
-    step runs, per token or per `group` inputs of a token."""
+    """A linear over int8 weights and int8 activations quantized as each step runs, both in
+    groups of `group` inputs (a scale per output and group, a scale per token and group);
+    group = in_features is per-channel and per-token quantization."""
 
     qweight: torch.Tensor  # [out, in] int8
-    scales: torch.Tensor  # [out] float32
+    scales: torch.Tensor  # [in / group, out] float32
 
     def __init__(self, linear: nn.Linear, group: int | None = None) -> None:
         super().__init__()
@@ -122,9 +133,9 @@ class Int8Linear(nn.Module):
         self.group = group or self.in_features
         if self.in_features % self.group:
             raise ValueError(f"group {self.group} does not divide {self.in_features} inputs")
-        q, scales = quantize_rows(linear.weight.detach())
+        q, scales = quantize_groups(linear.weight.detach(), self.group)
         self.register_buffer("qweight", q)
-        self.register_buffer("scales", scales)
+        self.register_buffer("scales", scales.t().contiguous())
         bias = linear.bias
         self.bias = None if bias is None else bias.detach().float()
         self.native = False  # the C++ halves (kernels.native), set by the model runner
@@ -149,7 +160,7 @@ class Int8Linear(nn.Module):
             out = torch.empty(rows.shape[0], self.out_features, dtype=x.dtype, device=x.device)
             xq, row_scales = torch.ops.loragate.quantize_rows(rows)
             acc = torch._int_mm(xq, self.qweight.t())
-            torch.ops.loragate.dequantize_mm(acc, row_scales, self.scales, self.bias, out)
+            torch.ops.loragate.dequantize_mm(acc, row_scales, self.scales[0], self.bias, out)
         else:
             out = int8_linear_reference(rows, self.qweight, self.scales, self.bias, self.group)
         return out.view(*x.shape[:-1], self.out_features)
@@ -238,18 +249,16 @@ def quantize(module: nn.Module) -> int:
     count = 0
     for name, child in list(module.named_children()):
         if isinstance(child, nn.Linear) and name in PROJECTIONS:
-            setattr(module, name, Int8Linear(child, _group(name, child.in_features)))
+            setattr(module, name, Int8Linear(child, _group(child.in_features)))
             count += 1
         else:
             count += quantize(child)
     return count
 
 
-def _group(name: str, in_features: int) -> int:
-    """down_proj's group (DOWN_PROJ_GROUP) where it divides the width; per token elsewhere."""
-    if name == "down_proj" and in_features % DOWN_PROJ_GROUP == 0:
-        return DOWN_PROJ_GROUP
-    return in_features
+def _group(in_features: int) -> int:
+    """GROUP where it divides the width; the whole row elsewhere."""
+    return GROUP if in_features % GROUP == 0 else in_features
 
 
 def use_native(module: nn.Module, enabled: bool) -> None:

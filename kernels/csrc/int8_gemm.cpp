@@ -1,9 +1,10 @@
 // The whole int8 linear in one op on CPUs with AVX-512 VNNI (kernels/quant.py's
 // int8_linear_reference is its specification):
-//   out = sum over groups g of (q(x)_g . w_g) * s_x[row][g]  * s_w[col]  (+ bias[col])
+//   out = sum over groups g of (q(x)_g . q(w)_g) * (s_x[row][g] * s_w[g][col])  (+ bias[col])
 // x is quantized as the op starts, each row's groups of `group` inputs to int8 with their own
 // scale (max |x| / 127; group = the row's width is per-token quantization), then multiplied
-// against int8 weight rows (per output channel scales) with int32 sums per group.
+// against int8 weight rows quantized in the same groups (a scale per output and group) with
+// int32 sums per group.
 // gated: x is the fused gate/up output [gate | up] and the linear's input silu(gate) * up,
 // computed (and rounded as torch's two ops round it) as the rows are quantized: for down_proj
 // one pass over gate/up instead of torch's silu, mul and our quantization, three passes.
@@ -18,7 +19,8 @@
 // group's sum of each weight column (col_sums, computed at load) is taken back off.
 //
 // Register tile: kRows rows x kBlocks column blocks of int32 sums (24 of the 32 vector
-// registers); the float sums across groups live in a small stack array, touched once a group.
+// registers) for a row in one group; in several groups, a smaller tile keeps float32 sums
+// across groups in registers beside the int32 sums of the group (tile_grouped).
 // Tasks are (column tile, row tile) pairs, column-major, so a thread runs every row tile of a
 // column tile while its weight panel is in L2.
 
@@ -146,7 +148,7 @@ struct Operands {
   const float* xs;        // [rows][groups]
   const int8_t* w;        // [out / 16][in / 4][16][4]
   const int32_t* sums;    // [groups][out]
-  const float* wscale;    // [out]
+  const float* wscale;    // [groups][out]
   const float* bias;      // [out] or null
   int64_t in, out, groups, group4;  // group4: a group's inputs / 4
 };
@@ -178,33 +180,23 @@ __attribute__((noinline)) void dot_group(const int32_t* const* xr, const int8_t*
     for (int b = 0; b < B; ++b) out[i * B + b] = sums[i][b];
 }
 
-// Rows [row, row + R) x blocks [block, block + B) of the output.
+// Rows [row, row + R) x blocks [block, block + B) of the output, for per-token activations and
+// per-channel weights (one group a row).
 template <int R, int B, typename T>
 void tile(const Operands& op, int64_t row, int64_t block, T* y) {
   const int64_t k4 = op.in / 4;
-  alignas(64) float acc[R][B][kCols];
   __m512i sums[R * B];
   const int32_t* xr[R];
   for (int i = 0; i < R; ++i) xr[i] = reinterpret_cast<const int32_t*>(op.xq + (row + i) * op.in);
-  const int8_t* w = op.w + block * k4 * kCols * 4;
-  for (int64_t gi = 0; gi < op.groups; ++gi) {
-    dot_group<R, B>(xr, w, k4, gi * op.group4, (gi + 1) * op.group4, sums);
-    for (int b = 0; b < B; ++b) {
-      const int32_t* cs = op.sums + gi * op.out + (block + b) * kCols;
-      const __m512i offset = _mm512_slli_epi32(_mm512_loadu_si512(cs), 7);
-      for (int i = 0; i < R; ++i) {
-        const __m512i exact = _mm512_sub_epi32(sums[i * B + b], offset);
-        const __m512 part = _mm512_mul_ps(_mm512_cvtepi32_ps(exact),
-                                          _mm512_set1_ps(op.xs[(row + i) * op.groups + gi]));
-        _mm512_store_ps(acc[i][b], gi == 0 ? part : _mm512_add_ps(_mm512_load_ps(acc[i][b]), part));
-      }
-    }
-  }
+  dot_group<R, B>(xr, op.w + block * k4 * kCols * 4, k4, 0, k4, sums);
   for (int b = 0; b < B; ++b) {
     const int64_t col = (block + b) * kCols;
+    const __m512i offset = _mm512_slli_epi32(_mm512_loadu_si512(op.sums + col), 7);
     const __m512 ws = _mm512_loadu_ps(op.wscale + col);
     for (int i = 0; i < R; ++i) {
-      __m512 v = _mm512_mul_ps(_mm512_load_ps(acc[i][b]), ws);
+      const __m512i exact = _mm512_sub_epi32(sums[i * B + b], offset);
+      const __m512 scale = _mm512_mul_ps(_mm512_set1_ps(op.xs[row + i]), ws);
+      __m512 v = _mm512_mul_ps(_mm512_cvtepi32_ps(exact), scale);
       if (op.bias != nullptr) v = _mm512_add_ps(v, _mm512_loadu_ps(op.bias + col));
       store16(y + (row + i) * op.out + col, v);
     }
@@ -230,6 +222,85 @@ void tile_any(const Operands& op, int64_t row, int64_t rows, int64_t block, int6
     case 3: return tile_rows<3>(op, row, block, blocks, y);
     case 2: return tile_rows<2>(op, row, block, blocks, y);
     default: return tile_rows<1>(op, row, block, blocks, y);
+  }
+}
+
+// The same for weights and activations in several groups: each group's int32 sums are scaled
+// into float32 sums held in registers beside them (R x B of each: 24 registers at 3 x 4), not
+// in a stack array that every group reads and writes (that was twice as slow at groups of 64
+// inputs; 4 x 3, 6 x 2 and 2 x 6 tiles measured no faster than 3 x 4).
+constexpr int kGroupedRows = 3;
+constexpr int kGroupedBlocks = 4;
+
+template <int R, int B, typename T>
+__attribute__((noinline)) void tile_grouped(const Operands& op, int64_t row, int64_t block, T* y) {
+  const int64_t k4 = op.in / 4;
+  const int32_t* xr[R];
+  for (int i = 0; i < R; ++i) xr[i] = reinterpret_cast<const int32_t*>(op.xq + (row + i) * op.in);
+  const int8_t* w = op.w + block * k4 * kCols * 4;
+  __m512 acc[R][B];
+#pragma GCC unroll 8
+  for (int i = 0; i < R; ++i)
+#pragma GCC unroll 8
+    for (int b = 0; b < B; ++b) acc[i][b] = _mm512_setzero_ps();
+  for (int64_t gi = 0; gi < op.groups; ++gi) {
+    __m512i sums[R][B];
+#pragma GCC unroll 8
+    for (int i = 0; i < R; ++i)
+#pragma GCC unroll 8
+      for (int b = 0; b < B; ++b) sums[i][b] = _mm512_setzero_si512();
+    for (int64_t g = gi * op.group4; g < (gi + 1) * op.group4; ++g) {
+      __m512i wv[B];
+#pragma GCC unroll 8
+      for (int b = 0; b < B; ++b) wv[b] = _mm512_loadu_si512(w + (b * k4 + g) * kCols * 4);
+#pragma GCC unroll 8
+      for (int i = 0; i < R; ++i) {
+        const __m512i a = _mm512_set1_epi32(xr[i][g]);
+#pragma GCC unroll 8
+        for (int b = 0; b < B; ++b) sums[i][b] = _mm512_dpbusd_epi32(sums[i][b], a, wv[b]);
+      }
+    }
+#pragma GCC unroll 8
+    for (int b = 0; b < B; ++b) {
+      const int64_t col = (block + b) * kCols;
+      const __m512i offset = _mm512_slli_epi32(_mm512_loadu_si512(op.sums + gi * op.out + col), 7);
+      const __m512 ws = _mm512_loadu_ps(op.wscale + gi * op.out + col);
+#pragma GCC unroll 8
+      for (int i = 0; i < R; ++i) {
+        const __m512 scale = _mm512_mul_ps(_mm512_set1_ps(op.xs[(row + i) * op.groups + gi]), ws);
+        const __m512 part =
+            _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_sub_epi32(sums[i][b], offset)), scale);
+        acc[i][b] = _mm512_add_ps(acc[i][b], part);
+      }
+    }
+  }
+  for (int b = 0; b < B; ++b) {
+    const int64_t col = (block + b) * kCols;
+    for (int i = 0; i < R; ++i) {
+      __m512 v = acc[i][b];
+      if (op.bias != nullptr) v = _mm512_add_ps(v, _mm512_loadu_ps(op.bias + col));
+      store16(y + (row + i) * op.out + col, v);
+    }
+  }
+}
+
+template <int R, typename T>
+void tile_grouped_rows(const Operands& op, int64_t row, int64_t block, int64_t blocks, T* y) {
+  switch (blocks) {
+    case 4: return tile_grouped<R, 4>(op, row, block, y);
+    case 3: return tile_grouped<R, 3>(op, row, block, y);
+    case 2: return tile_grouped<R, 2>(op, row, block, y);
+    default: return tile_grouped<R, 1>(op, row, block, y);
+  }
+}
+
+template <typename T>
+void tile_grouped_any(const Operands& op, int64_t row, int64_t rows, int64_t block,
+                      int64_t blocks, T* y) {
+  switch (rows) {
+    case 3: return tile_grouped_rows<3>(op, row, block, blocks, y);
+    case 2: return tile_grouped_rows<2>(op, row, block, blocks, y);
+    default: return tile_grouped_rows<1>(op, row, block, blocks, y);
   }
 }
 
@@ -264,14 +335,20 @@ void int8_linear_impl(const at::Tensor& x, Operands op, bool gated, at::Tensor& 
   op.xq = xq;
   op.xs = xs;
   T* y = out.data_ptr<T>();
+  const bool grouped = op.groups > 1;
+  const int64_t tile_rows = grouped ? kGroupedRows : kRows;
+  const int64_t tile_blocks = grouped ? kGroupedBlocks : kBlocks;
   const int64_t blocks = op.out / kCols;
-  const int64_t col_tiles = (blocks + kBlocks - 1) / kBlocks;
-  const int64_t row_tiles = (rows + kRows - 1) / kRows;
+  const int64_t col_tiles = (blocks + tile_blocks - 1) / tile_blocks;
+  const int64_t row_tiles = (rows + tile_rows - 1) / tile_rows;
   at::parallel_for(0, col_tiles * row_tiles, 1, [&](int64_t begin, int64_t end) {
     for (int64_t t = begin; t < end; ++t) {
-      const int64_t block = (t / row_tiles) * kBlocks, row = (t % row_tiles) * kRows;
-      tile_any(op, row, std::min<int64_t>(kRows, rows - row), block,
-               std::min<int64_t>(kBlocks, blocks - block), y);
+      const int64_t block = (t / row_tiles) * tile_blocks, row = (t % row_tiles) * tile_rows;
+      const int64_t r = std::min(tile_rows, rows - row), b = std::min(tile_blocks, blocks - block);
+      if (grouped)
+        tile_grouped_any(op, row, r, block, b, y);
+      else
+        tile_any(op, row, r, block, b, y);
     }
   });
 }
@@ -299,8 +376,9 @@ at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& packed, const at::
                   col_sums.dim() == 2 && col_sums.size(0) == groups && col_sums.size(1) == n,
               "int8_linear: int32 column sums [in / group, out]");
   TORCH_CHECK(weight_scales.scalar_type() == at::kFloat && weight_scales.is_contiguous() &&
-                  weight_scales.numel() == n,
-              "int8_linear: float32 weight scales, one per output");
+                  weight_scales.dim() == 2 && weight_scales.size(0) == groups &&
+                  weight_scales.size(1) == n,
+              "int8_linear: float32 weight scales [in / group, out]");
   TORCH_CHECK(!bias.has_value() || (bias->scalar_type() == at::kFloat && bias->is_contiguous() &&
                                     bias->numel() == n),
               "int8_linear: float32 bias, one per output");

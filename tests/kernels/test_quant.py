@@ -154,16 +154,31 @@ def test_int8_linear_refuses_what_it_cannot_compute() -> None:
     assert empty.shape == (0, 32)
 
 
-def test_down_proj_is_quantized_in_groups_the_rest_per_token() -> None:
+def test_every_projection_is_quantized_in_groups_where_they_divide_its_width() -> None:
     mlp = nn.Module()
     mlp.gate_up_proj, mlp.down_proj = nn.Linear(576, 3072), nn.Linear(1536, 576)
     odd = nn.Module()
-    odd.down_proj = nn.Linear(200, 64)  # 128 does not divide 200: per token
+    odd.down_proj = nn.Linear(200, 64)  # 64 does not divide 200: per channel and token
     root = nn.Sequential(mlp, odd)
     assert quant.quantize(root) == 3
-    assert mlp.gate_up_proj.group == 576
-    assert mlp.down_proj.group == quant.DOWN_PROJ_GROUP
-    assert odd.down_proj.group == 200
+    assert mlp.gate_up_proj.group == mlp.down_proj.group == quant.GROUP
+    assert mlp.down_proj.scales.shape == (1536 // quant.GROUP, 576)
+    assert odd.down_proj.group == 200 and odd.down_proj.scales.shape == (1, 64)
+
+
+def test_weights_are_quantized_in_the_activations_groups() -> None:
+    """A group of small weights keeps its own scale: a large weight elsewhere in the row does
+    not flatten it to zero, as one scale per output row would."""
+    linear = nn.Linear(128, 16, bias=False)
+    with torch.no_grad():
+        linear.weight.fill_(0.01)
+        linear.weight[:, 64:] = 10.0
+    int8 = quant.Int8Linear(linear, 64)
+    assert torch.equal(int8.qweight, torch.full((16, 128), 127, dtype=torch.int8))
+    expected_scales = torch.tensor([[0.01 / 127], [10.0 / 127]]).expand(2, 16)
+    torch.testing.assert_close(int8.scales, expected_scales)
+    x = torch.ones(1, 128)
+    torch.testing.assert_close(int8(x), linear(x), rtol=1e-5, atol=0)
 
 
 @needs_vnni
@@ -224,7 +239,7 @@ def test_an_int8_engine_generates_and_frees_every_block(demo_model_dir: Path) ->
     layer = llm.engine.runner.model.layers[0]
     assert isinstance(layer.self_attn.qkv_proj, quant.Int8Linear)
     assert isinstance(layer.mlp.down_proj, quant.Int8Linear)
-    assert layer.mlp.down_proj.group == quant.DOWN_PROJ_GROUP
+    assert layer.mlp.down_proj.group == quant.GROUP
     ids = list(range(300, 364))
     similarity = torch.cosine_similarity(_hidden(llm, ids), _hidden(reference, ids), dim=-1)
     assert similarity.min() > 0.95
@@ -241,18 +256,25 @@ def test_only_int8_is_accepted() -> None:
 
 
 @pytest.mark.smollm2
-def test_smollm2_perplexity_stays_close_to_bf16(smollm2_dir: Path) -> None:
-    """The quality gate: within 2 % of bf16 (+1.35 % with down_proj in groups; +11 % unsmoothed)."""
+def test_smollm2_perplexity_stays_close_to_float32(smollm2_dir: Path) -> None:
+    """The quality gate, against float32: the one reference every processor computes alike to
+    within rounding (bf16's GEMMs round as the processor's kernels round: AMX, AVX-512 BF16 or
+    emulated). Measured over bench/data/perplexity.txt (4,851 tokens), on an AMD EPYC with
+    AVX-512 BF16 and VNNI: bf16 +0.03 %, int8 +0.80 % (+0.52 % computing in float32). The
+    text's first 1,212 tokens alone, the former gate, moved int8 by 1.5 % with rounding-level
+    changes (+1.75 % here, +3.25 % on an Intel Xeon with AMX, with the earlier scheme)."""
     values = {}
-    for method in (None, "int8"):
+    for dtype, method in (("float32", None), ("bfloat16", None), ("bfloat16", "int8")):
         llm = LLM(
             str(smollm2_dir),
-            dtype="bfloat16",
+            dtype=dtype,
             quantization=method,
             kv_cache_memory=128 << 20,
             max_model_len=1024,
         )
         ids = llm.tokenizer(TEXT.read_text(), add_special_tokens=False)["input_ids"]
-        values[method] = perplexity(llm, ids)
-    assert math.isfinite(values["int8"])
-    assert values["int8"] / values[None] - 1 < 0.02, values
+        values[method or dtype] = perplexity(llm, ids)
+        del llm
+    assert all(math.isfinite(v) for v in values.values()), values
+    assert values["bfloat16"] / values["float32"] - 1 < 0.01, values
+    assert values["int8"] / values["float32"] - 1 < 0.02, values
