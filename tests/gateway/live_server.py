@@ -143,7 +143,10 @@ def live_server(app: FastAPI, engine: EngineClient) -> Iterator[Server]:
     uv = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
     thread = threading.Thread(target=uv.run, daemon=True)
     thread.start()
+    deadline = time.monotonic() + 60
     while not uv.started:
+        if not thread.is_alive() or time.monotonic() > deadline:
+            raise RuntimeError("the test server did not start")
         time.sleep(0.01)
     try:
         yield Server(f"http://127.0.0.1:{port}", engine, app, tenancy)

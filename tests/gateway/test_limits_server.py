@@ -14,6 +14,7 @@ import httpx
 import openai
 import pytest
 import redis
+from held_engine import HELD_MAX_TOKENS, HoldingEngine
 from live_server import Server, build_test_app, live_server, new_tenant, wait_for_usage
 
 from engine.async_engine import AsyncEngine
@@ -27,10 +28,11 @@ POISON_MAX_TOKENS = 13  # a request asking for this many tokens fails in an engi
 
 class PoisoningEngine:
     """The real engine, with one fault injected: a request with max_tokens 13 makes its third
-    sampling step raise (the engine contains it: that request fails alone)."""
+    sampling step raise (the engine contains it: that request fails alone). Requests of
+    HELD_MAX_TOKENS are held until their client gives up (held_engine)."""
 
     def __init__(self, engine: AsyncEngine) -> None:
-        self._engine = engine
+        self._engine = HoldingEngine(engine)
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._engine, name)
@@ -209,7 +211,7 @@ def test_concurrency_is_released_however_a_request_ends(server: Server) -> None:
     # A whole request whose client gave up waiting.
     with pytest.raises(openai.APITimeoutError):
         server.client(api_key=key).with_options(timeout=0.2).completions.create(
-            model=MODEL, prompt="slow", max_tokens=200, extra_body={"ignore_eos": True}
+            model=MODEL, prompt="slow", max_tokens=HELD_MAX_TOKENS, extra_body={"ignore_eos": True}
         )
     deadline = time.monotonic() + 30
     while _in_flight(server, tenant_id) and time.monotonic() < deadline:

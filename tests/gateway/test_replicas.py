@@ -119,7 +119,8 @@ def test_two_replicas_on_one_redis_hold_the_limit_exactly(
     """LiteLLM #40291: a limiter that reads local memory and writes Redis admits the limit
     once per replica. Here rpm 5 admits 5 of a burst sent through both replicas, not 10."""
     database_url = postgres_url
-    shared = ("--database-url", database_url, "--redis-url", redis_url)
+    # --redis-timeout 5: a stall on a busy machine must not fall back to per-replica limits.
+    shared = ("--database-url", database_url, "--redis-url", redis_url, "--redis-timeout", "5")
     with (
         serve(demo_model_dir, tmp_path / "a", *shared) as first,
         serve(demo_model_dir, tmp_path / "b", *shared, "--no-db-upgrade") as second,

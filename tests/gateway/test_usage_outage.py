@@ -15,6 +15,7 @@ from pathlib import Path
 import httpx
 import psycopg
 import pytest
+from held_engine import HELD_MAX_TOKENS, HoldingEngine
 from live_server import Server, build_test_app, live_server, usage_rows, wait_for_usage
 
 from engine.async_engine import AsyncEngine
@@ -57,7 +58,7 @@ def server(
     tenancy_engine: AsyncEngine, demo_model_dir: Path, role_url: str, tmp_path: Path
 ) -> Iterator[Server]:
     app = build_test_app(
-        tenancy_engine,
+        HoldingEngine(tenancy_engine),  # type: ignore[arg-type]
         MODEL,
         tmp_path,
         demo_model_dir,
@@ -82,7 +83,7 @@ def _request(server: Server, i: int) -> str | None:
             httpx.post(
                 url,
                 headers=server.headers,
-                json=body | {"max_tokens": 1000, "ignore_eos": True},
+                json=body | {"max_tokens": HELD_MAX_TOKENS, "ignore_eos": True},
                 timeout=1.0,
             )
         return None
@@ -106,10 +107,12 @@ def test_rows_wait_out_a_database_outage_and_arrive_once(
     _psql(database_url, f"REVOKE INSERT ON usage FROM {role}")
     with ThreadPoolExecutor(8) as pool:
         seen = [r for r in pool.map(lambda i: _request(server, i), range(NUM_REQUESTS)) if r]
-    time.sleep(1.0)  # several of the writer's attempts
+    pending = f"loragate:usage_rows_pending {float(NUM_REQUESTS)}"
+    deadline = time.monotonic() + 30  # the abandoned requests' rows follow their hang-ups
+    while pending not in httpx.get(f"{server.base_url}/metrics").text:
+        assert time.monotonic() < deadline, "not every row reached the spool"
+        time.sleep(0.1)
     assert usage_rows(database_url) == []
-    metrics = httpx.get(f"{server.base_url}/metrics").text
-    assert f"loragate:usage_rows_pending {float(NUM_REQUESTS)}" in metrics
     _psql(database_url, f"GRANT INSERT ON usage TO {role}")
     rows = wait_for_usage(database_url, NUM_REQUESTS)
     ids = [r["request_id"] for r in rows]
