@@ -43,6 +43,7 @@ from rich.table import Table
 from bench.workloads import allowed_token_ids, new_progress
 from engine import EngineConfig, LLMEngine, SamplingParams
 from engine.async_engine import AsyncEngine
+from engine.messages import EngineRequest
 
 SHARE_TOLERANCE = 0.10  # the weighted share's goal: the weights' ratio within 10 %
 WARMUP_FRACTION = 0.2  # of the saturated phase, before the shares are counted
@@ -86,13 +87,14 @@ async def one_request(client: AsyncEngine, workload: Workload, tenant: Tenant) -
     record = Record()
     tenant.records.append(record)
     start = time.perf_counter()
-    async for update in client.generate(
+    request = EngineRequest(
         workload.request_id(tenant),
         workload.prompt(),
         workload.params,
         fairness_key=tenant.key,
         fairness_weight=tenant.weight,
-    ):
+    )
+    async for update in client.generate(request):
         if update.new_token_ids:
             if record.ttft is None:
                 record.ttft = time.perf_counter() - start

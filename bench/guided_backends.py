@@ -376,7 +376,7 @@ class Xgrammar:
         self.stop, self.vocab_size, self.strict = eos[0], vocab_size, strict
 
     def compile(self, schema: Any) -> tuple[Any, str, list[str]]:
-        from engine.guided import GuidedSpecError
+        from engine.errors import GuidedSpecError
         from engine.request import GuidedSpec
 
         try:

@@ -100,7 +100,7 @@ def compile_all(engine: Any, schemas: list[tuple[str, Any, int]], progress: Any)
     those it accepts (None for the refused), filling in each result's outcome."""
     from concurrent.futures import TimeoutError as FutureTimeout
 
-    from engine.guided import GuidedSpecError
+    from engine.errors import GuidedSpecError
     from engine.request import GuidedSpec
 
     cache = engine.grammars

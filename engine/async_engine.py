@@ -25,68 +25,16 @@ import queue
 import threading
 import time
 from abc import ABC, abstractmethod
-from collections.abc import AsyncIterator, Callable, Sequence
-from dataclasses import dataclass, field
+from collections.abc import AsyncIterator, Callable
 from typing import Any
 
+from engine.errors import EngineDead, EngineOverloaded, StepFailed
 from engine.guided import GuidedSpec
 from engine.llm_engine import LLMEngine
-from engine.lora import LoRARequest
+from engine.messages import Abort, EngineRequest, EngineStats, Inbound, UnloadLoRA
 from engine.outputs import SequenceUpdate
-from engine.request import SamplingParams
 
 logger = logging.getLogger(__name__)
-
-
-class EngineOverloaded(RuntimeError):
-    """The waiting queue is full; the caller should retry later (HTTP 503)."""
-
-
-class EngineDead(RuntimeError):
-    """The step loop is not running (HTTP 503)."""
-
-
-@dataclass(slots=True)
-class Add:
-    request_id: str
-    prompt: str | Sequence[int]
-    params: SamplingParams
-    lora: LoRARequest | None
-    cache_salt: str | None
-    fairness_key: str | None
-    fairness_weight: float = 1.0
-
-
-@dataclass(slots=True)
-class Abort:
-    request_id: str
-
-
-@dataclass(slots=True)
-class UnloadLoRA:
-    adapter_id: str
-
-
-Message = Add | Abort | UnloadLoRA
-
-
-@dataclass(slots=True)
-class EngineStats:
-    """A snapshot of the engine for /metrics (vLLM's meanings)."""
-
-    num_running: int = 0
-    num_waiting: int = 0
-    kv_cache_usage: float = 0.0
-    prefix_cache_queries: int = 0
-    prefix_cache_hits: int = 0
-    num_preemptions: int = 0
-    num_failed_requests: int = 0  # sequences that alone failed an engine step
-    spec_decode: tuple[int, int, int] | None = None  # drafts, draft tokens, accepted; None: off
-    max_loras: int | None = None  # None: LoRA disabled
-    running_adapters: list[str] = field(default_factory=list)
-    waiting_adapters: list[str] = field(default_factory=list)
-    lora_slots_used: int = 0
-    lora_disk_loads: int = 0
 
 
 def engine_stats(engine: LLMEngine) -> EngineStats:
@@ -201,28 +149,18 @@ class EngineClient(ABC):
     def stats(self) -> EngineStats: ...
 
     @abstractmethod
-    def _submit(self, message: Message) -> None:
+    def _submit(self, message: Inbound) -> None:
         """Hand a message to the loop (any thread)."""
 
     # -- requests -----------------------------------------------------------------------------
 
-    async def generate(
-        self,
-        request_id: str,
-        prompt: str | Sequence[int],
-        params: SamplingParams,
-        *,
-        lora: LoRARequest | None = None,
-        cache_salt: str | None = None,
-        fairness_key: str | None = None,
-        fairness_weight: float = 1.0,
-    ) -> AsyncIterator[SequenceUpdate]:
+    async def generate(self, request: EngineRequest) -> AsyncIterator[SequenceUpdate]:
         """Yield every update of the request's sequences until all have finished.
 
-        `fairness_key` and `fairness_weight`: see LLMEngine.add_request.
-
-        Raises ValueError for a request the engine refuses, EngineOverloaded when
-        the queue is full. Leaving the iteration early (client gone) aborts it.
+        Raises what engine.errors names: RequestRefused (a ValueError) for a request the
+        engine will not take, EngineOverloaded when the queue is full, EngineDead when no loop
+        runs, StepFailed when a step failed with it. Leaving the iteration early (client
+        gone) aborts it.
         """
         if not self.is_alive:
             raise EngineDead(f"the engine is not serving ({self.health})")
@@ -230,11 +168,10 @@ class EngineClient(ABC):
             if self._num_pending >= self.max_waiting + self.max_num_seqs:
                 raise EngineOverloaded("too many requests are waiting")
             self._num_pending += 1
-        stream = _Stream(asyncio.get_running_loop(), params.n)
+        request_id = request.request_id
+        stream = _Stream(asyncio.get_running_loop(), request.params.n)
         self._streams[request_id] = stream
-        self._submit(
-            Add(request_id, prompt, params, lora, cache_salt, fairness_key, fairness_weight)
-        )
+        self._submit(request)
         finished = False
         try:
             while True:
@@ -305,7 +242,7 @@ class AsyncEngine(EngineClient):
     def __init__(self, engine: LLMEngine, *, max_waiting: int = 1024) -> None:
         super().__init__(max_waiting, engine.config.max_num_seqs)
         self.engine = engine
-        self._inbox: queue.SimpleQueue[Message | None] = queue.SimpleQueue()
+        self._inbox: queue.SimpleQueue[Inbound | None] = queue.SimpleQueue()
         self._thread: threading.Thread | None = None
 
     # -- lifecycle ----------------------------------------------------------------------------
@@ -342,7 +279,7 @@ class AsyncEngine(EngineClient):
     def stats(self) -> EngineStats:
         return engine_stats(self.engine)
 
-    def _submit(self, message: Message) -> None:
+    def _submit(self, message: Inbound) -> None:
         self._inbox.put(message)
 
     # -- the loop thread ----------------------------------------------------------------------
@@ -355,7 +292,7 @@ class AsyncEngine(EngineClient):
             except Exception:  # noqa: BLE001 - a bug in the loop must not end it
                 logger.exception("the engine loop failed; failing its running requests")
                 for request_id in self.engine.fail_running():
-                    self._refuse(request_id, RuntimeError("the engine loop failed"))
+                    self._refuse(request_id, StepFailed("the engine loop failed"))
 
     def _iterate(self) -> bool:
         """Apply queued messages, run one step; False when told to exit."""
@@ -372,7 +309,7 @@ class AsyncEngine(EngineClient):
         if failure is not None:
             failed, message = failure
             for request_id in failed:
-                self._refuse(request_id, RuntimeError(message))
+                self._refuse(request_id, StepFailed(message))
             return True
         self._deliver(updates, finished_parents(engine, updates))
         return True
@@ -394,21 +331,13 @@ class AsyncEngine(EngineClient):
 
 
 def apply_message(
-    engine: LLMEngine, message: Message, refuse: Callable[[str, BaseException], None]
+    engine: LLMEngine, message: Inbound, refuse: Callable[[str, BaseException], None]
 ) -> None:
     """One message, applied on the loop; `refuse(request_id, exc)` reports a request the
     engine would not take."""
-    if isinstance(message, Add):
+    if isinstance(message, EngineRequest):
         try:
-            engine.add_request(
-                message.request_id,
-                message.prompt,
-                message.params,
-                lora=message.lora,
-                cache_salt=message.cache_salt,
-                fairness_key=message.fairness_key,
-                fairness_weight=message.fairness_weight,
-            )
+            engine.add(message)
         except Exception as exc:  # noqa: BLE001 - refused requests report to their caller
             refuse(message.request_id, exc)
     elif isinstance(message, UnloadLoRA):

@@ -7,9 +7,10 @@ loop as AsyncEngine's thread; the gateway process keeps the tokenizer (chat
 templates), its own grammar cache (a bad schema is a 400 before anything is
 queued) and the last stats snapshot (/metrics).
 
-One pipe each way carries pickled messages: `Add` / `Abort` / `UnloadLoRA` (and
-None: stop) in; per step one message with the step's updates, the requests now
-finished and, at most every STATS_INTERVAL, an `EngineStats` out. A supervisor
+One pipe each way carries the typed messages of engine.messages, pickled: an
+`EngineRequest` / `Abort` / `UnloadLoRA` (and None: stop) in; `Progress`, then `Ready`
+or `Fatal` while starting, then per step one `StepResult` (the step's updates, the
+requests now finished and, at most every STATS_INTERVAL, an `EngineStats`) out. A supervisor
 thread in the gateway process hands the updates to asyncio (`EngineClient._deliver`).
 If the engine process dies, every open request fails with EngineDead (503), /health
 says "restarting", and the supervisor starts a new engine process with back-off
@@ -30,7 +31,6 @@ import signal
 import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass
 from multiprocessing.connection import Connection
 from typing import Any
 
@@ -38,18 +38,30 @@ from transformers import AutoTokenizer
 
 from engine.async_engine import (
     EngineClient,
-    EngineDead,
-    EngineStats,
-    Message,
     apply_message,
     contained_step,
     engine_stats,
     finished_parents,
 )
 from engine.config import EngineConfig
+from engine.errors import EngineDead, RequestRefused, StepFailed
 from engine.guided import GrammarCache, GuidedSpec
 from engine.llm_engine import LLMEngine, grammar_cache
 from engine.lora import LoRALoader, LoRARequest
+from engine.messages import (
+    EngineInfo,
+    EngineRequest,
+    EngineStats,
+    Failed,
+    Fatal,
+    Inbound,
+    Outbound,
+    Progress,
+    Ready,
+    Refused,
+    StepResult,
+    Stopped,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -58,15 +70,6 @@ STATS_INTERVAL = 0.05
 # Restarting a dead engine: the wait doubles after each death or failed start, from MIN up to
 # MAX, and falls back to MIN once an engine has run for RESET seconds.
 RESTART_DELAY_MIN, RESTART_DELAY_MAX, RESTART_DELAY_RESET = 1.0, 30.0, 60.0
-
-
-@dataclass(frozen=True, slots=True)
-class EngineInfo:
-    """What the gateway learns once the engine is up."""
-
-    max_model_len: int
-    vocab_size: int
-    eos_token_ids: tuple[int, ...]
 
 
 class EngineProcess(EngineClient):
@@ -133,17 +136,17 @@ class EngineProcess(EngineClient):
         child.close()
         while True:
             try:
-                message = conn.recv()
+                message: Outbound = conn.recv()
             except EOFError:
                 process.join(5)
                 raise RuntimeError("the engine process exited while starting") from None
-            if message[0] == "progress" and progress is not None:
-                progress(message[1], message[2])
-            elif message[0] == "fatal":
+            if isinstance(message, Progress) and progress is not None:
+                progress(message.done, message.total)
+            elif isinstance(message, Fatal):
                 process.join(5)
-                raise RuntimeError(f"the engine failed to start: {message[1]}")
-            elif message[0] == "ready":
-                self._info, self._stats = message[1], message[2]
+                raise RuntimeError(f"the engine failed to start: {message.message}")
+            elif isinstance(message, Ready):
+                self._info, self._stats = message.info, message.stats
                 break
         with self._send_lock:
             if self._conn is not None:
@@ -204,14 +207,14 @@ class EngineProcess(EngineClient):
 
     # -- the pipe -------------------------------------------------------------------------------
 
-    def _submit(self, message: Message) -> None:
+    def _submit(self, message: Inbound) -> None:
         try:
             self._send(message)
         except (OSError, ValueError):  # the engine process is gone
-            if hasattr(message, "request_id"):
+            if isinstance(message, EngineRequest):
                 self._refuse(message.request_id, EngineDead("the engine process exited"))
 
-    def _send(self, message: Message | None) -> None:
+    def _send(self, message: Inbound | None) -> None:
         assert self._conn is not None, "start() first"
         with self._send_lock:
             self._conn.send(message)
@@ -263,19 +266,17 @@ class EngineProcess(EngineClient):
         assert self._conn is not None
         try:
             while True:
-                message = self._conn.recv()
-                kind = message[0]
-                if kind == "step":
-                    _, updates, finished, stats = message
-                    self._deliver(updates, finished)
-                    if stats is not None:
-                        self._stats = stats
-                elif kind == "refused":
-                    self._refuse(message[1], message[2])
-                elif kind == "failed":
-                    for request_id in message[1]:
-                        self._refuse(request_id, RuntimeError(message[2]))
-                elif kind == "stopped":
+                message: Outbound = self._conn.recv()
+                if isinstance(message, StepResult):
+                    self._deliver(message.updates, message.finished)
+                    if message.stats is not None:
+                        self._stats = message.stats
+                elif isinstance(message, Refused):
+                    self._refuse(message.request_id, message.error)
+                elif isinstance(message, Failed):
+                    for request_id in message.request_ids:
+                        self._refuse(request_id, StepFailed(message.message))
+                elif isinstance(message, Stopped):
                     self._refuse_all(EngineDead("the server is shutting down"))
                     return True
         except (EOFError, OSError):
@@ -329,16 +330,16 @@ def run_engine(
     retain_freed_memory()
     try:
         engine = LLMEngine(
-            config, lambda done, total: conn.send(("progress", done, total)), lora_loader
+            config, lambda done, total: conn.send(Progress(done, total)), lora_loader
         )
         if engine.lora is not None:
             for lora in preload[: config.max_loras]:
                 engine.lora.load_now(lora)
     except Exception as exc:  # noqa: BLE001 - reported to the gateway, which exits
-        conn.send(("fatal", f"{type(exc).__name__}: {exc}"))
+        conn.send(Fatal(f"{type(exc).__name__}: {exc}"))
         return
     info = EngineInfo(engine.max_model_len, engine.vocab_size, tuple(sorted(engine.eos_token_ids)))
-    conn.send(("ready", info, engine_stats(engine)))
+    conn.send(Ready(info, engine_stats(engine)))
     with contextlib.suppress(EOFError, OSError, KeyboardInterrupt):  # the gateway is gone
         _EngineLoop(engine, conn).run()
 
@@ -379,7 +380,7 @@ class _EngineLoop:
                 if not self._drain():
                     for request_id in list(engine.parents):
                         engine.abort(request_id)
-                    conn.send(("stopped",))
+                    conn.send(Stopped())
                     return
                 if not engine.has_unfinished_requests():
                     self._send_step([], force_stats=True)  # aborts: the gateway sees them gone
@@ -387,7 +388,7 @@ class _EngineLoop:
                 continue
             updates, failure = contained_step(engine)
             if failure is not None:
-                conn.send(("failed", *failure))
+                conn.send(Failed(*failure))
                 continue
             self._send_step(updates, force_stats=not engine.has_unfinished_requests())
 
@@ -404,8 +405,8 @@ class _EngineLoop:
         try:
             pickle.dumps(error)
         except Exception:  # noqa: BLE001 - an exception that cannot cross: keep its message
-            error = ValueError(str(error))
-        self.conn.send(("refused", request_id, error))
+            error = RequestRefused(str(error))
+        self.conn.send(Refused(request_id, error))
 
     def _send_step(self, updates: list[Any], force_stats: bool) -> None:
         now = time.monotonic()
@@ -413,4 +414,4 @@ class _EngineLoop:
         if force_stats or now - self.last_stats >= STATS_INTERVAL:
             stats, self.last_stats = engine_stats(self.engine), now
         if updates or stats is not None:
-            self.conn.send(("step", updates, finished_parents(self.engine, updates), stats))
+            self.conn.send(StepResult(updates, finished_parents(self.engine, updates), stats))

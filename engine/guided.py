@@ -38,6 +38,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import torch
 
+from engine.errors import GuidedSpecError
 from engine.json_schema import (
     NormalizedSchema,
     UnsupportedSchema,
@@ -61,10 +62,6 @@ JSON_SEPARATORS = (",", ":")
 # xgrammar's C++ errors start with "[12:00:00] /project/cpp/file.cc:123: " and sometimes
 # "Check failed: (...) is false: "; the client needs neither.
 _XGRAMMAR_ERROR_PREFIX = re.compile(r"^\[[\d:.]+\] \S+:\d+: (Check failed: .*? is false: )?")
-
-
-class GuidedSpecError(ValueError):
-    """A spec the engine refuses: invalid, unsupported, over a limit, or too slow to compile."""
 
 
 # -- checks --------------------------------------------------------------------------------

@@ -14,9 +14,11 @@ from transformers import AutoConfig, AutoTokenizer
 
 from engine.config import EngineConfig
 from engine.detokenizer import IncrementalDetokenizer
-from engine.guided import GrammarCache, GuidedSpecError, grammar_ready
+from engine.errors import ContextLengthExceeded, GuidedSpecError, RequestRefused
+from engine.guided import GrammarCache, grammar_ready
 from engine.kv_cache.manager import KVCacheManager, cdiv
 from engine.lora import LoRALoader, LoRAManager, LoRARequest, llama_fused_targets
+from engine.messages import EngineRequest
 from engine.model_runner import ModelRunner, ProgressFn
 from engine.outputs import CompletionOutput, RequestOutput, SequenceUpdate
 from engine.request import Request, RequestStatus, SamplingParams
@@ -135,20 +137,31 @@ class LLMEngine:
         fairness_key: str | None = None,
         fairness_weight: float = 1.0,
     ) -> list[int]:
-        """Queue a request; returns its prompt token ids. Raises ValueError for
-        a request that could never run (the gateway maps it to HTTP 400).
+        """vLLM's offline spelling of `add`: the fields of an EngineRequest, one by one."""
+        return self.add(
+            EngineRequest(
+                request_id, prompt, params, lora, cache_salt, fairness_key, fairness_weight
+            )
+        )
 
-        `fairness_key` (a tenant) and `fairness_weight` (its share under contention,
+    def add(self, request: EngineRequest) -> list[int]:
+        """Queue a request; returns its prompt token ids. Raises RequestRefused (a
+        ValueError; ContextLengthExceeded, GuidedSpecError, ...) for a request that could
+        never run, which the gateway answers with HTTP 400 and the refusal's code.
+
+        The request's fairness key (a tenant) and weight (its share under contention,
         relative to other keys') steer the "fair" scheduling policy; requests without a
         key share one."""
+        request_id, params = request.request_id, request.params
         if request_id in self.parents:
-            raise ValueError(f"request id {request_id!r} is already running")
+            raise RequestRefused(f"request id {request_id!r} is already running")
+        fairness_weight = request.fairness_weight
         if not (math.isfinite(fairness_weight) and fairness_weight > 0):
-            raise ValueError(f"fairness_weight must be positive, got {fairness_weight}")
-        prompt_ids = self.tokenize(prompt)
+            raise RequestRefused(f"fairness_weight must be positive, got {fairness_weight}")
+        prompt_ids = self.tokenize(request.prompt)
         self._validate(prompt_ids, params)
-        if lora is not None and self.lora is None:
-            raise ValueError("LoRA adapters are not enabled on this engine")
+        if request.lora is not None and self.lora is None:
+            raise RequestRefused("LoRA adapters are not enabled on this engine")
         if params.max_tokens is None:
             params = replace(params, max_tokens=self.max_model_len - len(prompt_ids))
         eos = None if not self.eos_token_ids else min(self.eos_token_ids)
@@ -160,24 +173,24 @@ class LLMEngine:
                 seed = None if params.seed is None else (params.seed + index) & (2**64 - 1)
                 child_params = replace(params, n=1, seed=seed)
             child_id = request_id if params.n == 1 else f"{request_id}#{index}"
-            request = Request(
+            child = Request(
                 child_id,
                 prompt_ids,
                 child_params,
                 eos,
-                lora=lora,
-                cache_salt=cache_salt,
-                fairness_key=fairness_key,
+                lora=request.lora,
+                cache_salt=request.cache_salt,
+                fairness_key=request.fairness_key,
                 fairness_weight=fairness_weight,
             )
             detok = IncrementalDetokenizer(
                 self.tokenizer, prompt_ids, child_params.stop, child_params.skip_special_tokens
             )
-            self.sequences[child_id] = _Sequence(request, request_id, index, detok)
+            self.sequences[child_id] = _Sequence(child, request_id, index, detok)
             if compiled is not None:
-                request.grammar = self.grammars.sequence_grammar(compiled)
+                child.grammar = self.grammars.sequence_grammar(compiled)
                 self._awaiting_grammar[child_id] = self.sequences[child_id]
-            self.scheduler.add_request(request)
+            self.scheduler.add_request(child)
             child_ids.append(child_id)
         self.parents[request_id] = child_ids
         return prompt_ids
@@ -185,18 +198,18 @@ class LLMEngine:
     def _validate(self, prompt_ids: list[int], params: SamplingParams) -> None:
         params.verify()
         if not prompt_ids:
-            raise ValueError("the prompt is empty")
+            raise RequestRefused("the prompt is empty")
         if min(prompt_ids) < 0 or max(prompt_ids) >= self.vocab_size:
-            raise ValueError(f"prompt token ids must be in [0, {self.vocab_size})")
+            raise RequestRefused(f"prompt token ids must be in [0, {self.vocab_size})")
         out_of_vocab = [t for t in params.stop_token_ids if t >= self.vocab_size]
         out_of_vocab += [t for t in params.logit_bias or () if t >= self.vocab_size]
         if out_of_vocab:
-            raise ValueError(
+            raise RequestRefused(
                 f"token id {out_of_vocab[0]} is outside the vocabulary [0, {self.vocab_size})"
             )
         max_tokens = params.max_tokens or self.max_model_len - len(prompt_ids)
         if len(prompt_ids) + max(1, max_tokens) > self.max_model_len:
-            raise ValueError(
+            raise ContextLengthExceeded(
                 f"this model's maximum context length is {self.max_model_len} tokens; the "
                 f"request asks for {len(prompt_ids)} prompt tokens plus {max_tokens} output tokens"
             )
@@ -204,7 +217,7 @@ class LLMEngine:
         # hold them all is refused, not left to preempt itself forever.
         blocks = params.n * cdiv(len(prompt_ids) + max_tokens, self.config.block_size)
         if blocks > self.kv.pool.num_blocks:
-            raise ValueError(
+            raise RequestRefused(
                 f"n={params.n} samples of up to {len(prompt_ids) + max_tokens} tokens need "
                 f"{blocks} KV blocks; the cache holds {self.kv.pool.num_blocks}: lower n or "
                 "max_tokens"

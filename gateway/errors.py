@@ -17,7 +17,7 @@ from starlette.datastructures import MutableHeaders
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from engine.async_engine import EngineDead, EngineOverloaded
+from engine.errors import EngineDead, EngineOverloaded, RequestRefused, StepFailed
 
 logger = logging.getLogger(__name__)
 
@@ -52,18 +52,32 @@ def error_body(message: str, type: str, param: str | None = None, code: str | No
     return {"error": {"message": message, "type": type, "param": param, "code": code}}
 
 
-def api_error(exc: Exception) -> APIError | None:
-    """The APIError an engine-side exception answers with; None for an unexpected one."""
+# The engine's refusals and failures as HTTP, in one place: (the exception's type, status,
+# OpenAI's error type, whether a retry may succeed). The first type that matches wins, so a
+# subclass comes before its base. A RequestRefused answers with its own code.
+ENGINE_ERRORS: tuple[tuple[type[Exception], int, str, bool], ...] = (
+    (RequestRefused, 400, "invalid_request_error", False),
+    (EngineOverloaded, 503, "server_overloaded", True),
+    (EngineDead, 503, "service_unavailable", True),
+    (StepFailed, 500, "internal_error", False),
+    (RuntimeError, 500, "internal_error", False),
+)
+# Codes of the failures whose type has none of its own.
+ENGINE_CODES: dict[type[Exception], str] = {EngineOverloaded: "queue_full"}
+
+
+def api_error(exc: Exception, param: str | None = None) -> APIError | None:
+    """The APIError an engine-side exception answers with (`param`: the request field it is
+    about, if any); None for an unexpected one."""
     if isinstance(exc, APIError):
         return exc
-    if isinstance(exc, EngineOverloaded):
-        retry = {"Retry-After": str(RETRY_AFTER_SECONDS)}
-        return APIError(503, str(exc), type="server_overloaded", code="queue_full", headers=retry)
-    if isinstance(exc, EngineDead):
-        retry = {"Retry-After": str(RETRY_AFTER_SECONDS)}
-        return APIError(503, str(exc), type="service_unavailable", headers=retry)
-    if isinstance(exc, RuntimeError):
-        return APIError(500, str(exc), type="internal_error")
+    for kind, status, error_type, retry in ENGINE_ERRORS:
+        if isinstance(exc, kind):
+            code = exc.code if isinstance(exc, RequestRefused) else ENGINE_CODES.get(kind)
+            headers = {"Retry-After": str(RETRY_AFTER_SECONDS)} if retry else None
+            return APIError(
+                status, str(exc), type=error_type, param=param, code=code, headers=headers
+            )
     return None
 
 

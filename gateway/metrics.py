@@ -14,7 +14,8 @@ from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
-from engine.async_engine import EngineClient, EngineStats
+from engine.async_engine import EngineClient
+from engine.messages import EngineStats
 from gateway.ratelimit import RateLimiter
 from tenants.ledger import Ledger, UsageRecord
 

@@ -19,8 +19,9 @@ from typing import Any, cast
 from fastapi.responses import JSONResponse, Response
 
 from engine.async_engine import EngineClient
-from engine.guided import GuidedSpecError
+from engine.errors import ContextLengthExceeded, GuidedSpecError, RequestRefused
 from engine.lora import LoRARequest
+from engine.messages import EngineRequest
 from engine.outputs import SequenceUpdate
 from engine.request import GuidedSpec, SamplingParams
 from gateway.adapter_catalog import AdapterCatalog
@@ -371,13 +372,15 @@ class OpenAIServing:
         streams = [
             # The salt, the fairness key and its weight are the tenant's, never the client's.
             self.engine.generate(
-                f"{request_id}-{i}",
-                prompt,
-                params,
-                lora=lora,
-                cache_salt=tenant.cache_salt,
-                fairness_key=tenant.id,
-                fairness_weight=tenant.weight,
+                EngineRequest(
+                    f"{request_id}-{i}",
+                    prompt,
+                    params,
+                    lora=lora,
+                    cache_salt=tenant.cache_salt,
+                    fairness_key=tenant.id,
+                    fairness_weight=tenant.weight,
+                )
             )
             for i, prompt in enumerate(prompts)
         ]
@@ -390,12 +393,14 @@ class OpenAIServing:
             await updates.aclose()  # the other prompts' requests end too
             if not isinstance(exc, ValueError):
                 raise
-            code, param = INVALID_VALUE, None
+            if not isinstance(exc, RequestRefused):  # a malformed field the edge let through
+                raise APIError(400, str(exc), code=INVALID_VALUE) from exc
+            param = None
             if isinstance(exc, GuidedSpecError):
-                code, param = INVALID_GRAMMAR, guided_param
-            elif "context length" in str(exc):
-                code, param = "context_length_exceeded", "messages" if chat else "prompt"
-            raise APIError(400, str(exc), param=param, code=code) from exc
+                param = guided_param
+            elif isinstance(exc, ContextLengthExceeded):
+                param = "messages" if chat else "prompt"
+            raise api_error(exc, param) or exc from exc
 
     @staticmethod
     def _apply(

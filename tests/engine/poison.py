@@ -10,6 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from engine.async_engine import EngineClient
+from engine.messages import EngineRequest
 from engine.request import SamplingParams
 
 
@@ -61,7 +62,7 @@ async def tokens_or_error(
 ) -> list[int] | str:
     """A request's tokens, or the error it ended with."""
     tokens: list[int] = []
-    async for update in engine.generate(request_id, prompt, params):
+    async for update in engine.generate(EngineRequest(request_id, prompt, params)):
         if update.error:
             return update.error
         tokens.extend(update.new_token_ids)

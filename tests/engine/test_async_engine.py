@@ -9,7 +9,9 @@ import pytest
 from poison import poisoned, tokens_or_error, victims
 
 from engine import LLM, EngineConfig, LLMEngine, SamplingParams
-from engine.async_engine import AsyncEngine, EngineDead, EngineOverloaded
+from engine.async_engine import AsyncEngine
+from engine.errors import EngineDead, EngineOverloaded
+from engine.messages import EngineRequest
 
 LONG = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
 
@@ -33,7 +35,7 @@ def all_free(core: LLMEngine) -> bool:
 
 async def collect(engine: AsyncEngine, request_id: str, params: SamplingParams) -> list[int]:
     tokens: list[int] = []
-    async for update in engine.generate(request_id, "Once upon a time", params):
+    async for update in engine.generate(EngineRequest(request_id, "Once upon a time", params)):
         tokens.extend(update.new_token_ids)
     return tokens
 
@@ -53,7 +55,7 @@ async def test_full_queue_is_refused_and_nothing_leaks(core: LLMEngine) -> None:
 async def test_leaving_early_aborts_and_frees(core: LLMEngine) -> None:
     engine = AsyncEngine(core)
     engine.start()
-    stream = engine.generate("early", "Once upon a time", LONG)
+    stream = engine.generate(EngineRequest("early", "Once upon a time", LONG))
     async for _ in stream:
         break
     await stream.aclose()
@@ -71,7 +73,7 @@ async def _running(engine: AsyncEngine, request_id: str, params: SamplingParams)
 
     async def run() -> list[int]:
         tokens: list[int] = []
-        async for update in engine.generate(request_id, "Once upon a time", params):
+        async for update in engine.generate(EngineRequest(request_id, "Once upon a time", params)):
             tokens.extend(update.new_token_ids)
             started.set()
         return tokens

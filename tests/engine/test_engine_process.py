@@ -19,9 +19,9 @@ from poison import poisoned, tokens_or_error, victims
 from adapters.peft import describe_base
 from adapters.registry import AdapterRegistry
 from engine import LLM, EngineConfig, SamplingParams
-from engine.async_engine import EngineDead, EngineOverloaded
 from engine.engine_process import EngineProcess
-from engine.guided import GuidedSpecError
+from engine.errors import EngineDead, EngineOverloaded, GuidedSpecError
+from engine.messages import EngineRequest
 from engine.request import GuidedSpec
 
 GREEDY = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
@@ -66,7 +66,9 @@ async def _tokens(
     engine: EngineProcess, request_id: str, prompt: list[int], **kw: object
 ) -> list[int]:
     tokens: list[int] = []
-    async for update in engine.generate(request_id, prompt, kw.pop("params", GREEDY), **kw):  # type: ignore[arg-type]
+    params = kw.pop("params", GREEDY)
+    request = EngineRequest(request_id, prompt, params, **kw)  # type: ignore[arg-type]
+    async for update in engine.generate(request):
         tokens.extend(update.new_token_ids)
     return tokens
 
@@ -114,7 +116,7 @@ async def test_a_refused_request_raises_and_the_engine_keeps_serving(engine: Eng
 
 async def test_leaving_early_aborts_in_the_engine(engine: EngineProcess) -> None:
     endless = SamplingParams(temperature=0, max_tokens=200, ignore_eos=True)
-    stream = engine.generate("early", PROMPTS[0], endless)
+    stream = engine.generate(EngineRequest("early", PROMPTS[0], endless))
     async for _ in stream:
         break
     await stream.aclose()
@@ -166,7 +168,7 @@ async def _kill_while_running(engine: EngineProcess, request_id: str) -> None:
     """SIGKILL the engine while a request runs: after its first token, with 249 to go
     (the prompt and max_tokens fill max_model_len), so it cannot finish first."""
     long = SamplingParams(temperature=0, max_tokens=251, ignore_eos=True)
-    stream = engine.generate(request_id, PROMPTS[0], long)
+    stream = engine.generate(EngineRequest(request_id, PROMPTS[0], long))
     await anext(stream)
     os.kill(engine._process.pid, signal.SIGKILL)
     with pytest.raises(EngineDead, match="exited"):

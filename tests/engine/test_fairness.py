@@ -11,9 +11,10 @@ from pathlib import Path
 import pytest
 
 from engine import EngineConfig, LLMEngine, SamplingParams
-from engine.async_engine import Add, AsyncEngine
+from engine.async_engine import AsyncEngine
 from engine.fairness import DECODE_TOKEN_COST, PREFILL_TOKEN_COST
 from engine.kv_cache.manager import KVCacheManager
+from engine.messages import EngineRequest
 from engine.request import Request, RequestStatus
 from engine.scheduler import Scheduler, SchedulerOutput
 
@@ -343,7 +344,7 @@ def test_greedy_outputs_with_mixed_keys_and_weights_equal_fcfs(demo_model_dir: P
 
 
 def test_the_weight_crosses_the_engine_process_pipe() -> None:
-    add = Add("r", [1, 2], SamplingParams(), None, None, "tenant", 2.5)
+    add = EngineRequest("r", [1, 2], SamplingParams(), None, None, "tenant", 2.5)
     assert pickle.loads(pickle.dumps(add)).fairness_weight == 2.5
 
 
@@ -352,23 +353,24 @@ async def test_generate_passes_the_weight_to_the_engine_and_refuses_a_bad_one(
 ) -> None:
     core = engine(demo_model_dir, "fair")
     seen = []
-    add_request = core.add_request
+    add = core.add
 
-    def spy(*args, **kwargs):  # type: ignore[no-untyped-def]
-        seen.append((kwargs["fairness_key"], kwargs["fairness_weight"]))
-        return add_request(*args, **kwargs)
+    def spy(request: EngineRequest) -> list[int]:
+        seen.append((request.fairness_key, request.fairness_weight))
+        return add(request)
 
-    monkeypatch.setattr(core, "add_request", spy)
+    monkeypatch.setattr(core, "add", spy)
     client = AsyncEngine(core)
     client.start()
     params = SamplingParams(temperature=0, max_tokens=2)
-    async for _ in client.generate(
-        "ok", [11, 12, 13], params, fairness_key="t", fairness_weight=2.5
-    ):
+    ok = EngineRequest("ok", [11, 12, 13], params, fairness_key="t", fairness_weight=2.5)
+    async for _ in client.generate(ok):
         pass
     for weight in (0.0, -1.0, float("nan"), float("inf")):
         with pytest.raises(ValueError, match="fairness_weight"):
-            async for _ in client.generate("bad", [11], params, fairness_weight=weight):
+            async for _ in client.generate(
+                EngineRequest("bad", [11], params, fairness_weight=weight)
+            ):
                 pass
     assert seen[0] == ("t", 2.5)
     await client.shutdown(0)

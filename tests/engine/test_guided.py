@@ -18,7 +18,8 @@ from guided_schemas import SCHEMAS
 from adapters.peft import describe_base
 from adapters.registry import AdapterRegistry
 from engine import LLM, SamplingParams
-from engine.guided import GrammarBitmask, GrammarCache, GuidedSpecError, mask_logits_cpu
+from engine.errors import GuidedSpecError
+from engine.guided import GrammarBitmask, GrammarCache, mask_logits_cpu
 from engine.outputs import CompletionOutput
 from engine.request import GuidedSpec, Request
 

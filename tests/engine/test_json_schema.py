@@ -14,7 +14,8 @@ import pytest
 import xgrammar as xgr
 
 from engine import LLM, SamplingParams
-from engine.guided import GuidedSpecError, check_schema, schema_end_checks
+from engine.errors import GuidedSpecError
+from engine.guided import check_schema, schema_end_checks
 from engine.json_schema import normalize_schema, python_regex
 from engine.request import GuidedSpec
 

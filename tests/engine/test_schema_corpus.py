@@ -17,7 +17,8 @@ import pytest
 from transformers import AutoConfig, AutoTokenizer
 
 from engine.config import EngineConfig
-from engine.guided import CompiledSpec, GrammarCache, GuidedSpecError
+from engine.errors import GuidedSpecError
+from engine.guided import CompiledSpec, GrammarCache
 from engine.request import GuidedSpec
 
 SCHEMA_DIR = Path(__file__).resolve().parents[1] / "data" / "schemas"

@@ -9,7 +9,7 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 from engine.async_engine import AsyncEngine
-from engine.request import SamplingParams
+from engine.messages import EngineRequest
 
 # A request asking for this many tokens is held until its client hangs up.
 HELD_MAX_TOKENS = 777
@@ -27,11 +27,9 @@ class HoldingEngine:
     def __getattr__(self, name: str) -> Any:
         return getattr(self._engine, name)
 
-    def generate(
-        self, request_id: str, prompt: list[int], params: SamplingParams, **kwargs: Any
-    ) -> AsyncIterator[Any]:
-        stream = self._engine.generate(request_id, prompt, params, **kwargs)
-        return _held(stream) if params.max_tokens == HELD_MAX_TOKENS else stream
+    def generate(self, request: EngineRequest) -> AsyncIterator[Any]:
+        stream = self._engine.generate(request)
+        return _held(stream) if request.params.max_tokens == HELD_MAX_TOKENS else stream
 
 
 async def _held(stream: AsyncIterator[Any]) -> AsyncIterator[Any]:

@@ -23,7 +23,8 @@ from live_server import Server, build_test_app, live_server, wait_for_usage
 
 from engine import EngineConfig, LLMEngine
 from engine.async_engine import AsyncEngine
-from engine.request import GuidedSpec, SamplingParams
+from engine.messages import EngineRequest
+from engine.request import GuidedSpec
 from gateway import guided_validation
 from gateway.guided_validation import OutputValidator, checks
 
@@ -250,12 +251,11 @@ class UnenforcingEngine:
     async def compile_grammar(self, spec: GuidedSpec) -> Any:
         return await self._engine.compile_grammar(self._relax(spec))
 
-    def generate(
-        self, request_id: str, prompt: list[int], params: SamplingParams, **kwargs: Any
-    ) -> AsyncIterator[Any]:
+    def generate(self, request: EngineRequest) -> AsyncIterator[Any]:
+        params = request.params
         if params.guided is not None:
             params = dataclasses.replace(params, guided=self._relax(params.guided))
-        return self._engine.generate(request_id, prompt, params, **kwargs)
+        return self._engine.generate(dataclasses.replace(request, params=params))
 
 
 @pytest.fixture(scope="module")

@@ -7,6 +7,7 @@ from __future__ import annotations
 import re
 import time
 from collections.abc import AsyncIterator, Iterator
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -18,6 +19,7 @@ from held_engine import HELD_MAX_TOKENS, HoldingEngine
 from live_server import Server, build_test_app, live_server, new_tenant, wait_for_usage
 
 from engine.async_engine import AsyncEngine
+from engine.messages import EngineRequest
 from engine.request import SamplingParams
 from tests.conftest import fresh_database
 from tests.engine.poison import PoisonedParams
@@ -37,13 +39,12 @@ class PoisoningEngine:
     def __getattr__(self, name: str) -> Any:
         return getattr(self._engine, name)
 
-    def generate(
-        self, request_id: str, prompt: list[int], params: SamplingParams, **kwargs: Any
-    ) -> AsyncIterator[Any]:
+    def generate(self, request: EngineRequest) -> AsyncIterator[Any]:
+        params = request.params
         if params.max_tokens == POISON_MAX_TOKENS:
             fields = {f: getattr(params, f) for f in SamplingParams.__dataclass_fields__}
-            params = PoisonedParams(**fields, fail_from=3)
-        return self._engine.generate(request_id, prompt, params, **kwargs)
+            request = replace(request, params=PoisonedParams(**fields, fail_from=3))
+        return self._engine.generate(request)
 
 
 @pytest.fixture(params=["sqlite-local", "postgresql-redis"])

@@ -1,0 +1,133 @@
+"""What crosses the engine boundary, typed: the one request the gateway builds, the messages
+that reach the step loop (a thread's queue or the engine process's pipe), and what the engine
+process sends back. Over the pipe each is pickled as it is.
+
+    gateway ── EngineRequest | Abort | UnloadLoRA ──▶ step loop
+            ◀── Progress… Ready | Fatal, then StepResult | Refused | Failed … Stopped ──
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+from engine.lora import LoRARequest
+from engine.outputs import SequenceUpdate
+from engine.request import SamplingParams
+
+# -- in: to the step loop ---------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class EngineRequest:
+    """Everything the engine takes of one request, built once (by the gateway, from the
+    tenant it authenticated) and passed whole: to EngineClient.generate, over the pipe, to
+    LLMEngine.add. The salt, the fairness key and its weight are the tenant's, never the
+    client's."""
+
+    request_id: str
+    prompt: str | Sequence[int]  # token ids, or text the engine tokenizes
+    params: SamplingParams
+    lora: LoRARequest | None = None
+    cache_salt: str | None = None  # one tenant never reads another's prefix cache
+    fairness_key: str | None = None  # whose share the "fair" policy charges (a tenant)
+    fairness_weight: float = 1.0  # that key's share relative to other keys'
+
+
+@dataclass(frozen=True, slots=True)
+class Abort:
+    request_id: str
+
+
+@dataclass(frozen=True, slots=True)
+class UnloadLoRA:
+    adapter_id: str
+
+
+Inbound = EngineRequest | Abort | UnloadLoRA
+
+
+# -- out: what the engine reports -------------------------------------------------------------
+
+
+@dataclass(slots=True)
+class EngineStats:
+    """A snapshot of the engine for /metrics (vLLM's meanings)."""
+
+    num_running: int = 0
+    num_waiting: int = 0
+    kv_cache_usage: float = 0.0
+    prefix_cache_queries: int = 0
+    prefix_cache_hits: int = 0
+    num_preemptions: int = 0
+    num_failed_requests: int = 0  # sequences that alone failed an engine step
+    spec_decode: tuple[int, int, int] | None = None  # drafts, draft tokens, accepted; None: off
+    max_loras: int | None = None  # None: LoRA disabled
+    running_adapters: list[str] = field(default_factory=list)
+    waiting_adapters: list[str] = field(default_factory=list)
+    lora_slots_used: int = 0
+    lora_disk_loads: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class EngineInfo:
+    """What the gateway learns once the engine is up."""
+
+    max_model_len: int
+    vocab_size: int
+    eos_token_ids: tuple[int, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class Progress:
+    """Loading the model: `done` of `total` tensors."""
+
+    done: int
+    total: int
+
+
+@dataclass(frozen=True, slots=True)
+class Ready:
+    info: EngineInfo
+    stats: EngineStats
+
+
+@dataclass(frozen=True, slots=True)
+class Fatal:
+    """The engine could not start."""
+
+    message: str
+
+
+@dataclass(frozen=True, slots=True)
+class StepResult:
+    """One step: its updates, the requests now wholly finished, and (at most every
+    STATS_INTERVAL) a stats snapshot."""
+
+    updates: list[SequenceUpdate]
+    finished: list[str]
+    stats: EngineStats | None
+
+
+@dataclass(frozen=True, slots=True)
+class Refused:
+    """A request the engine would not take; `error` is what its caller raises."""
+
+    request_id: str
+    error: BaseException
+
+
+@dataclass(frozen=True, slots=True)
+class Failed:
+    """A step failed outside any one request's doing: these requests failed with it."""
+
+    request_ids: list[str]
+    message: str
+
+
+@dataclass(frozen=True, slots=True)
+class Stopped:
+    """The engine aborted what was left and exits."""
+
+
+Outbound = Progress | Ready | Fatal | StepResult | Refused | Failed | Stopped
