@@ -11,10 +11,10 @@ from gateway.admission import Admission
 from gateway.body import BodySizeLimit
 from gateway.errors import ErrorBoundary, install_error_handlers
 from gateway.metrics import Metrics
+from gateway.openai_serving import OpenAIServing
 from gateway.request_limits import RequestLimits
 from gateway.routers import admin, admin_adapters, lora, usage
 from gateway.routers.openai import health_router, router
-from gateway.serving import OpenAIServing
 from gateway.tenancy import Tenancy
 
 ADAPTER_UPLOADS = "/admin/adapters"

@@ -9,7 +9,7 @@ response_format.
 Every field is bounded here, so that no request can ask the engine for what it
 cannot represent or afford (README, "Request bounds"). Bounds that depend on the
 model or the server's settings (the vocabulary, `--max-n`, `--max-prompt-chars`,
-the context length) are checked by gateway.serving; JSON itself (non-finite
+the context length) are checked by gateway.openai_serving; JSON itself (non-finite
 numbers, nesting, lone surrogates) by gateway.body.
 """
 
@@ -93,7 +93,7 @@ class ResponseFormat(_Body):
 
 class _SamplingFields(_Body):
     model: str = Field(min_length=1, max_length=MAX_NAME_CHARS)
-    # The server's --max-n is checked by gateway.serving.
+    # The server's --max-n is checked by gateway.openai_serving.
     n: int = Field(1, ge=1, le=INT32_MAX)
     temperature: float | None = Field(None, ge=0.0)
     top_p: float | None = Field(None, gt=0.0, le=1.0)
@@ -205,7 +205,7 @@ class _SamplingFields(_Body):
 
 
 class CompletionRequest(_SamplingFields):
-    # Lengths in characters and tokens are the server's (gateway.serving).
+    # Lengths in characters and tokens are the server's (gateway.openai_serving).
     prompt: str | TokenIds | Annotated[list[str], _PROMPTS] | Annotated[list[TokenIds], _PROMPTS]
     max_tokens: int | None = Field(16, ge=1, le=INT32_MAX)
     logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
@@ -223,7 +223,7 @@ FunctionName = Annotated[str, Field(pattern=r"^[a-zA-Z0-9_-]{1,64}$")]
 class FunctionDefinition(_Body):
     name: FunctionName
     description: str | None = Field(None, max_length=MAX_DESCRIPTION_CHARS)
-    # A JSON schema; its size and depth are the guided limits' (gateway.serving compiles it).
+    # A JSON schema; its size and depth are the guided limits' (gateway.openai_serving compiles it).
     parameters: dict[str, Any] | None = None
     strict: bool | None = None
 

@@ -1,17 +1,22 @@
 """What a response accumulates while its engine updates arrive: each choice's text, tokens,
 finish and guided or tool-call state, the usage figures, the latency metrics, and the
-finish reason and status its usage row records."""
+finish reason and status its usage row records; `Answer` holds them for one response, from
+the engine's first update to the last byte, whether it answers in one JSON body or in SSE."""
 
 from __future__ import annotations
 
 import time
+from collections.abc import AsyncGenerator
 from dataclasses import dataclass, field
 from typing import Any
 
 from engine.outputs import SequenceUpdate
+from engine.request import SamplingParams
+from gateway.errors import APIError
 from gateway.guided_validation import Violation
-from gateway.metering import STATUS_ABORTED, STATUS_OK, UsageFigures
+from gateway.metering import STATUS_ABORTED, STATUS_OK, Meter, UsageFigures
 from gateway.metrics import Metrics
+from gateway.streaming import chain
 from gateway.tool_calls import ToolCallStream
 
 
@@ -113,3 +118,57 @@ def status_of(choices: list[Choice]) -> str:
 def usage_finish_reason(choices: list[Choice]) -> str | None:
     """The usage row's finish reason: the first choice's (`abort` if it never finished)."""
     return choices[0].finish_reason or "abort" if choices else None
+
+
+@dataclass(slots=True)
+class Answer:
+    """One response under way: its engine updates (`first`, already received, then the rest,
+    in prompt order), the choices and usage they fill, its latency timer and its usage meter.
+    The JSON and the SSE responders share it."""
+
+    request_id: str
+    model: str  # as the client named it
+    chat: bool
+    created: int  # epoch seconds
+    params: SamplingParams
+    include_usage: bool  # SSE: a last chunk with the usage
+    choices: list[Choice]
+    usage: Usage
+    timer: Timer
+    meter: Meter
+    first: tuple[int, SequenceUpdate] | None
+    updates: AsyncGenerator[tuple[int, SequenceUpdate]]
+
+    def in_order(self) -> AsyncGenerator[tuple[int, SequenceUpdate]]:
+        """(prompt index, update) from the first on; close it however the loop ends, so that a
+        failed choice aborts its siblings."""
+        return chain(self.first, self.updates)
+
+    def apply(self, prompt_index: int, update: SequenceUpdate) -> Choice:
+        """The update added to its choice (and the usage); the choice it belongs to."""
+        self.timer.update(update)
+        self.meter.first_token()
+        choice = self.choices[prompt_index * self.params.n + update.index]
+        self.usage.record(prompt_index, update)
+        choice.token_ids.extend(update.new_token_ids)
+        choice.text = update.text
+        if update.new_logprobs:
+            choice.logprobs.extend(update.new_logprobs)
+        if update.finished:
+            choice.finish_reason = update.finish_reason
+            choice.stop_reason = update.stop_reason
+            if update.error:  # it failed alone in an engine step
+                raise APIError(500, update.error, type="internal_error")
+        return choice
+
+    async def end(self, status: str) -> None:
+        """The usage row, durable before this returns."""
+        await self.meter.end(self.figures, usage_finish_reason(self.choices), status)
+
+    def end_nowait(self, status: str) -> None:
+        """The usage row, written in the background (a cancelled response cannot wait)."""
+        self.meter.end_nowait(self.figures, usage_finish_reason(self.choices), status)
+
+    @property
+    def figures(self) -> UsageFigures:
+        return self.usage.figures(self.choices)

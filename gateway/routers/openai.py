@@ -12,9 +12,9 @@ from pydantic import BaseModel
 
 from gateway.body import StrictJSONRoute
 from gateway.deps import TenantDep, get_tenancy
+from gateway.openai_serving import OpenAIServing
 from gateway.protocol import ChatCompletionRequest, CompletionRequest
 from gateway.routers.responses import ADMIN_ERRORS, OPENAI_ERRORS
-from gateway.serving import OpenAIServing
 
 router = APIRouter(
     prefix="/v1", tags=["openai"], route_class=StrictJSONRoute, responses=OPENAI_ERRORS

@@ -311,7 +311,7 @@ def test_an_unenforced_keyword_is_an_error_whole_and_streamed(
         temperature=0,
         response_format=response_format(UNIQUE),
     )
-    with caplog.at_level("WARNING", logger="gateway.serving"):
+    with caplog.at_level("WARNING", logger="gateway.output_checks"):
         whole = client.chat.completions.create(**kwargs)
     choice = whole.choices[0]
     logged = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]

@@ -1,19 +1,20 @@
-"""From a parsed OpenAI body to engine requests and back: one JSON body or SSE chunks.
+"""From a parsed OpenAI body to the engine's requests: the model resolved for the tenant, the
+prompts tokenized (chat through its template, with tools), the sampling parameters and
+grammar checked, admission, and the engine's first update (so that a refusal is an HTTP error
+before anything is answered). Then gateway.json_response or gateway.sse_response answers.
 
-Each prompt x n sample is one choice. Choices stream as the engine produces
-them; the final usage counts prompt, cached and completion tokens.
+Each prompt x n sample is one choice; the usage counts prompt, cached and completion tokens.
 """
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import dataclasses
 import json
 import logging
 import time
 import uuid
-from collections.abc import AsyncGenerator, AsyncIterator
+from collections.abc import AsyncGenerator
 from typing import Any, cast
 
 from fastapi.responses import JSONResponse, Response
@@ -28,9 +29,10 @@ from gateway.adapter_catalog import AdapterCatalog
 from gateway.admission import Admission
 from gateway.auth import RequestTenant
 from gateway.errors import APIError, api_error
-from gateway.guided_validation import OutputValidator, Violation, checks
-from gateway.metering import STATUS_ABORTED, STATUS_ERROR, STATUS_OK, Meter
+from gateway.json_response import collect, json_body
+from gateway.metering import STATUS_ABORTED, Meter
 from gateway.metrics import Metrics
+from gateway.output_checks import OutputChecks
 from gateway.protocol import ChatCompletionRequest, CompletionRequest, FieldError
 from gateway.request_limits import (
     EMPTY_PROMPT,
@@ -39,16 +41,10 @@ from gateway.request_limits import (
     RequestLimits,
     ServerBounds,
 )
-from gateway.response_state import (
-    Choice,
-    Timer,
-    Usage,
-    status_of,
-    usage_finish_reason,
-    violation_body,
-)
-from gateway.streaming import Disconnected, MeteredStream, chain, merge, unless_disconnected
-from gateway.tool_calls import ToolCallStream, ToolPlan, parameters, tool_plan
+from gateway.response_state import Answer, Choice, Timer, Usage
+from gateway.sse_response import sse_chunks
+from gateway.streaming import Disconnected, MeteredStream, merge, unless_disconnected
+from gateway.tool_calls import ToolCallStream, ToolPlan, tool_plan
 from gateway.tool_parsers import FORMATS, ToolFormat
 from gateway.tool_prompt import render_messages, template_knows_tools
 from tenants.ledger import Ledger
@@ -81,7 +77,7 @@ class OpenAIServing:
         self.bounds = ServerBounds(
             limits or RequestLimits(), engine.vocab_size, engine.max_model_len
         )
-        self.output_validator = OutputValidator()
+        self.checks = OutputChecks(metrics)
         # tool_choice "auto" reads calls in this format; None: auto is refused.
         self.tool_format = None if tool_call_parser is None else FORMATS[tool_call_parser]
 
@@ -245,6 +241,7 @@ class OpenAIServing:
         tools: ToolPlan | None = None,
         tool_format: ToolFormat | None = None,
     ) -> Response:
+        """Admit, start the engine's requests, and answer in one JSON body or in SSE chunks."""
         timer = Timer(self.metrics)  # time to first token includes a grammar's compile
         if params.guided is not None:
             await self._compile_grammar(params.guided, guided_param)
@@ -269,85 +266,42 @@ class OpenAIServing:
             lora,
             timer.start,
         )
-        choices = [
-            Choice(
-                i,
-                calls=None
-                if tools is None
-                else ToolCallStream(tools, None if tools.forced else tool_format),
-            )
-            for i in range(len(prompts) * params.n)
-        ]
-        usage = Usage()
-        created = int(time.time())
+        answer = Answer(
+            request_id,
+            body.model,
+            chat,
+            int(time.time()),
+            params,
+            body.stream and body.include_usage,
+            [
+                Choice(
+                    i,
+                    calls=None
+                    if tools is None
+                    else ToolCallStream(tools, None if tools.forced else tool_format),
+                )
+                for i in range(len(prompts) * params.n)
+            ],
+            Usage(),
+            timer,
+            meter,
+            first,
+            updates,
+        )
         if body.stream:
-            chunks = self._stream(
-                body.model,
-                request_id,
-                created,
-                chat,
-                body.include_usage,
-                first,
-                updates,
-                choices,
-                usage,
-                params,
-                timer,
-                meter,
-            )
             return MeteredStream(
-                chunks,
-                on_close=lambda: meter.end_nowait(
-                    usage.figures(choices), usage_finish_reason(choices), STATUS_ABORTED
-                ),
+                sse_chunks(answer, self.checks, self.tokenizer),
+                on_close=lambda: answer.end_nowait(STATUS_ABORTED),
                 updates=updates,
                 media_type="text/event-stream",
                 headers=ticket.headers,
             )
-        collect = self._collect(first, updates, choices, usage, params.n, timer, meter)
-        if not await unless_disconnected(collect, disconnected):
+        if not await unless_disconnected(collect(answer), disconnected):
             # Nobody is left to answer; the engine's requests are aborted, the row written.
             return Response(status_code=CLIENT_CLOSED_REQUEST)
-        for choice in choices:
-            await self._check_output(params.guided, choice, request_id)
-        timer.finish(choices, usage)
         return JSONResponse(
-            {
-                "id": request_id,
-                "object": "chat.completion" if chat else "text_completion",
-                "created": created,
-                "model": body.model,
-                "choices": [self._final_choice(c, chat) for c in choices],
-                "usage": usage.body(choices),
-            },
-            headers=ticket.headers,
+            await json_body(answer, self.checks, self.tokenizer), headers=ticket.headers
         )
-
-    async def _collect(
-        self,
-        first: tuple[int, SequenceUpdate] | None,
-        updates: AsyncGenerator[tuple[int, SequenceUpdate]],
-        choices: list[Choice],
-        usage: Usage,
-        n: int,
-        timer: Timer,
-        meter: Meter,
-    ) -> None:
-        """A whole response's updates, metered however they end."""
-        status = STATUS_ERROR
-        try:
-            # Closed however the loop ends, so that a failed choice aborts its siblings.
-            async with contextlib.aclosing(chain(first, updates)) as in_order:
-                async for prompt_index, update in in_order:
-                    timer.update(update)
-                    meter.first_token()
-                    self._apply(choices, usage, prompt_index, update, n)
-            status = status_of(choices)
-        except asyncio.CancelledError:
-            meter.end_nowait(usage.figures(choices), usage_finish_reason(choices), STATUS_ABORTED)
-            raise
-        finally:
-            await meter.end(usage.figures(choices), usage_finish_reason(choices), status)
 
     def _reserved(self, prompts: list[list[int]], params: SamplingParams) -> int:
         """Tokens the limiter reserves: each prompt, and each sample's max_tokens (what remains
@@ -401,210 +355,3 @@ class OpenAIServing:
             elif isinstance(exc, ContextLengthExceeded):
                 param = "messages" if chat else "prompt"
             raise api_error(exc, param) or exc from exc
-
-    @staticmethod
-    def _apply(
-        choices: list[Choice], usage: Usage, prompt_index: int, update: SequenceUpdate, n: int
-    ) -> Choice:
-        choice = choices[prompt_index * n + update.index]
-        usage.record(prompt_index, update)
-        choice.token_ids.extend(update.new_token_ids)
-        choice.text = update.text
-        if update.new_logprobs:
-            choice.logprobs.extend(update.new_logprobs)
-        if update.finished:
-            choice.finish_reason = update.finish_reason
-            choice.stop_reason = update.stop_reason
-            if update.error:
-                raise APIError(500, update.error, type="internal_error")
-        return choice
-
-    def _final_choice(self, choice: Choice, chat: bool) -> dict[str, Any]:
-        logprobs = (
-            self._logprobs(choice.token_ids, choice.logprobs, chat) if choice.logprobs else None
-        )
-        if chat:
-            message: dict[str, Any] = {"role": "assistant", "content": choice.text}
-            reason = choice.answered_reason
-            if reason == "tool_calls":
-                assert choice.calls is not None
-                content, calls = choice.calls.final(choice.text)
-                message = {"role": "assistant", "content": content, "tool_calls": calls}
-            return {
-                "index": choice.index,
-                "message": message,
-                "logprobs": logprobs,
-                "finish_reason": reason,
-            } | violation_body(choice)
-        return {
-            "index": choice.index,
-            "text": choice.text,
-            "logprobs": logprobs,
-            "finish_reason": choice.answered_reason,
-        } | violation_body(choice)
-
-    async def _check_output(self, spec: GuidedSpec | None, choice: Choice, request_id: str) -> None:
-        """The safety net: a guided JSON document that ended where its grammar ends (not at
-        max_tokens, nor at a stop string or token of the client's) is checked against its
-        schema; one that fails is answered as `error`, counted and logged. Metering and the
-        engine's finish reason are left as they are: the tokens were generated."""
-        if choice.finish_reason != "stop" or choice.stop_reason is not None:
-            return
-        if choice.calls is not None and choice.calls.fmt is not None:
-            violation = await self._check_calls(choice.calls, choice.text)
-        elif checks(spec):
-            assert spec is not None
-            violation = await self.output_validator.check(spec, choice.text)
-        else:
-            return
-        if violation is None:
-            return
-        choice.violation = violation
-        self.metrics.guided_invalid_outputs.labels(keyword=violation.keyword).inc()
-        logger.warning(
-            "%s choice %d: guided output failed its schema: keyword %s at %r (schema %r)",
-            request_id,
-            choice.index,
-            violation.keyword,
-            violation.pointer,
-            violation.schema_pointer,
-        )
-
-    async def _check_calls(self, stream: ToolCallStream, text: str) -> Violation | None:
-        """Each call read out of free text (tool_choice "auto") against its tool's schema."""
-        tools = {t.function.name: t for t in stream.plan.tools}
-        for call in stream.final(text)[1] or ():
-            function = call["function"]
-            spec = GuidedSpec(json_schema=parameters(tools[function["name"]]))
-            violation = await self.output_validator.check(spec, function["arguments"])
-            if violation is not None:
-                return violation
-        return None
-
-    def _logprobs(self, token_ids: list[int], entries: list[dict[int, float]], chat: bool) -> Any:
-        decode = self.tokenizer.decode
-        if chat:
-            content = []
-            for token_id, entry in zip(token_ids, entries, strict=False):
-                token: str = decode([token_id])
-                top = sorted(entry.items(), key=lambda kv: -kv[1])
-                content.append(
-                    {
-                        "token": token,
-                        "logprob": entry[token_id],
-                        "bytes": list(token.encode()),
-                        "top_logprobs": [
-                            {
-                                "token": decode([t]),
-                                "logprob": lp,
-                                "bytes": list(cast(str, decode([t])).encode()),
-                            }
-                            for t, lp in top
-                        ],
-                    }
-                )
-            return {"content": content}
-        tokens = [decode([t]) for t in token_ids]
-        offsets, pos = [], 0
-        for token in tokens:
-            offsets.append(pos)
-            pos += len(token)
-        return {
-            "tokens": tokens,
-            "token_logprobs": [e[t] for t, e in zip(token_ids, entries, strict=False)],
-            "top_logprobs": [{decode([t]): lp for t, lp in e.items()} for e in entries],
-            "text_offset": offsets,
-        }
-
-    async def _stream(
-        self,
-        model: str,
-        request_id: str,
-        created: int,
-        chat: bool,
-        include_usage: bool,
-        first: tuple[int, SequenceUpdate] | None,
-        updates: AsyncIterator[tuple[int, SequenceUpdate]],
-        choices: list[Choice],
-        usage: Usage,
-        params: SamplingParams,
-        timer: Timer,
-        meter: Meter,
-    ) -> AsyncGenerator[str]:
-        obj = "chat.completion.chunk" if chat else "text_completion"
-
-        def chunk(choice_list: list[dict[str, Any]], with_usage: Any = None) -> str:
-            data: dict[str, Any] = {
-                "id": request_id,
-                "object": obj,
-                "created": created,
-                "model": model,
-                "choices": choice_list,
-            }
-            if include_usage:
-                data["usage"] = with_usage
-            return f"data: {json.dumps(data, ensure_ascii=False)}\n\n"
-
-        if chat:
-            yield chunk(
-                [
-                    {
-                        "index": c.index,
-                        "delta": {
-                            "role": "assistant",
-                            "content": None if c.calls is not None and c.calls.fmt is None else "",
-                        },
-                        "logprobs": None,
-                        "finish_reason": None,
-                    }
-                    for c in choices
-                ]
-            )
-        status = STATUS_OK
-        try:
-            async with contextlib.aclosing(chain(first, updates)) as in_order:
-                async for prompt_index, update in in_order:
-                    timer.update(update)
-                    meter.first_token()
-                    choice = self._apply(choices, usage, prompt_index, update, params.n)
-                    delta = choice.text[choice.num_sent_chars :]
-                    choice.num_sent_chars = len(choice.text)
-                    if not delta and not update.finished:
-                        continue
-                    logprobs = (
-                        self._logprobs(update.new_token_ids, update.new_logprobs, chat)
-                        if update.new_logprobs
-                        else None
-                    )
-                    body: dict[str, Any] = {"index": choice.index}
-                    if chat and choice.calls is not None:
-                        text, calls = choice.calls.deltas(choice.text, update.finished)
-                        body["delta"] = {"content": text} if text else {}
-                        if calls:
-                            body["delta"]["tool_calls"] = calls
-                        if not body["delta"] and not update.finished:
-                            continue
-                    elif chat:
-                        body["delta"] = {"content": delta} if delta else {}
-                    else:
-                        body["text"] = delta
-                    body["logprobs"] = logprobs
-                    if update.finished:
-                        await self._check_output(params.guided, choice, request_id)
-                    body["finish_reason"] = choice.answered_reason
-                    body |= violation_body(choice)
-                    yield chunk([body])
-            status = status_of(choices)
-        except Exception as exc:  # noqa: BLE001 - the stream has begun: report it in the stream
-            status = STATUS_ERROR
-            err = api_error(exc)
-            if err is None:
-                logger.exception("stream %s failed", request_id)
-                err = APIError(500, f"internal server error ({request_id})", type="internal_error")
-            yield f"data: {json.dumps(err.body())}\n\n"
-        timer.finish(choices, usage)
-        # Durable before the stream's last bytes: the client that saw [DONE] is billed.
-        await meter.end(usage.figures(choices), usage_finish_reason(choices), status)
-        if include_usage:
-            yield chunk([], usage.body(choices))
-        yield "data: [DONE]\n\n"
