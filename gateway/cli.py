@@ -2,7 +2,7 @@
 
 One function per command. Heavy imports (torch, transformers, the engine) stay
 inside the commands so that `loragate --help` answers at once. `serve` takes its options
-from the Settings fields (gateway/serve_command.py); `db`, `tenants`, `keys` and `admin`
+from the Settings fields (gateway/serve_flags.py); `db`, `tenants`, `keys` and `admin`
 are the operator's commands (gateway/admin_cli.py).
 """
 
@@ -255,7 +255,7 @@ def _option_value(args: list[str], name: str) -> str | None:
 
 
 def _serve(settings: object) -> None:
-    from gateway.server import run_server
+    from gateway.launch import run_server
     from gateway.settings import Settings
 
     assert isinstance(settings, Settings)
@@ -266,7 +266,7 @@ def main() -> None:
     """The console script: the commands above, `serve` (built from the settings) and the
     operators' commands."""
     from gateway.admin_cli import register
-    from gateway.serve_command import add_serve_command
+    from gateway.serve_flags import add_serve_command
 
     add_serve_command(app, _serve)
     register(app)
