@@ -34,7 +34,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from adapters.peft import CONFIG_FILE, WEIGHTS_FILE, lora_scaling
-from engine.lora import LORA_TARGETS
+from engine.lora_types import LORA_TARGETS
 
 # |scaling * B A x| / |W x|. At 0.5 the demo model's greedy output changes on most prompts;
 # see tests/adapters/test_demo.py.

@@ -1,4 +1,4 @@
-"""PEFT LoRA adapters: a directory on disk -> validated `engine.lora.LoRAWeights`.
+"""PEFT LoRA adapters: a directory on disk -> validated `engine.lora_types.LoRAWeights`.
 
 An adapter is the two files peft's `save_pretrained` writes:
 
@@ -35,7 +35,7 @@ from typing import Any, TypeGuard
 import torch
 
 from adapters.safetensors_view import SafetensorsError, load_views
-from engine.lora import LORA_TARGETS, LoRAWeights
+from engine.lora_types import LORA_TARGETS, LoRAWeights
 
 CONFIG_FILE = "adapter_config.json"
 WEIGHTS_FILE = "adapter_model.safetensors"

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from adapters.peft import CONFIG_FILE, WEIGHTS_FILE, AdapterError, BaseModelInfo, load_peft_adapter
-from engine.lora import LoRARequest, LoRAWeights
+from engine.lora_types import LoRARequest, LoRAWeights
 
 
 @dataclass(frozen=True, slots=True)

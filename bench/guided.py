@@ -238,7 +238,7 @@ def run_guided_bench(
 ) -> dict[str, Any]:
     from transformers import AutoConfig, AutoTokenizer
 
-    from engine.llm_engine import LLM
+    from engine.offline import LLM
     from engine.request import GuidedSpec, SamplingParams
 
     hf_config = AutoConfig.from_pretrained(model_dir)

@@ -35,7 +35,8 @@ from rich.console import Console
 from rich.table import Table
 from transformers import LlamaConfig
 
-from engine.lora import LoRAManager, LoRARequest, LoRAWeights, llama_fused_targets
+from engine.lora import LoRAManager
+from engine.lora_types import LoRARequest, LoRAWeights, llama_fused_targets
 from engine.models.llama import LlamaForCausalLM
 from kernels import dispatch
 from kernels.attention import build_plan

@@ -176,7 +176,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--json", type=Path, default=None)
     args = p.parse_args(argv)
 
-    from engine.llm_engine import LLM
+    from engine.offline import LLM
 
     console = Console()
     work = args.adapters_dir or Path(tempfile.mkdtemp(prefix="loragate-bench-lora-"))

@@ -88,7 +88,7 @@ def build_ours(
     label: str,
     dtype: str = "float32",
 ) -> Any:
-    from engine.llm_engine import LLM
+    from engine.offline import LLM
 
     task = progress.add_task(f"load {label}", total=None)
 

@@ -47,7 +47,7 @@ from engine.config import EngineConfig
 from engine.errors import EngineDead, RequestRefused, StepFailed
 from engine.guided import GrammarCache, GuidedSpec
 from engine.llm_engine import LLMEngine, grammar_cache
-from engine.lora import LoRALoader, LoRARequest
+from engine.lora_types import LoRALoader, LoRARequest
 from engine.messages import (
     EngineInfo,
     EngineRequest,

@@ -1,4 +1,5 @@
-"""LLMEngine (add_request / step / abort) and the offline `LLM.generate` front end."""
+"""LLMEngine: add / step / abort, the n > 1 fan-out, admission checks, and a failed step
+pinned on its requests. The offline front end, `LLM.generate`, is engine/offline.py."""
 
 from __future__ import annotations
 
@@ -6,7 +7,7 @@ import itertools
 import logging
 import math
 import time
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -17,10 +18,11 @@ from engine.detokenizer import IncrementalDetokenizer
 from engine.errors import ContextLengthExceeded, GuidedSpecError, RequestRefused
 from engine.guided import GrammarCache, grammar_ready
 from engine.kv_cache.manager import KVCacheManager, cdiv
-from engine.lora import LoRALoader, LoRAManager, LoRARequest, llama_fused_targets
+from engine.lora import LoRAManager
+from engine.lora_types import LoRALoader, LoRARequest, llama_fused_targets
 from engine.messages import EngineRequest
 from engine.model_runner import ModelRunner, ProgressFn
-from engine.outputs import CompletionOutput, RequestOutput, SequenceUpdate
+from engine.outputs import SequenceUpdate
 from engine.request import Request, RequestStatus, SamplingParams
 from engine.sampler import SamplerOutput
 from engine.scheduler import Scheduler, SchedulerOutput
@@ -500,84 +502,3 @@ def _eos_token_ids(hf_config: Any, tokenizer: Any, model_dir: str) -> frozenset[
     elif eos is not None:
         ids.update(int(e) for e in eos)
     return frozenset(ids)
-
-
-class LLM:
-    """Offline batch generation: `LLM(model=...).generate(prompts, SamplingParams(...))`."""
-
-    def __init__(
-        self,
-        model: str,
-        progress: ProgressFn | None = None,
-        lora_loader: LoRALoader | None = None,
-        **kwargs: Any,
-    ) -> None:
-        self.engine = LLMEngine(EngineConfig(model=model, **kwargs), progress, lora_loader)
-        self._next_id = 0
-
-    @property
-    def tokenizer(self) -> Any:
-        return self.engine.tokenizer
-
-    def chat_prompt(self, message: str) -> list[int]:
-        """The token ids of one user message through the model's chat template, ending
-        where the assistant's answer starts."""
-        encoded = self.tokenizer.apply_chat_template(
-            [{"role": "user", "content": message}],
-            add_generation_prompt=True,
-            tokenize=True,
-            return_dict=True,
-        )
-        return list(encoded["input_ids"])
-
-    def generate(
-        self,
-        prompts: Sequence[str] | Sequence[Sequence[int]] | str,
-        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
-        *,
-        lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
-        cache_salt: str | None = None,
-        on_step: Callable[[int], None] | None = None,
-    ) -> list[RequestOutput]:
-        """Run every prompt to completion; results in prompt order.
-
-        `on_step(num_finished)` is called after each step (progress bars)."""
-        prompt_list: list[str | Sequence[int]] = (
-            [prompts] if isinstance(prompts, str) else list(prompts)
-        )
-        if sampling_params is None:
-            sampling_params = SamplingParams()
-        params_list = (
-            [sampling_params] * len(prompt_list)
-            if isinstance(sampling_params, SamplingParams)
-            else list(sampling_params)
-        )
-        if len(params_list) != len(prompt_list):
-            raise ValueError("one SamplingParams per prompt, or one for all")
-        loras = (
-            [lora_request] * len(prompt_list)
-            if lora_request is None or isinstance(lora_request, LoRARequest)
-            else list(lora_request)
-        )
-        if len(loras) != len(prompt_list):
-            raise ValueError("one LoRARequest per prompt, or one for all")
-        results: dict[str, RequestOutput] = {}
-        order = []
-        for prompt, params, lora in zip(prompt_list, params_list, loras, strict=True):
-            request_id = str(self._next_id)
-            self._next_id += 1
-            prompt_ids = self.engine.add_request(
-                request_id, prompt, params, lora=lora, cache_salt=cache_salt
-            )
-            results[request_id] = RequestOutput(
-                request_id, prompt_ids, [CompletionOutput(i) for i in range(params.n)]
-            )
-            order.append(request_id)
-        num_finished = 0
-        while self.engine.has_unfinished_requests():
-            for update in self.engine.step():
-                results[update.request_id].apply(update)
-                num_finished += update.finished
-            if on_step is not None:
-                on_step(num_finished)
-        return [results[r] for r in order]

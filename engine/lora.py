@@ -1,4 +1,6 @@
-"""LoRA adapters inside the engine: identity, weights, device slots and CPU cache.
+"""LoRA adapters inside the engine: device slots, the CPU cache, and each step's adapters
+(`LoRAStep`). What an adapter is (engine/lora_types.py) is kept apart, for the many modules
+that only name one.
 
 The engine never reads adapter files itself: it is handed a loader (the
 gateway wires `adapters.peft`) that turns a `LoRARequest` into `LoRAWeights`.
@@ -7,95 +9,22 @@ gateway wires `adapters.peft`) that turns a `LoRARequest` into `LoRAWeights`.
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass
 from types import ModuleType
 from typing import Any
 
 import numpy as np
 import torch
 
+from engine.lora_types import (
+    FusedTarget,
+    LoRALoader,
+    LoRALoadError,
+    LoRARequest,
+    LoRAWeights,
+    PackedLoRA,
+)
 from kernels.lora import LoRAGroup, add_lora, add_lora_masked, slot_mask
-
-# The projections an adapter may target, in HF names.
-LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
-
-
-@dataclass(frozen=True, slots=True)
-class LoRARequest:
-    """Which adapter a request runs under.
-
-    `adapter_id` is the sha256 of the adapter's config and weights: the engine
-    keys residency and the prefix cache by it, so an adapter replaced under the
-    same name never serves the old one's KV blocks.
-    """
-
-    name: str
-    path: str
-    adapter_id: str
-
-
-@dataclass(slots=True)
-class LoRAWeights:
-    """One adapter's weights, as the loader hands them over (CPU tensors)."""
-
-    adapter_id: str
-    rank: int
-    scaling: float  # alpha / r, or alpha / sqrt(r) for rsLoRA
-    # layers[i][module] = (A [rank, in_features], B [out_features, rank]) for each
-    # targeted module of decoder layer i; a module absent from the dict is not adapted.
-    layers: list[dict[str, tuple[torch.Tensor, torch.Tensor]]]
-
-    @property
-    def nbytes(self) -> int:
-        return sum(
-            a.numel() * a.element_size() + b.numel() * b.element_size()
-            for layer in self.layers
-            for a, b in layer.values()
-        )
-
-
-@dataclass(slots=True)
-class PackedLoRA:
-    """An adapter in slot layout, built off the engine thread: per fused target,
-    one entry per module the adapter adapts, in the target's order, holding A as
-    [layers, rank, in] and B transposed as [layers, rank, out of that module] with
-    the scaling folded in. Nothing is padded: installing writes each module's
-    rows and columns of the slot and zeroes the rest of them."""
-
-    adapter_id: str
-    rank: int
-    # modules[target] = [(HF module, A, B), ...]
-    modules: list[list[tuple[str, torch.Tensor, torch.Tensor]]]
-
-    @property
-    def nbytes(self) -> int:
-        return sum(
-            t.numel() * t.element_size()
-            for target in self.modules
-            for _, a, b in target
-            for t in (a, b)
-        )
-
-
-class LoRALoadError(RuntimeError):
-    """An adapter could not be loaded; the requests naming it fail with this message."""
-
-
-LoRALoader = Callable[[LoRARequest], LoRAWeights]
-
-
-@dataclass(frozen=True, slots=True)
-class FusedTarget:
-    """One of the model's fused linears and the HF modules it packs, with their
-    output column ranges."""
-
-    name: str
-    in_features: int
-    out_features: int
-    modules: tuple[tuple[str, int, int], ...]  # (HF module, first column, last column + 1)
-
 
 # Steps of at most this many tokens with more than one adapter (or base rows) take
 # the masked dense path: its cost grows with tokens x max_loras, its op count not at all.
@@ -103,30 +32,6 @@ MASKED_MAX_TOKENS = 256
 # Steps whose adapted tokens form at most this many runs of one slot take the grouped path
 # (two ops per run, each at its adapter's own rank), whatever their size.
 MAX_GROUPED_RUNS = 8
-
-# Indices of llama_fused_targets' entries, as the model passes them to LoRAStep.apply.
-QKV, O_PROJ, GATE_UP, DOWN = range(4)
-
-
-def llama_fused_targets(hf_config: Any) -> list[FusedTarget]:
-    heads = hf_config.num_attention_heads
-    kv_heads = getattr(hf_config, "num_key_value_heads", None) or heads
-    head_dim = getattr(hf_config, "head_dim", None) or hf_config.hidden_size // heads
-    hidden, inter = hf_config.hidden_size, hf_config.intermediate_size
-    q, kv = heads * head_dim, kv_heads * head_dim
-    return [
-        FusedTarget(
-            "qkv",
-            hidden,
-            q + 2 * kv,
-            (("q_proj", 0, q), ("k_proj", q, q + kv), ("v_proj", q + kv, q + 2 * kv)),
-        ),
-        FusedTarget("o", q, hidden, (("o_proj", 0, hidden),)),
-        FusedTarget(
-            "gate_up", hidden, 2 * inter, (("gate_proj", 0, inter), ("up_proj", inter, 2 * inter))
-        ),
-        FusedTarget("down", inter, hidden, (("down_proj", 0, hidden),)),
-    ]
 
 
 class LoRAStep:

@@ -11,7 +11,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from engine.lora import LoRARequest
+from engine.lora_types import LoRARequest
 from engine.outputs import SequenceUpdate
 from engine.request import SamplingParams
 

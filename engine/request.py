@@ -12,7 +12,7 @@ if TYPE_CHECKING:
     import torch
 
     from engine.guided import SequenceGrammar
-    from engine.lora import LoRARequest
+    from engine.lora_types import LoRARequest
     from engine.spec_decode import NgramIndex
 
 

@@ -23,7 +23,8 @@ from dataclasses import dataclass, field
 from engine.config import SCHEDULING_POLICIES
 from engine.fairness import FairQueue
 from engine.kv_cache.manager import KVCacheManager
-from engine.lora import LoRALoadError, LoRAManager
+from engine.lora import LoRAManager
+from engine.lora_types import LoRALoadError
 from engine.request import Request, RequestStatus
 
 

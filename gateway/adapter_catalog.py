@@ -19,7 +19,7 @@ from pathlib import Path
 from adapters.peft import AdapterError, BaseModelInfo
 from adapters.registry import AdapterInfo, RegisteredLoader, inspect_adapter
 from adapters.store import AdapterStore
-from engine.lora import LoRARequest
+from engine.lora_types import LoRARequest
 from tenants.adapters import (
     AdapterExists,
     create_adapter,

@@ -14,7 +14,7 @@ import typer
 
 from adapters.peft import AdapterError, describe_base
 from engine.config import EngineConfig
-from engine.lora import LoRARequest
+from engine.lora_types import LoRARequest
 from engine.spec_decode import SpeculativeConfig
 from gateway.settings import Settings, SettingsError
 from gateway.tenancy import DemoKey, Tenancy, open_tenancy, prepare

@@ -13,7 +13,7 @@ import time
 from dataclasses import dataclass, field
 from datetime import datetime
 
-from engine.lora import LoRARequest
+from engine.lora_types import LoRARequest
 from gateway.admission import Ticket
 from gateway.auth import RequestTenant
 from gateway.metrics import TenantMetrics

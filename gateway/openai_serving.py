@@ -21,7 +21,7 @@ from fastapi.responses import JSONResponse, Response
 
 from engine.async_engine import EngineClient
 from engine.errors import ContextLengthExceeded, GuidedSpecError, RequestRefused
-from engine.lora import LoRARequest
+from engine.lora_types import LoRARequest
 from engine.messages import EngineRequest
 from engine.outputs import SequenceUpdate
 from engine.request import GuidedSpec, SamplingParams

@@ -21,7 +21,8 @@ from transformers import PretrainedConfig
 from transformers.activations import ACT2FN
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
-from engine.lora import DOWN, GATE_UP, O_PROJ, QKV, LoRAStep
+from engine.lora import LoRAStep
+from engine.lora_types import DOWN, GATE_UP, O_PROJ, QKV
 from kernels.attention import AttentionPlan, paged_attention, write_kv
 from kernels.quant import Int8Linear
 

@@ -9,13 +9,8 @@ import weakref
 import pytest
 import torch
 
-from engine.lora import (
-    LoRALoadError,
-    LoRAManager,
-    LoRARequest,
-    LoRAWeights,
-    llama_fused_targets,
-)
+from engine.lora import LoRAManager
+from engine.lora_types import LoRALoadError, LoRARequest, LoRAWeights, llama_fused_targets
 from kernels.lora import LoRAGroup, add_lora, add_lora_masked, slot_mask
 
 

@@ -16,7 +16,7 @@ from engine.errors import (
     RequestRefused,
     StepFailed,
 )
-from engine.lora import LoRARequest
+from engine.lora_types import LoRARequest
 from engine.messages import (
     Abort,
     EngineInfo,

@@ -11,12 +11,12 @@ import pytest
 import torch
 from triton_cases import DEVICE, TOLERANCE
 
-from engine.lora import (
+from engine.lora import LoRAManager
+from engine.lora_types import (
     DOWN,
     GATE_UP,
     O_PROJ,
     QKV,
-    LoRAManager,
     LoRARequest,
     LoRAWeights,
     llama_fused_targets,
