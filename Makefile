@@ -42,4 +42,4 @@ lint: venv
 	$(BIN)/mypy engine kernels adapters gateway bench --ignore-missing-imports
 
 bench: venv models
-	$(BIN)/loragate bench offline --model models/demo
+	$(BIN)/loragate-bench offline --model models/demo

@@ -8,7 +8,7 @@ top two logits are that close, and may differ after it. This module finds that s
 reports the reference's top-2 gap there and where our token stands, so "agrees until a
 near-tie" is checked, not assumed.
 
-    loragate bench agreement --model models/smollm2 [--dtype bfloat16] [--max-tokens 64]
+    loragate-bench agreement --model models/smollm2 [--dtype bfloat16] [--max-tokens 64]
 """
 
 from __future__ import annotations

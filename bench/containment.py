@@ -120,7 +120,7 @@ def table(rows: list[dict[str, Any]], model: str, output_len: int, fail_at: int)
 
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(
-        prog="loragate bench containment",
+        prog="loragate-bench containment",
         description="W1 batches clean and with one request whose steps raise.",
     )
     p.add_argument("--model", required=True, help="Hugging Face checkpoint directory")

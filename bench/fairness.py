@@ -1,6 +1,6 @@
 """Fair scheduling across tenants: one tenant floods the engine; two tenants share it by weight.
 
-    loragate bench fairness [--model models/demo] [--duration 30] [--ratio 10] [--load 1.5]
+    loragate-bench fairness [--model models/demo] [--duration 30] [--ratio 10] [--load 1.5]
         [--rate-b REQ_PER_S] [--weights 2:1] [--prompt-len 64] [--output-len 32]
         [--max-num-seqs 8] [--drain 60] [--seed 0] [--threads N]
 
@@ -375,7 +375,7 @@ def _parse_weights(spec: str) -> tuple[float, float]:
 
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
-        prog="loragate bench fairness",
+        prog="loragate-bench fairness",
         description="A tenant flooding at 10x another's rate (B's TTFT: alone, fcfs, fair), "
         "and a 2:1 weighted share under saturation, in one run.",
     )

@@ -329,7 +329,7 @@ def compile_table(rows: list[dict[str, Any]]) -> Table:
 
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
-        prog="loragate bench guided",
+        prog="loragate-bench guided",
         description="Guided vs unguided decode on W1, and grammar compile times. "
         "With --schemas DIR: every JSON schema in DIR instead (bench.guided_schemas; "
         "`--schemas DIR --help` lists its options).",

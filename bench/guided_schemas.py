@@ -1,7 +1,7 @@
 """Guided JSON on real-world schemas: what the engine refuses, and whether what it accepts
 comes out valid.
 
-    loragate bench guided --schemas DIR [--model models/smollm2] [--max-tokens 300]
+    loragate-bench guided --schemas DIR [--model models/smollm2] [--max-tokens 300]
         [--limit N] [--threads N] [--json FILE]
 
 Every `*.json` file in DIR is one schema (tests/data/schemas/ ships a set from SchemaStore).
@@ -356,7 +356,7 @@ def print_report(result: dict[str, Any], console: Console) -> None:
 
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
-        prog="loragate bench guided",
+        prog="loragate-bench guided",
         description="Every JSON schema in DIR through guided decoding: refused, valid, "
         "invalid, out of tokens; compile times; guided vs unguided decode.",
     )

@@ -256,7 +256,7 @@ def graph_seconds(fn: Callable[[], object], iters: int, device: torch.device) ->
 
 
 def main(argv: list[str] | None = None) -> None:
-    p = argparse.ArgumentParser(prog="loragate bench kernels", description=__doc__.split("\n")[0])
+    p = argparse.ArgumentParser(prog="loragate-bench kernels", description=__doc__.split("\n")[0])
     p.add_argument("--peak-gbps", type=float, default=H200_PEAK_GBPS, help="HBM peak (H200: 4800)")
     p.add_argument("--iters", type=int, default=20)
     p.add_argument("--step-batches", default="16,64", help="batches of the full decode step")

@@ -158,7 +158,7 @@ def cold_load_ms(model_dir: str, work_dir: Path, ranks: tuple[int, ...], count: 
 
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(
-        prog="loragate bench lora",
+        prog="loragate-bench lora",
         description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )

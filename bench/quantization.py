@@ -1,7 +1,7 @@
 """int8 (W8A8, smoothed) against the compute dtype, in one run: quality (perplexity on a
 fixed text against float32's, greedy agreement) and W1 throughput.
 
-    loragate bench quantization --model models/smollm2 [--dtype auto] [--repeat 3]
+    loragate-bench quantization --model models/smollm2 [--dtype auto] [--repeat 3]
 
 Perplexity is our engine's own forward (the quantized linears, our attention and norms)
 over `bench/data/perplexity.txt` in windows of `--window` tokens, each scored from its
@@ -111,7 +111,7 @@ def main(argv: list[str] | None = None) -> None:
     from engine import LLM, SamplingParams
 
     p = argparse.ArgumentParser(
-        prog="loragate bench quantization", description=__doc__.split("\n\n")[0]
+        prog="loragate-bench quantization", description=__doc__.split("\n\n")[0]
     )
     p.add_argument("--model", required=True, help="Hugging Face checkpoint directory")
     p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"])

@@ -283,7 +283,7 @@ def run_serve_bench(
 
 
 def main(argv: list[str] | None = None) -> None:
-    p = argparse.ArgumentParser(prog="loragate bench serve", description=__doc__.split("\n")[0])
+    p = argparse.ArgumentParser(prog="loragate-bench serve", description=__doc__.split("\n")[0])
     p.add_argument("--base-url", required=True)
     p.add_argument("--model", required=True)
     p.add_argument("--workload", choices=WORKLOADS, default="w1")

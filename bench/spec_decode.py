@@ -1,7 +1,7 @@
 """n-gram speculative decoding against none, in one run, on a workload that copies from its
 prompt and on one that never does.
 
-    loragate bench spec-decode --model models/smollm2 [--dtype auto] [--repeat 2]
+    loragate-bench spec-decode --model models/smollm2 [--dtype auto] [--repeat 2]
         [--num-speculative-tokens 4] [--prompt-lookup-max 4] [--prompt-lookup-min 2]
 
 - copy: 32 chat requests, each asking to extract the fields of a generated invoice (the
@@ -80,7 +80,7 @@ def main(argv: list[str] | None = None) -> None:
     from engine.spec_decode import SpeculativeConfig
 
     p = argparse.ArgumentParser(
-        prog="loragate bench spec-decode", description=__doc__.split("\n\n")[0]
+        prog="loragate-bench spec-decode", description=__doc__.split("\n\n")[0]
     )
     p.add_argument("--model", required=True)
     p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"])

@@ -2,7 +2,7 @@
 forced call cost against plain guided JSON of the same schema, and how soon does the first
 tool-call delta come.
 
-    loragate bench tools --base-url http://127.0.0.1:8000 --model smollm2
+    loragate-bench tools --base-url http://127.0.0.1:8000 --model smollm2
         [--api-key KEY] [--samples 24] [--repeats 8] [--json FILE]
 
 1. Validity: `--samples` requests per mode (a named function, "required" with one call,
@@ -192,7 +192,7 @@ def report(result: dict[str, Any], console: Console) -> None:
 
 
 def main(argv: list[str] | None = None) -> None:
-    p = argparse.ArgumentParser(prog="loragate bench tools", description=__doc__.split("\n")[0])
+    p = argparse.ArgumentParser(prog="loragate-bench tools", description=__doc__.split("\n")[0])
     p.add_argument("--base-url", default="http://127.0.0.1:8000")
     p.add_argument("--model", required=True)
     p.add_argument("--api-key", default="unused")

@@ -44,7 +44,7 @@ def upload_times(base_url: str, token: str, adapter: Path, repeat: int) -> list[
 
 
 def main(argv: list[str] | None = None) -> None:
-    p = argparse.ArgumentParser(prog="loragate bench upload", description=__doc__.split("\n")[0])
+    p = argparse.ArgumentParser(prog="loragate-bench upload", description=__doc__.split("\n")[0])
     p.add_argument("--base-url", default="http://127.0.0.1:8000")
     p.add_argument("--adapter", type=Path, required=True, help="a PEFT adapter directory")
     p.add_argument("--repeat", type=int, default=5)

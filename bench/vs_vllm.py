@@ -3,7 +3,7 @@ swapped every round), each round drives every workload at both with `bench serve
 client pinned to one core), and the table gives each side's runs, their medians and the
 ratio of medians.
 
-    loragate bench vs-vllm --model models/smollm2 [--dtype auto] [--workloads w1,w2]
+    loragate-bench vs-vllm --model models/smollm2 [--dtype auto] [--workloads w1,w2]
         [--rounds 2] [--num-prompts 64] [--vllm-venv /tmp/peers/vllm-venv]
 
 vLLM comes from `../shared/peers/` (setup_vllm.sh installs it, serve_vllm.sh serves a
@@ -175,7 +175,7 @@ def table(rows: dict[str, dict[str, list[dict[str, Any]]]], dtype: str) -> Table
 
 
 def main(argv: list[str] | None = None) -> None:
-    p = argparse.ArgumentParser(prog="loragate bench vs-vllm", description=__doc__.split("\n")[0])
+    p = argparse.ArgumentParser(prog="loragate-bench vs-vllm", description=__doc__.split("\n")[0])
     p.add_argument("--model", required=True, help="a Hugging Face model directory")
     p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"])
     p.add_argument("--workloads", default="w1,w2", help="comma-separated: w1, w2, wv")

@@ -26,7 +26,7 @@ per-channel scale follows: groups alone take those. max|x_j| comes from a short 
 text run through the model at load (kernels/quant_calibration.py).
 
 The embedding and the lm_head keep the compute dtype. Quality gate (tests/kernels/test_quant.py,
-`loragate bench quantization`): perplexity within 2 % of float32's, the one reference every
+`loragate-bench quantization`): perplexity within 2 % of float32's, the one reference every
 processor computes alike; bf16's own rounding moves with the processor's GEMMs (AMX, AVX-512
 BF16), and int8 on top of it by as much again.
 """

@@ -1,4 +1,4 @@
-"""`loragate bench kernels --toy` runs end to end (on the CPU: the triton interpreter)."""
+"""`loragate-bench kernels --toy` runs end to end (on the CPU: the triton interpreter)."""
 
 from __future__ import annotations
 

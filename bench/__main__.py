@@ -1,0 +1,70 @@
+"""`loragate-bench NAME [options]` (or `python -m bench NAME`): the benchmarks, each a module of
+this package with its own `main(argv)` and argparse options (`NAME --help`). The product's
+`loragate` command never imports them: the arrows run from bench to the engine and gateway,
+not back."""
+
+from __future__ import annotations
+
+import importlib
+import sys
+
+# name: (module, what it measures)
+BENCHMARKS: dict[str, tuple[str, str]] = {
+    "offline": ("bench.offline", "our engine vs Hugging Face generate on W1/W2/Wv, or W3"),
+    "lora": ("bench.lora", "multi-LoRA W3 vs base-only W1 and vs peft"),
+    "serve": ("bench.serve", "load-test any OpenAI-compatible server"),
+    "containment": ("bench.containment", "W1 clean and with one request failing its steps"),
+    "upload": ("bench.upload", "time to register an adapter through the admin REST"),
+    "guided": ("bench.guided", "guided vs unguided decode on W1, grammar compile times"),
+    "tools": ("bench.tool_calls", "forced tool calls against any server: validity, cost"),
+    "vs-vllm": ("bench.vs_vllm", "loragate and vLLM-CPU taking turns on W1/W2, ratios"),
+    "spec-decode": ("bench.spec_decode", "n-gram speculative decoding vs none"),
+    "quantization": ("bench.quantization", "int8 vs float32 and the compute dtype: quality, W1"),
+    "agreement": ("bench.agreement", "greedy agreement with transformers in bfloat16"),
+    "kernels": ("bench.kernels", "the triton kernels on a GPU (--toy: the CPU interpreter)"),
+    "fairness": ("bench.fairness", "a tenant flooding at 10x another's rate; weighted shares"),
+}
+
+
+def usage() -> str:
+    width = max(map(len, BENCHMARKS))
+    rows = "\n".join(f"  {name:<{width}}  {help}" for name, (_, help) in BENCHMARKS.items())
+    return f"usage: loragate-bench NAME [options]   (NAME --help lists its options)\n\n{rows}\n"
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = sys.argv[1:] if argv is None else list(argv)
+    if not args or args[0] in ("-h", "--help"):
+        print(usage(), end="")
+        return
+    name, rest = args[0], args[1:]
+    if name not in BENCHMARKS:
+        sys.exit(f"loragate-bench: no benchmark {name!r}\n\n{usage()}")
+    if name == "offline" and _option_value(rest, "--workload") == "w3":
+        name, rest = "lora", _without_option(rest, "--workload")  # W3 needs adapters
+    importlib.import_module(BENCHMARKS[name][0]).main(rest)
+
+
+def _without_option(args: list[str], name: str) -> list[str]:
+    out, skip = [], False
+    for arg in args:
+        if skip:
+            skip = False
+        elif arg == name:
+            skip = True
+        elif not arg.startswith(name + "="):
+            out.append(arg)
+    return out
+
+
+def _option_value(args: list[str], name: str) -> str | None:
+    for i, arg in enumerate(args):
+        if arg == name and i + 1 < len(args):
+            return args[i + 1]
+        if arg.startswith(name + "="):
+            return arg.split("=", 1)[1]
+    return None
+
+
+if __name__ == "__main__":
+    main()
