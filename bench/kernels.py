@@ -22,6 +22,7 @@ CPU under triton's interpreter: a check that the script works, its figures meani
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
 import time
 from collections.abc import Callable
@@ -268,6 +269,9 @@ def main(argv: list[str] | None = None) -> None:
     args = p.parse_args(argv)
     console = Console(width=max(Console().width, 120))
     if args.toy:
+        # The interpreter is triton's choice at import: this process asks for it before
+        # anything loads the kernels (dispatch.triton_ops refuses without it).
+        os.environ.setdefault("TRITON_INTERPRET", "1")
         device, shapes, iters = torch.device("cpu"), TOY, 1
         batches, context = [2], 24
     else:

@@ -46,7 +46,7 @@ class EngineConfig:
     prefill_threads: int | None = None
     cpu_kernels: bool = True  # C++ decode attention, RMSNorm, LoRA on CPU (kernels.native)
     # Which kernels run (kernels/dispatch.py): auto (triton on CUDA; on the CPU native, or
-    # torch without cpu_kernels; $LORAGATE_KERNELS may name one), triton (on the CPU: under
+    # torch without cpu_kernels), triton (on the CPU: under
     # triton's interpreter, for tests), native or torch.
     kernels: str = "auto"
     # Guided decoding (engine/guided.py): limits on what a request may ask to compile.

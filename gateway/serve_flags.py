@@ -43,6 +43,8 @@ HELP: dict[str, str] = {
     "engine_process": "Run the engine loop in its own process (no GIL shared with HTTP).",
     "restart_engine": "Restart an engine process that dies, with back-off.",
     "cpu_kernels": "C++ decode attention, RMSNorm, multi-LoRA and prepacked weights on CPU.",
+    "kernels": "Which kernels run: auto (triton on CUDA; C++ on the CPU, or torch with "
+    "--no-cpu-kernels), triton (on the CPU only with TRITON_INTERPRET=1: tests), native, torch.",
     "enable_lora": "LoRA slots on the device.",
     "max_loras": "Adapters resident on the device.",
     "max_lora_rank": "The largest adapter rank accepted.",

@@ -59,6 +59,7 @@ class Settings(BaseSettings):
     engine_process: bool = True
     restart_engine: bool = True
     cpu_kernels: bool = True
+    kernels: Literal["auto", "triton", "native", "torch"] = "auto"
     enable_lora: bool = True
     max_loras: int = 4
     max_lora_rank: int = 16

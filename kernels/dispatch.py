@@ -5,15 +5,16 @@
     torch   the torch specifications (kernels/attention.py, kernels/lora.py, the model's own)
 
 `auto` (the default) is triton on CUDA, and on the CPU native where it loads (and
-`cpu_kernels` allows it), else torch. `EngineConfig.kernels` (`LLM(..., kernels=...)`)
-asks for one by name; so does LORAGATE_KERNELS when the config says auto.
+`cpu_kernels` allows it), else torch. `EngineConfig.kernels` (`LLM(..., kernels=...)`; the
+server's `--kernels`, `LORAGATE_KERNELS`) asks for one by name: chosen once, at the engine's
+construction, from its config alone.
 
 Forcing triton on the CPU runs the kernels under triton's interpreter (slow: tests
 only). The interpreter is chosen as `@triton.jit` decorates, at import, and triton's
 own library functions are decorated when triton is first imported, by anyone (torch
 imports it for some ops): so TRITON_INTERPRET=1 must be in the environment before
-that. `triton_ops` sets it when triton is not imported yet and refuses when it is
-imported for compiling; tests/conftest.py sets it for the whole test session.
+that, set by whoever starts the process (tests/conftest.py for the test session,
+`loragate-bench kernels --toy` for itself); `triton_ops` refuses without it.
 """
 
 from __future__ import annotations
@@ -30,7 +31,6 @@ from kernels import native
 
 logger = logging.getLogger(__name__)
 
-ENV = "LORAGATE_KERNELS"
 CHOICES = ("auto", "triton", "native", "torch")
 
 
@@ -44,8 +44,6 @@ def select(
     requested: str, device: torch.device, dtype: torch.dtype, cpu_kernels: bool = True
 ) -> Backend:
     """The backend for an engine on `device` computing in `dtype`."""
-    if requested == "auto":
-        requested = os.environ.get(ENV, "auto").lower() or "auto"
     if requested not in CHOICES:
         raise ValueError(f"kernels must be one of {CHOICES}, got {requested!r}")
     if requested == "triton" or (requested == "auto" and device.type == "cuda"):
@@ -62,15 +60,13 @@ def select(
 def triton_ops(device: torch.device) -> ModuleType:
     """`kernels.triton.ops`, imported for `device`: compiled on CUDA, interpreted elsewhere."""
     module = "kernels.triton.ops"
-    if device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
-        if _triton_compiled():
+    if device.type != "cuda":
+        if os.environ.get("TRITON_INTERPRET") != "1" or _triton_compiled():
             raise RuntimeError(
-                "triton kernels on the CPU need TRITON_INTERPRET=1 set before anything imports "
-                "triton (its own library functions are decorated at import); set it in the "
-                "environment"
+                "triton kernels on the CPU run under triton's interpreter: start the process "
+                "with TRITON_INTERPRET=1 in its environment (triton reads it as it imports)"
             )
         logger.warning("triton kernels on %s: running them under the interpreter", device)
-        os.environ["TRITON_INTERPRET"] = "1"
     __import__(module)
     return sys.modules[module]
 
