@@ -132,6 +132,10 @@ async def tokens_used(session: AsyncSession, *, tenant_id: str, since: datetime)
 # -- OpenAI's Usage API ---------------------------------------------------------------------------
 
 
+# A next_page is "page_" and the base64 of a bucket's start: never longer than this.
+MAX_PAGE = 32
+
+
 def encode_page(bucket_start: int) -> str:
     return "page_" + base64.urlsafe_b64encode(str(bucket_start).encode()).decode().rstrip("=")
 
@@ -139,7 +143,7 @@ def encode_page(bucket_start: int) -> str:
 def decode_page(page: str) -> int:
     """Raises UsageQueryError for anything `encode_page` did not make."""
     try:
-        if not page.startswith("page_") or len(page) > 32:
+        if not page.startswith("page_") or len(page) > MAX_PAGE:
             raise ValueError
         text = base64.urlsafe_b64decode(page[5:] + "=" * (-len(page[5:]) % 4)).decode()
         if not text.isdigit():

@@ -7,11 +7,11 @@ effect in this process at once (its caches are dropped) and in other gateway rep
 
 from __future__ import annotations
 
-from datetime import datetime
+from datetime import UTC, datetime
 from typing import Annotated, Literal
 
 from fastapi import APIRouter, Response
-from pydantic import AfterValidator, BaseModel, ConfigDict, Field
+from pydantic import AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field
 
 from gateway.body import StrictJSONRoute
 from gateway.deps import AdminDep, TenancyDep
@@ -45,9 +45,10 @@ class _In(BaseModel):
     model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
 
 
-# Per-tenant limits; null is unlimited. A limit of 2^53 or more is as good as none.
-RequestLimit = Annotated[int, Field(ge=1, lt=1 << 53)]
-TokenQuota = Annotated[int, Field(ge=0, lt=1 << 53)]
+# Per-tenant limits; null is unlimited. A limit of 2^53 or more is as good as none. Strict:
+# "1000", 10.5 or true is a mistake in a billing limit, not a number to coerce.
+RequestLimit = Annotated[int, Field(ge=1, lt=1 << 53, strict=True)]
+TokenQuota = Annotated[int, Field(ge=0, lt=1 << 53, strict=True)]
 LIMIT_FIELDS = ("rpm_limit", "tpm_limit", "max_concurrency", "monthly_token_quota")
 
 
@@ -102,9 +103,31 @@ class TenantList(BaseModel):
     data: list[TenantPublic]
 
 
+def _future(value: datetime) -> datetime:
+    moment = value if value.tzinfo else value.replace(tzinfo=UTC)
+    if moment <= datetime.now(UTC):
+        raise ValueError("a key's expiry must be in the future")
+    return value
+
+
+def _iso_only(value: object) -> object:
+    # pydantic reads a number as Unix time: 2.6e-306 would be 1970, a key born expired.
+    if not isinstance(value, str | datetime):
+        raise ValueError("an ISO 8601 date-time")
+    return value
+
+
 class KeyCreate(_In):
     name: Annotated[str, Field(min_length=1, max_length=64)] | None = None
-    expires_at: datetime | None = None
+    expires_at: (
+        Annotated[
+            datetime,
+            BeforeValidator(_iso_only),
+            AfterValidator(_future),
+            Field(description="ISO 8601 date-time in the future (no offset: UTC)"),
+        ]
+        | None
+    ) = None
 
 
 class KeyPublic(BaseModel):

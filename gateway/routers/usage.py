@@ -32,6 +32,7 @@ from gateway.tenancy import Tenancy
 from tenants.usage import (
     BUCKET_LIMITS,
     MAX_EPOCH,
+    MAX_PAGE,
     UsageQueryError,
     completions_page,
     summarize_usage,
@@ -183,7 +184,7 @@ async def completions(
         int | None,
         Query(ge=1, le=max(m for _, m in BUCKET_LIMITS.values()), description=_LIMIT),
     ] = None,
-    page: Annotated[str | None, Query(max_length=64, description="a next_page")] = None,
+    page: Annotated[str | None, Query(max_length=MAX_PAGE, description="a next_page")] = None,
     tenant_id: Annotated[str | None, Query(max_length=MAX_ID, description="ours")] = None,
     project_ids: Annotated[list[Id] | None, Query(max_length=100)] = None,
     api_key_ids: Annotated[list[Id] | None, Query(max_length=100)] = None,
@@ -230,8 +231,8 @@ async def _summary(
     group_by: str | None,
 ) -> Response | dict:
     first, stop = _epoch(start, "from"), _epoch(end, "to")
-    if first is not None and stop is not None and stop <= first:
-        raise APIError(400, "to: after from", param="to", code="invalid_value")
+    if first is not None and stop is not None and stop < first:  # from = to: empty, no error
+        raise APIError(400, "to: not before from", param="to", code="invalid_value")
     async with tenancy.db.session() as session:
         totals = await summarize_usage(
             session, tenant_id=tenant_id, start=first, end=stop, group_by=group_by

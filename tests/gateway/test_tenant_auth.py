@@ -54,12 +54,16 @@ def test_a_key_works_until_it_expires_is_revoked_or_its_tenant_is_suspended(
     _error(_complete(server, server.tenancy.admin_token), 401, "invalid_api_key")
 
     with admin_client(server) as admin:
-        past = (datetime.now(UTC) - timedelta(seconds=1)).isoformat()
-        expired = admin.post(f"/admin/tenants/{tenant_id}/keys", json={"expires_at": past})
-        _error(_complete(server, expired.json()["key"]), 401, "invalid_api_key")
-        naive = (datetime.now(UTC) - timedelta(seconds=1)).replace(tzinfo=None).isoformat()
-        expired = admin.post(f"/admin/tenants/{tenant_id}/keys", json={"expires_at": naive})
-        _error(_complete(server, expired.json()["key"]), 401, "invalid_api_key")  # taken as UTC
+        # A key is never born expired (a 400); these two expire 3 s from now, the naive
+        # one taken as UTC.
+        soon = datetime.now(UTC) + timedelta(seconds=3)
+        expiring = [
+            admin.post(f"/admin/tenants/{tenant_id}/keys", json={"expires_at": when}).json()
+            for when in (soon.isoformat(), soon.replace(tzinfo=None).isoformat())
+        ]
+        time.sleep(max(0.0, (soon - datetime.now(UTC)).total_seconds()) + 0.05)
+        for expired in expiring:
+            _error(_complete(server, expired["key"]), 401, "invalid_api_key")
 
         second = admin.post(f"/admin/tenants/{tenant_id}/keys", json={"name": "ci"}).json()
         assert _complete(server, second["key"]).status_code == 200

@@ -253,7 +253,7 @@ def test_v1_usage_is_the_callers_tenant_only(tenancy_server: Server) -> None:
     [
         ("/admin/usage", {"from": "1700000000"}),  # ISO 8601 only
         ("/admin/usage", {"from": "yesterday"}),
-        ("/admin/usage", {"from": "2026-11-30", "to": "2026-11-30"}),
+        ("/admin/usage", {"from": "2026-11-30", "to": "2026-11-29"}),
         ("/admin/usage", {"to": "2026-13-01"}),
         ("/admin/usage", {"group_by": "user"}),
         ("/admin/usage/completions", {}),  # start_time is required
