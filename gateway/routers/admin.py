@@ -45,10 +45,17 @@ class _In(BaseModel):
     model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
 
 
-# Per-tenant limits; null is unlimited. A limit of 2^53 or more is as good as none. Strict:
-# "1000", 10.5 or true is a mistake in a billing limit, not a number to coerce.
-RequestLimit = Annotated[int, Field(ge=1, lt=1 << 53, strict=True)]
-TokenQuota = Annotated[int, Field(ge=0, lt=1 << 53, strict=True)]
+def _json_number(value: object) -> object:
+    # A billing limit is a JSON number: "1000" or true is a mistake, not a number to coerce.
+    # (1000.0 is an integer to JSON Schema and stays one; 10.5 is refused as a fraction.)
+    if isinstance(value, str | bool):
+        raise ValueError("a JSON integer, not a string or a boolean")
+    return value
+
+
+# Per-tenant limits; null is unlimited. A limit of 2^53 or more is as good as none.
+RequestLimit = Annotated[int, Field(ge=1, lt=1 << 53), BeforeValidator(_json_number)]
+TokenQuota = Annotated[int, Field(ge=0, lt=1 << 53), BeforeValidator(_json_number)]
 LIMIT_FIELDS = ("rpm_limit", "tpm_limit", "max_concurrency", "monthly_token_quota")
 
 
@@ -103,13 +110,6 @@ class TenantList(BaseModel):
     data: list[TenantPublic]
 
 
-def _future(value: datetime) -> datetime:
-    moment = value if value.tzinfo else value.replace(tzinfo=UTC)
-    if moment <= datetime.now(UTC):
-        raise ValueError("a key's expiry must be in the future")
-    return value
-
-
 def _iso_only(value: object) -> object:
     # pydantic reads a number as Unix time: 2.6e-306 would be 1970, a key born expired.
     if not isinstance(value, str | datetime):
@@ -123,7 +123,6 @@ class KeyCreate(_In):
         Annotated[
             datetime,
             BeforeValidator(_iso_only),
-            AfterValidator(_future),
             Field(description="ISO 8601 date-time in the future (no offset: UTC)"),
         ]
         | None
@@ -225,6 +224,14 @@ async def create_tenant_key(
     tenant_id: str, body: KeyCreate, tenancy: TenancyDep, _: AdminDep
 ) -> dict:
     await _tenant(tenancy, tenant_id)
+    expires = body.expires_at
+    if expires is not None and expires.tzinfo is None:
+        expires = expires.replace(tzinfo=UTC)  # no offset: UTC, as the store reads it
+    if expires is not None and expires <= datetime.now(UTC):
+        # A key born expired is a mistake (the schema cannot say "after now": a 400 of ours).
+        raise APIError(
+            400, "expires_at: not in the future", param="expires_at", code="invalid_value"
+        )
     async with tenancy.db.session() as session, session.begin():
         row, key = await create_key(
             session, tenant_id=tenant_id, name=body.name, expires_at=body.expires_at
