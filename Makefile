@@ -5,7 +5,7 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed-$(shell sha256sum pyproject.toml | cut -c1-12)
 MODEL ?= models/smollm2
 
-.PHONY: venv serve test lint bench models
+.PHONY: venv serve test lint bench models docs
 
 venv: $(STAMP)
 
@@ -33,8 +33,12 @@ models: models/demo models/smollm2
 serve: venv models/smollm2
 	$(BIN)/loragate serve --model $(MODEL) --served-model-name smollm2
 
-test: venv
+test: venv docs
 	LORAGATE_SMOLLM2=$(CURDIR)/models/smollm2 $(BIN)/python -m pytest -q
+
+# The documentation site: a broken link or anchor fails the build.
+docs: venv
+	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs build --strict --quiet
 
 lint: venv
 	$(BIN)/ruff check .

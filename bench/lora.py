@@ -12,7 +12,7 @@ adapters built by peft (`adapters.demo`), all-linear, at `--rank`.
 
 Cold load: the time from an adapter's files on disk to its weights in a device
 slot (read, validate, hash-check, copy), at ranks 8 and 16, on
-`--cold-load-model` (SmolLM2-135M in the README); median of 9 adapters each, one engine,
+`--cold-load-model` (SmolLM2-135M in docs/performance.md); median of 9 adapters each, one engine,
 after an untimed first load.
 """
 

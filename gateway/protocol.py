@@ -7,7 +7,7 @@ guided_choice, guided_grammar) are accepted on both routes, as is
 response_format.
 
 Every field is bounded here, so that no request can ask the engine for what it
-cannot represent or afford (README, "Request bounds"). Bounds that depend on the
+cannot represent or afford (docs/failure-isolation.md, "Request bounds"). Bounds that depend on the
 model or the server's settings (the vocabulary, `--max-n`, `--max-prompt-chars`,
 the context length) are checked by gateway.openai_serving; JSON itself (non-finite
 numbers, nesting, lone surrogates) by gateway.body.

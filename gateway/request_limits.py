@@ -26,7 +26,7 @@ TOO_LONG = "string_above_max_length"
 
 @dataclass(frozen=True, slots=True)
 class RequestLimits:
-    """The bounds that are the server's settings (README, "Request bounds")."""
+    """The bounds that are the server's settings (docs/failure-isolation.md, "Request bounds")."""
 
     max_n: int = 16
     max_prompt_chars: int | None = None  # None: CHARS_PER_TOKEN x max_model_len

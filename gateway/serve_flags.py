@@ -126,16 +126,32 @@ def add_serve_command(app: typer.Typer, run: Callable[[Settings], None]) -> None
     app.command("serve", context_settings={"allow_extra_args": True})(serve)
 
 
-def _option(name: str) -> Any:
+def reference_rows() -> list[tuple[str, str, str, str]]:
+    """(flag, variable, default, help) of every `serve` flag: the docs' reference page is
+    made of these, so it lists exactly what the command takes."""
+    rows = []
+    for name in HELP:
+        flag = "--" + name.replace("_", "-")
+        if _python_type(Settings.model_fields[name].annotation) is bool:
+            flag += " / --no-" + name.replace("_", "-")
+        default = "" if "Default:" in HELP[name] else _default_shown(name)
+        rows.append((flag, f"LORAGATE_{name.upper()}", default, HELP[name]))
+    return rows
+
+
+def _default_shown(name: str) -> str:
     field = Settings.model_fields[name]
-    kind = _python_type(field.annotation)
     default = field.default_factory() if field.default_factory else field.default  # type: ignore[call-arg]
-    shown = "none" if default in (None, []) else str(default)
     if isinstance(default, SecretStr):
-        shown = "set"
+        return "set"
+    return "none" if default in (None, []) else str(default)
+
+
+def _option(name: str) -> Any:
+    kind = _python_type(Settings.model_fields[name].annotation)
     env = f"env: LORAGATE_{name.upper()}"
     # A help text that says its default itself (a computed one) gets only the variable.
-    extra = env if "Default:" in HELP[name] else f"default: {shown}; {env}"
+    extra = env if "Default:" in HELP[name] else f"default: {_default_shown(name)}; {env}"
     help = f"{HELP[name]} ({extra})"
     return Annotated[kind | None, typer.Option(help=help, show_default=False)]
 
