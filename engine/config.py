@@ -49,7 +49,7 @@ class EngineConfig:
     # torch without cpu_kernels), triton (on the CPU: under
     # triton's interpreter, for tests), native or torch.
     kernels: str = "auto"
-    # Guided decoding (engine/guided.py): limits on what a request may ask to compile.
+    # Guided decoding (engine/guided/): limits on what a request may ask to compile.
     guided_compile_timeout: float = 10.0  # seconds a request waits for its grammar
     guided_cache_size: int = 256  # compiled grammars kept, least recently used dropped
     guided_max_schema_bytes: int = 64 << 10  # a schema (compact JSON), regex, grammar or choices

@@ -6,14 +6,31 @@ import enum
 import math
 import time
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 if TYPE_CHECKING:
     import torch
 
-    from engine.guided import SequenceGrammar
     from engine.lora_types import LoRARequest
-    from engine.spec_decode import NgramIndex
+
+
+class Grammar(Protocol):
+    """One sequence's grammar (engine.guided.matcher.SequenceGrammar), as the engine calls it.
+    Named here, not imported, so that this module depends on nothing of guided decoding or
+    speculative decoding (both of which read requests)."""
+
+    matcher: Any  # the xgrammar matcher once the compile is done, else None
+    token_filter: Any
+
+    def try_start(self, now: float) -> bool: ...
+    def accept(self, token_id: int) -> bool: ...
+    def must_end(self) -> bool: ...
+
+
+class Proposer(Protocol):
+    """A request's draft proposer (engine.spec_decode.NgramIndex)."""
+
+    def propose(self, tokens: list[int], limit: int) -> list[int]: ...
 
 
 class RequestStatus(enum.IntEnum):
@@ -280,11 +297,11 @@ class Request:
         self.first_token_time: float | None = None
         self.scheduled_time: float | None = None
         # Guided requests: this sequence's matcher, once its grammar is compiled.
-        self.grammar: SequenceGrammar | None = None
+        self.grammar: Grammar | None = None
         # Speculative decoding (engine/spec_decode.py): the drafts the next step verifies
         # (never among the known tokens), and where this request's n-grams occurred.
         self.spec_token_ids: list[int] = []
-        self.ngram_index: NgramIndex | None = None
+        self.ngram_index: Proposer | None = None
 
     @property
     def adapter_id(self) -> str | None:

@@ -25,8 +25,8 @@ from jsonschema.exceptions import ValidationError, relevance
 from jsonschema.protocols import Validator
 from jsonschema.validators import Draft202012Validator, extend, validator_for
 
+from engine.guided.patterns import python_regex
 from engine.request import GuidedSpec
-from engine.schema_patterns import python_regex
 
 logger = logging.getLogger(__name__)
 

@@ -44,7 +44,8 @@ from gateway.request_limits import (
 from gateway.response_state import Answer, Choice, Timer, Usage
 from gateway.sse_response import sse_chunks
 from gateway.streaming import Disconnected, MeteredStream, merge, unless_disconnected
-from gateway.tool_calls import ToolCallStream, ToolPlan, tool_plan
+from gateway.tool_call_stream import ToolCallStream
+from gateway.tool_calls import ToolPlan, tool_plan
 from gateway.tool_parsers import FORMATS, ToolFormat
 from gateway.tool_prompt import render_messages, template_knows_tools
 from tenants.ledger import Ledger

@@ -10,7 +10,8 @@ from engine.request import GuidedSpec
 from gateway.guided_validation import OutputValidator, Violation, checks
 from gateway.metrics import Metrics
 from gateway.response_state import Choice
-from gateway.tool_calls import ToolCallStream, parameters
+from gateway.tool_call_stream import ToolCallStream
+from gateway.tool_calls import parameters
 
 logger = logging.getLogger(__name__)
 

@@ -17,7 +17,7 @@ from gateway.guided_validation import Violation
 from gateway.metering import STATUS_ABORTED, STATUS_OK, Meter, UsageFigures
 from gateway.metrics import Metrics
 from gateway.streaming import chain
-from gateway.tool_calls import ToolCallStream
+from gateway.tool_call_stream import ToolCallStream
 
 
 @dataclass(slots=True)

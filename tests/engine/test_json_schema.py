@@ -1,4 +1,4 @@
-"""engine/json_schema.py: every rewrite proved against the jsonschema validator on xgrammar's
+"""engine/guided/schema.py: every rewrite proved against the jsonschema validator on xgrammar's
 own matcher (strings the grammar must accept are valid, violations are rejected), the holes
 in xgrammar 0.2.9 that make each rewrite necessary, refusals by pointer, end checks, and
 outputs of the demo model."""
@@ -16,7 +16,7 @@ import xgrammar as xgr
 from engine import LLM, SamplingParams
 from engine.errors import GuidedSpecError
 from engine.guided import check_schema, schema_end_checks
-from engine.json_schema import normalize_schema, python_regex
+from engine.guided.schema import normalize_schema, python_regex
 from engine.request import GuidedSpec
 
 FORMATS = jsonschema.FormatChecker()

@@ -103,7 +103,7 @@ def test_corpus_patterns_mean_on_xgrammar_what_they_mean_in_json_schema(pattern:
     from hypothesis import HealthCheck, given, settings
     from hypothesis import strategies as st
 
-    from engine.json_schema import UnsupportedSchema, normalize_schema, python_regex
+    from engine.guided.schema import UnsupportedSchema, normalize_schema, python_regex
 
     try:
         normalized = normalize_schema({"type": "string", "pattern": pattern}).schema

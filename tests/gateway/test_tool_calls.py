@@ -21,7 +21,8 @@ from adapters.registry import AdapterRegistry
 from engine import EngineConfig, LLMEngine
 from engine.async_engine import AsyncEngine
 from gateway.protocol import ChatCompletionRequest
-from gateway.tool_calls import ToolCallStream, tool_plan
+from gateway.tool_call_stream import ToolCallStream
+from gateway.tool_calls import tool_plan
 from gateway.tool_parsers import FORMATS
 from gateway.tool_prompt import INSTRUCTIONS, render_messages
 

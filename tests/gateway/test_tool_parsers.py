@@ -18,7 +18,8 @@ from engine import EngineConfig
 from engine.request import GuidedSpec
 from gateway.protocol import ChatCompletionRequest
 from gateway.settings import Settings, SettingsError
-from gateway.tool_calls import ToolCallStream, ToolPlan, tool_plan
+from gateway.tool_call_stream import ToolCallStream
+from gateway.tool_calls import ToolPlan, tool_plan
 from gateway.tool_parsers import FORMATS
 
 WEATHER = {

@@ -19,7 +19,7 @@ a schema into the subset it does enforce:
   check; `uniqueItems` is an end check;
 - `enum`/`const` keep the values their sibling keywords allow; draft-04 forms
   (`items: [...]`, boolean `exclusiveMinimum`) become their 2020-12 forms;
-- `not S` becomes the complement of S (engine/schema_negation.py), `if/then/else` becomes
+- `not S` becomes the complement of S (engine/guided/negation.py), `if/then/else` becomes
   `(if and then) or (not if and else)`, and each dependency `(no such property) or (what it
   needs)`, merged like `allOf`: applied in every draft, so only stricter where a draft
   ignores them;
@@ -48,21 +48,21 @@ from dataclasses import dataclass
 from typing import Any
 from urllib.parse import unquote
 
-from engine.json_schema_types import (
+from engine.guided.negation import Negator
+from engine.guided.patterns import (
+    excluded_words,
+    full_match,
+    merge_patterns,
+    none_of,
+    python_regex,
+)
+from engine.guided.schema_types import (
     ALL_TYPES,
     Schema,
     UnsupportedSchema,
     escape_pointer,
     type_set,
     union,
-)
-from engine.schema_negation import Negator
-from engine.schema_patterns import (
-    excluded_words,
-    full_match,
-    merge_patterns,
-    none_of,
-    python_regex,
 )
 
 __all__ = [

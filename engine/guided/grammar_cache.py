@@ -1,24 +1,6 @@
-"""Guided decoding: compile a GuidedSpec into a grammar, give each sequence a matcher, and
-mask each step's logits to the tokens the grammars allow next (xgrammar).
-
-The objects, in the order a request meets them:
-
-- `GrammarCache` compiles specs on background threads, so a slow compile never stalls the
-  step loop, and keeps the results (grammars and refusals) in a bounded LRU keyed by the
-  spec's canonical text. Meanwhile the request waits in the queue: `grammar_ready` is a
-  scheduler admission gate.
-- `SequenceGrammar` is one sequence's matcher. It accepts each token the engine appends and
-  says when the output must end: the grammar took a stop token, or it is complete and
-  allows nothing but a stop token next (then the engine ends it without that extra step).
-- `GrammarBitmask` is one int32 bitmask for all guided rows of a step, filled together and
-  applied to those rows' logits before sampling; other rows are not touched.
-
-JSON comes out compact (`{"a":1,"b":[2,3]}`): the grammar leaves no whitespace to choose.
-With free whitespace a small model tends to emit spaces or newlines until max_tokens.
-
-Importing xgrammar takes over a second, so it happens on first use: an engine that never
-sees a guided request never pays for it.
-"""
+"""Compiling guided-decoding specs: the canonical text a spec is cached by, the checks a JSON
+schema passes first (size, depth, what xgrammar can enforce), and `GrammarCache`, which
+compiles on background threads into a bounded LRU of grammars and refusals."""
 
 from __future__ import annotations
 
@@ -32,21 +14,21 @@ import time
 from collections import OrderedDict
 from collections.abc import Iterable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
 
 from engine.errors import GuidedSpecError
-from engine.json_schema import (
+from engine.guided.matcher import CompiledSpec, SequenceGrammar, _EndCheck, timeout_message
+from engine.guided.schema import (
     NormalizedSchema,
     UnsupportedSchema,
     escape_pointer,
     normalize_schema,
     python_regex,
 )
-from engine.request import GuidedSpec, Request
+from engine.request import GuidedSpec
 
 if TYPE_CHECKING:
     import xgrammar as xgr
@@ -57,7 +39,7 @@ logger = logging.getLogger(__name__)
 JSON_SEPARATORS = (",", ":")
 
 # What xgrammar 0.2.9 would accept without enforcing is rewritten or refused by
-# engine/json_schema.py (REFUSED_KEYWORDS there; tests/engine/test_json_schema.py pins each).
+# engine/guided/schema.py (REFUSED_KEYWORDS there; tests/engine/test_json_schema.py pins each).
 
 # xgrammar's C++ errors start with "[12:00:00] /project/cpp/file.cc:123: " and sometimes
 # "Check failed: (...) is false: "; the client needs neither.
@@ -154,17 +136,6 @@ def _nesting_depth(value: Any) -> int:
 # -- compiling -----------------------------------------------------------------------------
 
 
-@dataclass(frozen=True, slots=True)
-class CompiledSpec:
-    """A compiled grammar, a token filter its rows also get (an int32 bitmask row to AND
-    with the grammar's, or None), and the JSON schema's end checks: (JSON pointer, keyword)
-    pairs the grammar does not enforce, so the finished document must be validated."""
-
-    grammar: xgr.CompiledGrammar
-    token_filter: torch.Tensor | None
-    end_checks: tuple[tuple[str, str], ...] = ()
-
-
 class GrammarCache:
     """Compiled grammars by canonical spec: a bounded LRU filled by background compiles.
 
@@ -237,7 +208,7 @@ class GrammarCache:
         future = asyncio.wrap_future(self.submit(spec))
         done, _ = await asyncio.wait({future}, timeout=self.compile_timeout)
         if not done:
-            raise GuidedSpecError(_timeout_message(self.compile_timeout))
+            raise GuidedSpecError(timeout_message(self.compile_timeout))
         result = future.result()
         if isinstance(result, GuidedSpecError):
             raise result
@@ -348,217 +319,3 @@ def _normalized_tag(node: Any, max_depth: int) -> Any:
 def _name(spec: GuidedSpec) -> str:
     names = {"json_schema": "JSON schema", "json_object": "JSON object"}
     return names.get(spec.kind, spec.kind.replace("_", " "))
-
-
-def _timeout_message(timeout: float) -> str:
-    return f"the grammar did not compile within {timeout:g} s; simplify it"
-
-
-# -- per sequence --------------------------------------------------------------------------
-
-
-class _EndCheck:
-    """Does a matcher allow nothing but stop tokens next? Then its grammar can only end."""
-
-    def __init__(self, stop_token_ids: Sequence[int], vocab_size: int) -> None:
-        words = np.full((vocab_size + 31) // 32, 0xFFFFFFFF, dtype=np.uint32)
-        for token in stop_token_ids:
-            words[token // 32] &= ~np.uint32(1 << (token % 32))
-        self.not_stop = torch.from_numpy(words.view(np.int32))
-        self._scratch = self.new_scratch()  # the engine thread's
-
-    def must_end(self, matcher: xgr.GrammarMatcher, token_filter: torch.Tensor | None) -> bool:
-        if matcher.is_terminated():
-            return True
-        return matcher.is_completed() and self._only_stop(matcher, token_filter, self._scratch)
-
-    def matches_only_empty(self, compiled: CompiledSpec) -> bool:
-        """On a compile thread: does the grammar allow nothing but a stop token at the start?"""
-        import xgrammar as xgr
-
-        matcher = xgr.GrammarMatcher(compiled.grammar)
-        return matcher.is_completed() and self._only_stop(
-            matcher, compiled.token_filter, self.new_scratch()
-        )
-
-    def _only_stop(
-        self, matcher: xgr.GrammarMatcher, token_filter: torch.Tensor | None, scratch: torch.Tensor
-    ) -> bool:
-        matcher.fill_next_token_bitmask(scratch)
-        others = scratch[0] & self.not_stop
-        if token_filter is not None:
-            others &= token_filter
-        return not bool(others.any())
-
-    def new_scratch(self) -> torch.Tensor:
-        return torch.zeros(1, self.not_stop.numel(), dtype=torch.int32)
-
-
-class SequenceGrammar:
-    """One sequence's grammar: waits for its compile, then matches the tokens it appends.
-
-    The matcher accepts exactly the tokens appended to the sequence, once each: a
-    recompute after preemption samples nothing new until it has caught up, so it never
-    advances the matcher twice.
-    """
-
-    __slots__ = ("future", "matcher", "token_filter", "_deadline", "_timeout", "_end_check")
-
-    def __init__(self, future: Future[Any], timeout: float, end_check: _EndCheck) -> None:
-        self.future = future
-        self.matcher: xgr.GrammarMatcher | None = None
-        self.token_filter: torch.Tensor | None = None
-        self._timeout = timeout
-        self._deadline = time.monotonic() + timeout
-        self._end_check = end_check
-
-    def try_start(self, now: float) -> bool:
-        """True once the matcher exists. Raises GuidedSpecError when the compile failed or
-        ran past its deadline."""
-        if self.matcher is not None:
-            return True
-        if not self.future.done():
-            if now > self._deadline:
-                raise GuidedSpecError(_timeout_message(self._timeout))
-            return False
-        result = self.future.result()
-        if isinstance(result, GuidedSpecError):
-            raise result
-        import xgrammar as xgr
-
-        self.matcher = xgr.GrammarMatcher(result.grammar)
-        self.token_filter = result.token_filter
-        return True
-
-    def accept(self, token_id: int) -> bool:
-        """Advance by the sampled token; False if the grammar rejects it (a masking bug)."""
-        assert self.matcher is not None
-        return self.matcher.accept_token(token_id)
-
-    def must_end(self) -> bool:
-        """The grammar took a stop token, or it is complete and allows nothing else."""
-        assert self.matcher is not None
-        return self._end_check.must_end(self.matcher, self.token_filter)
-
-
-def grammar_ready(request: Request) -> bool:
-    """Scheduler admission gate: a guided request waits until its matcher exists."""
-    return request.grammar is None or request.grammar.matcher is not None
-
-
-# -- per step ------------------------------------------------------------------------------
-
-
-@dataclass(slots=True)
-class _GuidedRows:
-    rows: list[int]
-    matchers: list[Any]
-    filtered_rows: list[int]
-    token_filter: torch.Tensor | None  # an engine has one (JSON's), shared by every JSON row
-
-
-class GrammarBitmask:
-    """The step's one token bitmask: every guided row filled in one call, then applied to
-    those rows of the logits in place. Unguided rows are never read or written.
-
-    The model runner calls `prefetch` before the forward pass: the rows' matchers already
-    hold every token sampled so far, so xgrammar fills the masks on a helper thread while
-    the forward runs (its ops release the GIL), and `apply` only waits for it."""
-
-    def __init__(self) -> None:
-        self._host: torch.Tensor | None = None  # [rows, ceil(vocab / 32)] int32, reused
-        self._filler: xgr.BatchGrammarMatcher | None = None
-        self._executor: ThreadPoolExecutor | None = None
-        # (the step's requests, their guided rows, the host buffer, the fill in flight)
-        self._pending: tuple[Sequence[Request], _GuidedRows, torch.Tensor, Future[None]] | None
-        self._pending = None
-
-    def prefetch(self, requests: Sequence[Request], vocab: int, device: torch.device) -> None:
-        self._pending = None
-        guided = self._guided_rows(requests)
-        if guided is None:
-            return
-        host = self._host_rows(len(requests), (vocab + 31) // 32, device)
-        if self._executor is None:
-            self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="bitmask")
-        future = self._executor.submit(self._fill, guided, host)
-        self._pending = (requests, guided, host, future)
-
-    def apply(self, logits: torch.Tensor, requests: Sequence[Request]) -> None:
-        pending, self._pending = self._pending, None
-        if pending is not None and pending[0] is requests:
-            _, guided, host, future = pending
-            future.result()
-        else:
-            found = self._guided_rows(requests)
-            if found is None:
-                return
-            guided = found
-            host = self._host_rows(len(requests), (logits.shape[-1] + 31) // 32, logits.device)
-            self._fill(guided, host)
-        mask = host[: len(requests)]
-        vocab = logits.shape[-1]
-        if logits.device.type == "cpu":
-            mask_logits_cpu(logits, mask, guided.rows)
-        else:
-            import xgrammar as xgr
-
-            mask = mask.to(logits.device, non_blocking=True)
-            xgr.apply_token_bitmask_inplace(logits, mask, vocab_size=vocab, indices=guided.rows)
-
-    @staticmethod
-    def _guided_rows(requests: Sequence[Request]) -> _GuidedRows | None:
-        guided = _GuidedRows([], [], [], None)
-        for row, request in enumerate(requests):
-            grammar = request.grammar
-            if grammar is None:
-                continue
-            assert grammar.matcher is not None  # admitted, so the gate saw it compiled
-            guided.rows.append(row)
-            guided.matchers.append(grammar.matcher)
-            if grammar.token_filter is not None:
-                guided.filtered_rows.append(row)
-                guided.token_filter = grammar.token_filter
-        return guided if guided.rows else None
-
-    def _fill(self, guided: _GuidedRows, host: torch.Tensor) -> None:
-        import xgrammar as xgr
-
-        if self._filler is None:
-            self._filler = xgr.BatchGrammarMatcher()
-        # The buffer may be an inference tensor (made in the step's inference mode, which is
-        # per thread): writing it in place needs that mode here too.
-        with torch.inference_mode():
-            self._filler.batch_fill_next_token_bitmask(guided.matchers, host, guided.rows)
-            if guided.token_filter is not None:
-                host[guided.filtered_rows] &= guided.token_filter
-
-    def _host_rows(self, num_rows: int, words: int, device: torch.device) -> torch.Tensor:
-        host = self._host
-        if host is None or host.shape[0] < num_rows or host.shape[1] != words:
-            # Pinned for CUDA's asynchronous copy. Refilling it next step is safe: sampling
-            # brings the sampled ids back to the host, which waits for the copy, in between.
-            capacity = 1 << (num_rows - 1).bit_length()
-            host = torch.empty(capacity, words, dtype=torch.int32, pin_memory=device.type == "cuda")
-            self._host = host
-        return host
-
-
-def mask_logits_cpu(logits: torch.Tensor, bitmask: torch.Tensor, rows: list[int]) -> None:
-    """Set the logits of `rows` whose bit is 0 to -inf: xgrammar's apply_token_bitmask_inplace
-    for the CPU (a test holds the two equal). Unpacking the bits with numpy and one pass of
-    torch.where measured 3-4x faster than xgrammar's CPU kernel on the sparse masks JSON
-    mostly has (about 2x slower on masks allowing nearly everything). Bit k of int32 word j
-    is token 32 j + k: on a little-endian host, bit k % 8 of byte 4 j + k // 8."""
-    vocab = logits.shape[-1]
-    words = bitmask.numpy()
-    if len(rows) < words.shape[0]:
-        words = words[rows]
-    bits = np.unpackbits(words.view(np.uint8), axis=1, count=vocab, bitorder="little")
-    allowed = torch.from_numpy(bits.view(np.bool_))
-    neg_inf = logits.new_full((), float("-inf"))
-    if len(rows) == logits.shape[0]:
-        torch.where(allowed, logits, neg_inf, out=logits)
-    else:
-        index = torch.tensor(rows)
-        logits.index_copy_(0, index, torch.where(allowed, logits.index_select(0, index), neg_inf))

@@ -10,7 +10,7 @@ import re
 from collections.abc import Iterable
 from typing import Any
 
-from engine.json_schema_types import UnsupportedSchema
+from engine.guided.schema_types import UnsupportedSchema
 
 # Regex constructs xgrammar cannot express: lookarounds and backreferences.
 _INEXPRESSIBLE_REGEX = re.compile(r"\(\?<?[=!]|\(\?P=|\\[1-9]|\\k<")

@@ -9,7 +9,7 @@ complement is the strings of length 2 or less). What real schemas negate is the 
 complement xgrammar cannot express (a `pattern` we did not write, `format`, `multipleOf`,
 `items`, `additionalProperties`, non-integral numbers) are refused by pointer.
 
-Strings outside a finite set are written as a pattern by engine.schema_patterns.none_of.
+Strings outside a finite set are written as a pattern by engine.guided.patterns.none_of.
 """
 
 from __future__ import annotations
@@ -17,7 +17,8 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from engine.json_schema_types import (
+from engine.guided.patterns import excluded_words, none_of
+from engine.guided.schema_types import (
     ALL_TYPES,
     Schema,
     UnsupportedSchema,
@@ -25,7 +26,6 @@ from engine.json_schema_types import (
     type_set,
     union,
 )
-from engine.schema_patterns import excluded_words, none_of
 
 
 class Negator:
