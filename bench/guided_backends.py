@@ -694,12 +694,12 @@ def main(argv: list[str] | None = None) -> None:
     import transformers
     from transformers import AutoConfig, AutoTokenizer
 
-    from engine.llm_engine import _eos_token_ids
+    from engine.models.llama import eos_token_ids
 
     transformers.logging.set_verbosity_error()
     tokenizer = AutoTokenizer.from_pretrained(args.tokenizer)
     hf_config = AutoConfig.from_pretrained(args.tokenizer)
-    eos = sorted(_eos_token_ids(hf_config, tokenizer, args.tokenizer))
+    eos = sorted(eos_token_ids(hf_config, tokenizer, args.tokenizer))
     vocab_size = int(hf_config.vocab_size)
     backends: list[Any] = [
         Xgrammar(tokenizer, vocab_size, eos, args.tokenizer, strict=not args.loose),

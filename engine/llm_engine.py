@@ -22,6 +22,7 @@ from engine.lora import LoRAManager
 from engine.lora_types import LoRALoader, LoRARequest, llama_fused_targets
 from engine.messages import EngineRequest
 from engine.model_runner import ModelRunner, ProgressFn
+from engine.models.llama import eos_token_ids
 from engine.outputs import SequenceUpdate
 from engine.request import Request, RequestStatus, SamplingParams
 from engine.sampler import SamplerOutput
@@ -59,7 +60,7 @@ class LLMEngine:
         self.hf_config = hf_config
         self.max_model_len = config.max_model_len or int(hf_config.max_position_embeddings)
         self.vocab_size = int(hf_config.vocab_size)
-        self.eos_token_ids = _eos_token_ids(hf_config, self.tokenizer, config.model)
+        self.eos_token_ids = eos_token_ids(hf_config, self.tokenizer, config.model)
 
         calibration = None
         if config.quantization is not None:
@@ -484,21 +485,3 @@ def grammar_cache(
         max_depth=config.guided_max_schema_depth,
         compile_timeout=config.guided_compile_timeout,
     )
-
-
-def _eos_token_ids(hf_config: Any, tokenizer: Any, model_dir: str) -> frozenset[int]:
-    ids: set[int] = set()
-    try:
-        from transformers import GenerationConfig
-
-        gen = GenerationConfig.from_pretrained(model_dir)
-        eos = gen.eos_token_id
-    except OSError:
-        eos = getattr(hf_config, "eos_token_id", None)
-    if eos is None:
-        eos = tokenizer.eos_token_id
-    if isinstance(eos, int):
-        ids.add(eos)
-    elif eos is not None:
-        ids.update(int(e) for e in eos)
-    return frozenset(ids)

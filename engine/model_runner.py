@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
@@ -63,6 +64,25 @@ def resolve_dtype(name: str, hf_config: PretrainedConfig, device: torch.device) 
     if isinstance(checkpoint, str):
         checkpoint = DTYPES.get(checkpoint)
     return checkpoint if checkpoint in (torch.bfloat16, torch.float16) else torch.bfloat16
+
+
+@dataclass(slots=True)
+class _StepBatch:
+    """One step flattened: per token (ids, positions, KV slots, adapter slots), per attention
+    row (query and sequence lengths, block tables), and the rows that sample."""
+
+    input_ids: np.ndarray
+    positions: np.ndarray
+    slots: np.ndarray
+    token_lora_slots: np.ndarray
+    query_lens: np.ndarray
+    seq_lens: np.ndarray
+    num_decode: int  # decode tokens, first in the batch
+    block_tables: list[list[int]] = field(default_factory=list)
+    sample_rows: list[Request] = field(default_factory=list)
+    sample_index: list[int] = field(default_factory=list)  # their tokens' places
+    spec_rows: list[tuple[Request, list[int]]] = field(default_factory=list)  # and drafts
+    spec_index: list[int] = field(default_factory=list)
 
 
 class ModelRunner:
@@ -238,39 +258,70 @@ class ModelRunner:
     def execute(
         self, sched: SchedulerOutput, kv: KVCacheManager
     ) -> tuple[list[Request], SamplerOutput | None]:
-        # Decode rows first: a caught-up request's last token, and its drafts if it
-        # speculates (engine/spec_decode.py), each token an attention row of its own over
-        # the request's blocks. The torch attention groups decode rows of similar length, so
-        # they go shortest first; the C++ and triton kernels pad nothing, so there rows go
-        # by LoRA slot: each adapter's tokens are then one run of rows (two with prefills).
+        """One step: its rows flattened into one batch, one forward pass, then the sampled
+        rows (and the speculating rows' verified drafts)."""
+        batch = self._flatten(self._order_rows(sched), sched.num_batched_tokens, kv)
+        large = sched.num_batched_tokens >= self.large_step_tokens
+        self._set_threads(self.prefill_threads if large else self.decode_threads)
+        plan = build_plan(
+            batch.query_lens,
+            batch.seq_lens,
+            batch.block_tables,
+            batch.slots,
+            batch.num_decode,
+            self.block_size,
+            self.device,
+            **self.plan_kind,
+        )
+        ids_t = torch.from_numpy(batch.input_ids).to(self.device)
+        pos_t = torch.from_numpy(batch.positions).to(self.device)
+        lora = None if self.lora is None else self.lora.step_context(batch.token_lora_slots)
+        if batch.sample_rows:  # guided rows' masks fill on a helper thread beside the forward
+            self.sampler.grammar_bitmask.prefetch(batch.sample_rows, self.vocab_size, self.device)
+        hidden = self.model(ids_t, pos_t, plan, self.kv_caches, lora)
+        if not batch.sample_rows and not batch.spec_rows:
+            return [], None
+        return self._sample(batch, hidden)
+
+    def _order_rows(self, sched: SchedulerOutput) -> list[tuple[Request, int]]:
+        """Decode rows first: a caught-up request's last token, and its drafts if it
+        speculates (engine/spec_decode.py), each token an attention row of its own over the
+        request's blocks. The torch attention groups decode rows of similar length, so they
+        go shortest first; the C++ and triton kernels pad nothing, so there rows go by LoRA
+        slot: each adapter's tokens are then one run of rows (two with prefills)."""
+
         def is_decode(item: tuple[Request, int]) -> bool:
             return item[0].num_computed_tokens + 1 == item[0].num_tokens
 
         if self.native_kernels or self.triton is not None:
-            rows = sorted(
+            return sorted(
                 sched.scheduled, key=lambda item: (not is_decode(item), item[0].lora_slot)
             )
-        else:
-            rows = sorted(
-                sched.scheduled,
-                key=lambda item: (not is_decode(item), item[0].num_computed_tokens),
-            )
+        return sorted(
+            sched.scheduled, key=lambda item: (not is_decode(item), item[0].num_computed_tokens)
+        )
+
+    def _flatten(
+        self, rows: list[tuple[Request, int]], num_tokens: int, kv: KVCacheManager
+    ) -> _StepBatch:
+        """Every scheduled token of every row in one super sequence (ids, positions, KV slots,
+        adapter slots), an attention row per prefill chunk and per decode token, and which
+        tokens are sampled."""
         bs = self.block_size
-        num_tokens = sched.num_batched_tokens
-        decode = [is_decode(item) for item in rows]
+        decode = [r.num_computed_tokens + 1 == r.num_tokens for r, _ in rows]
         num_decode = sum(n for (_, n), d in zip(rows, decode, strict=True) if d)
         num_attention_rows = num_decode + decode.count(False)
-        input_ids = np.empty(num_tokens, dtype=np.int64)
-        positions = np.empty(num_tokens, dtype=np.int64)
-        slots = np.empty(num_tokens, dtype=np.int64)
-        token_lora_slots = np.empty(num_tokens, dtype=np.int64)
-        query_lens = np.ones(num_attention_rows, dtype=np.int64)
-        seq_lens = np.empty(num_attention_rows, dtype=np.int64)
-        block_tables: list[list[int]] = []
-        sample_rows: list[Request] = []
-        sample_index: list[int] = []
-        spec_rows: list[tuple[Request, list[int]]] = []
-        spec_index: list[int] = []
+        batch = _StepBatch(
+            input_ids=np.empty(num_tokens, dtype=np.int64),
+            positions=np.empty(num_tokens, dtype=np.int64),
+            slots=np.empty(num_tokens, dtype=np.int64),
+            token_lora_slots=np.empty(num_tokens, dtype=np.int64),
+            query_lens=np.ones(num_attention_rows, dtype=np.int64),
+            seq_lens=np.empty(num_attention_rows, dtype=np.int64),
+            num_decode=num_decode,
+        )
+        input_ids, positions, slots = batch.input_ids, batch.positions, batch.slots
+        seq_lens, block_tables = batch.seq_lens, batch.block_tables
         t = a = 0  # the next token, the next attention row
         for (request, n), is_decode_row in zip(rows, decode, strict=True):
             start = request.num_computed_tokens
@@ -286,50 +337,39 @@ class ModelRunner:
                 input_ids[t : t + len(known)] = known
                 input_ids[t + len(known) : t + n] = request.spec_token_ids[: n - len(known)]
                 slots[t : t + n] = np.asarray(table)[pos // bs] * bs + pos % bs
-            token_lora_slots[t : t + n] = request.lora_slot
+            batch.token_lora_slots[t : t + n] = request.lora_slot
             if is_decode_row and n == 1:
                 seq_lens[a] = start + 1
                 block_tables.append(table)
                 a += 1
-                sample_rows.append(request)
-                sample_index.append(t)
+                batch.sample_rows.append(request)
+                batch.sample_index.append(t)
             elif is_decode_row:  # the last token and its drafts: one query token each
                 seq_lens[a : a + n] = np.arange(start + 1, start + n + 1)
                 block_tables.extend([table] * n)
                 a += n
-                spec_rows.append((request, request.spec_token_ids[: n - 1]))
-                spec_index.extend(range(t, t + n))
+                batch.spec_rows.append((request, request.spec_token_ids[: n - 1]))
+                batch.spec_index.extend(range(t, t + n))
             else:
-                query_lens[a] = n
+                batch.query_lens[a] = n
                 seq_lens[a] = start + n
                 block_tables.append(table)
                 a += 1
                 if start + n == request.num_tokens:
-                    sample_rows.append(request)
-                    sample_index.append(t + n - 1)
+                    batch.sample_rows.append(request)
+                    batch.sample_index.append(t + n - 1)
             t += n
+        return batch
 
-        large = num_tokens >= self.large_step_tokens
-        self._set_threads(self.prefill_threads if large else self.decode_threads)
-        plan = build_plan(
-            query_lens,
-            seq_lens,
-            block_tables,
-            slots,
-            num_decode,
-            bs,
-            self.device,
-            **self.plan_kind,
+    def _sample(
+        self, batch: _StepBatch, hidden: torch.Tensor
+    ) -> tuple[list[Request], SamplerOutput]:
+        sample_rows, sample_index, spec_rows = (
+            batch.sample_rows,
+            batch.sample_index,
+            batch.spec_rows,
         )
-        ids_t = torch.from_numpy(input_ids).to(self.device)
-        pos_t = torch.from_numpy(positions).to(self.device)
-        lora = None if self.lora is None else self.lora.step_context(token_lora_slots)
-        if sample_rows:  # guided rows' masks fill on a helper thread beside the forward
-            self.sampler.grammar_bitmask.prefetch(sample_rows, self.vocab_size, self.device)
-        hidden = self.model(ids_t, pos_t, plan, self.kv_caches, lora)
-        if not sample_rows and not spec_rows:
-            return [], None
-        index = torch.tensor(sample_index + spec_index, device=self.device)
+        index = torch.tensor(sample_index + batch.spec_index, device=self.device)
         # The vocabulary projection is the step's one large GEMM: it runs on prefill_threads.
         self._set_threads(self.prefill_threads)
         logits = self.model.compute_logits(hidden[index])

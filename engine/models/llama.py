@@ -11,7 +11,7 @@ import json
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from types import ModuleType
-from typing import cast
+from typing import Any, cast
 
 import torch
 import torch.nn.functional as F
@@ -383,3 +383,23 @@ def iter_safetensors(model_dir: Path) -> Iterator[tuple[str, torch.Tensor]]:
         with safe_open(str(file), framework="pt") as f:
             for key in f.keys():  # noqa: SIM118 - safe_open is not a mapping
                 yield key, f.get_tensor(key)
+
+
+def eos_token_ids(hf_config: Any, tokenizer: Any, model_dir: str) -> frozenset[int]:
+    """The token ids that end a sequence: the generation config's, else the model config's,
+    else the tokenizer's."""
+    ids: set[int] = set()
+    try:
+        from transformers import GenerationConfig
+
+        gen = GenerationConfig.from_pretrained(model_dir)
+        eos = gen.eos_token_id
+    except OSError:
+        eos = getattr(hf_config, "eos_token_id", None)
+    if eos is None:
+        eos = tokenizer.eos_token_id
+    if isinstance(eos, int):
+        ids.add(eos)
+    elif eos is not None:
+        ids.update(int(e) for e in eos)
+    return frozenset(ids)

@@ -38,11 +38,12 @@ def test_corpus_is_shipped_with_its_source() -> None:
 @pytest.fixture(scope="module")
 def cache(demo_model_dir: Path) -> GrammarCache:
     """The engine's own GrammarCache (its factory, its default limits and timeout)."""
-    from engine.llm_engine import _eos_token_ids, grammar_cache
+    from engine.llm_engine import grammar_cache
+    from engine.models.llama import eos_token_ids
 
     hf_config = AutoConfig.from_pretrained(demo_model_dir)
     tokenizer = AutoTokenizer.from_pretrained(demo_model_dir)
-    eos = _eos_token_ids(hf_config, tokenizer, str(demo_model_dir))
+    eos = eos_token_ids(hf_config, tokenizer, str(demo_model_dir))
     config = EngineConfig(model=str(demo_model_dir), dtype="float32")
     return grammar_cache(config, tokenizer, int(hf_config.vocab_size), eos)
 

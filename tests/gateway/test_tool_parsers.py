@@ -168,11 +168,12 @@ def test_streaming_every_prefix_adds_up_to_the_whole(
 
 
 def test_the_grammar_holds_a_started_call_to_its_schema(demo_model_dir: Path) -> None:
-    from engine.llm_engine import _eos_token_ids, grammar_cache
+    from engine.llm_engine import grammar_cache
+    from engine.models.llama import eos_token_ids
 
     tokenizer = AutoTokenizer.from_pretrained(demo_model_dir)
     hf_config = AutoConfig.from_pretrained(demo_model_dir)
-    eos = _eos_token_ids(hf_config, tokenizer, str(demo_model_dir))
+    eos = eos_token_ids(hf_config, tokenizer, str(demo_model_dir))
     cache = grammar_cache(
         EngineConfig(model=str(demo_model_dir)), tokenizer, hf_config.vocab_size, eos
     )
