@@ -33,7 +33,8 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from adapters.peft import CONFIG_FILE, WEIGHTS_FILE, lora_scaling
+from adapters.peft import WEIGHTS_FILE
+from adapters.peft_config import CONFIG_FILE, lora_scaling
 from engine.lora_types import LORA_TARGETS
 
 # |scaling * B A x| / |W x|. At 0.5 the demo model's greedy output changes on most prompts;

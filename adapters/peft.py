@@ -23,21 +23,25 @@ from __future__ import annotations
 
 import hashlib
 import json
-import math
 import os
 import re
 from collections.abc import Iterable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, TypeGuard
 
 import torch
 
+from adapters.peft_config import (
+    CONFIG_FILE,
+    AdapterError,
+    LoraConfig,
+    parse_config,
+    short,
+)
 from adapters.safetensors_view import SafetensorsError, load_views
 from engine.lora_types import LORA_TARGETS, LoRAWeights
 
-CONFIG_FILE = "adapter_config.json"
 WEIGHTS_FILE = "adapter_model.safetensors"
 PICKLE_FILE = "adapter_model.bin"
 
@@ -60,36 +64,6 @@ _FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 _MAX_CONFIG_BYTES = 1 << 20
 # Room for the safetensors header (tensor names, shapes, offsets) on top of the tensor data.
 _HEADER_ALLOWANCE = 1 << 20
-
-# Config fields that, when set, change the forward pass away from `W x + scaling * B A x` on the
-# seven projections, or make peft pick layers and ranks by rules this loader does not follow.
-_UNSUPPORTED_FEATURES = {
-    "use_dora": "DoRA rescales every adapted weight by a learned magnitude vector",
-    "modules_to_save": "it replaces whole base-model modules with trained copies",
-    "layers_to_transform": "adapters restricted to chosen layers by config are not supported",
-    "layers_pattern": "adapters restricted to chosen layers by config are not supported",
-    "rank_pattern": "the engine holds one rank per adapter, not one per module",
-    "alpha_pattern": "the engine holds one scaling per adapter, not one per module",
-    "lora_bias": "it adds a trained bias to lora_B",
-    "fan_in_fan_out": "it stores factors transposed, for GPT-2 style Conv1D layers",
-    "use_qalora": "QALoRA pools the input before lora_A",
-    "use_bdlora": "BD-LoRA uses block-diagonal factors",
-    "alora_invocation_tokens": "Activated LoRA applies the adapter only after invocation tokens",
-    "arrow_config": "Arrow routes each token between several adapters",
-    "kasa_config": "KaSA inserts a learned diagonal between lora_A and lora_B",
-    "monteclora_config": "MonteCLoRA samples the adapter's weights",
-    "trainable_token_indices": "it trains token embeddings, outside the adapted projections",
-    "target_parameters": "it adapts raw parameters (such as MoE experts), not linear modules",
-    "layer_replication": "it duplicates decoder layers of the base model",
-}
-
-# Initialisations that subtract the initial adapter from (or quantize) the base weights: such an
-# adapter is only correct on top of the modified base it was saved with.
-_BASE_MODIFYING_INITS = ("pissa", "olora", "corda", "loftq")
-
-
-class AdapterError(ValueError):
-    """An adapter was refused; the message says which file, which module, expected vs got."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -134,11 +108,6 @@ def describe_base(model_dir: str | Path, extra_names: Iterable[str] = ()) -> Bas
     return BaseModelInfo(names=names, num_layers=num_layers, module_shapes=module_shapes)
 
 
-def lora_scaling(alpha: float, rank: int, rslora: bool) -> float:
-    """peft's multiplier of `B A x`: alpha / r, or alpha / sqrt(r) for rsLoRA."""
-    return alpha / math.sqrt(rank) if rslora else alpha / rank
-
-
 def adapter_identity(path: str | Path) -> str:
     """sha256 (hex) of the adapter's config and weights, each prefixed by its length.
 
@@ -177,7 +146,7 @@ def load_peft_adapter(
     config_bytes = _read_bounded(
         directory / CONFIG_FILE, _MAX_CONFIG_BYTES, "no adapter config is that large"
     )
-    config = _parse_config(config_bytes, max_lora_rank)
+    config = parse_config(config_bytes, max_lora_rank)
     _check_base_model(config.base_model, base)
     weights = _read_weights(
         weights_path,
@@ -276,103 +245,6 @@ def _digest(config_bytes: bytes, weights: torch.Tensor) -> str:
     return digest.hexdigest()
 
 
-# --- adapter_config.json -----------------------------------------------------------------
-
-
-@dataclass(frozen=True, slots=True)
-class _LoraConfig:
-    rank: int
-    scaling: float
-    # The entries of a list-form target_modules; None when it is a pattern or "all-linear",
-    # which leave it to the tensors to say what is adapted.
-    target_modules: tuple[str, ...] | None
-    base_model: str | None
-
-
-def _parse_config(data: bytes, max_lora_rank: int) -> _LoraConfig:
-    try:
-        config = json.loads(data)
-    except (ValueError, RecursionError) as exc:  # UnicodeDecodeError is a ValueError
-        raise AdapterError(f"{CONFIG_FILE} is not valid JSON: {exc}") from exc
-    if not isinstance(config, dict):
-        raise AdapterError(f"{CONFIG_FILE} must hold a JSON object, not {type(config).__name__}")
-    peft_type = config.get("peft_type")
-    if peft_type != "LORA":
-        raise AdapterError(
-            f"{CONFIG_FILE}: peft_type is {_short(peft_type)}; only LORA adapters are supported"
-        )
-    for field, reason in _UNSUPPORTED_FEATURES.items():
-        if _is_set(config.get(field)):
-            raise AdapterError(
-                f"{CONFIG_FILE}: {field}={_short(config[field])} is not supported: {reason}"
-            )
-    bias = config.get("bias", "none")
-    if bias != "none":
-        raise AdapterError(
-            f"{CONFIG_FILE}: bias={_short(bias)} is not supported: the adapter trained "
-            f"base-model biases; only bias='none' adapters can be served"
-        )
-    init = config.get("init_lora_weights", True)
-    if isinstance(init, str) and init.lower().startswith(_BASE_MODIFYING_INITS):
-        raise AdapterError(
-            f"{CONFIG_FILE}: init_lora_weights={init!r} is not supported: the adapter is only "
-            f"valid on the base weights its initialisation modified; convert it to plain LoRA"
-        )
-    rank, alpha, rslora = config.get("r"), config.get("lora_alpha"), config.get("use_rslora", False)
-    if not _is_int(rank) or rank < 1:
-        raise AdapterError(f"{CONFIG_FILE}: r must be a positive integer, got {_short(rank)}")
-    if rank > max_lora_rank:
-        raise AdapterError(
-            f"{CONFIG_FILE}: rank r={rank} exceeds this server's max_lora_rank {max_lora_rank}"
-        )
-    if not _is_number(alpha):
-        raise AdapterError(
-            f"{CONFIG_FILE}: lora_alpha must be a finite number, got {_short(alpha)}"
-        )
-    if not isinstance(rslora, bool):
-        raise AdapterError(f"{CONFIG_FILE}: use_rslora must be true or false, got {_short(rslora)}")
-    base_model = config.get("base_model_name_or_path")
-    if base_model is not None and not isinstance(base_model, str):
-        raise AdapterError(
-            f"{CONFIG_FILE}: base_model_name_or_path must be a string, got {_short(base_model)}"
-        )
-    return _LoraConfig(
-        rank=rank,
-        scaling=lora_scaling(alpha, rank, rslora),
-        target_modules=_parse_target_modules(config.get("target_modules")),
-        base_model=base_model or None,
-    )
-
-
-def _parse_target_modules(value: Any) -> tuple[str, ...] | None:
-    supported = ", ".join(LORA_TARGETS)
-    if isinstance(value, str):
-        if value == "all-linear":  # peft's shorthand: every linear layer but the output head
-            return None
-        # A pattern is compiled, never matched: matching a tenant's regex could backtrack for
-        # minutes. The tensors say what is adapted, and each is checked by name below.
-        try:
-            re.compile(value)
-        except (re.error, RecursionError, OverflowError) as exc:
-            raise AdapterError(
-                f"{CONFIG_FILE}: target_modules {_short(value)} is not a valid pattern: {exc}"
-            ) from exc
-        return None
-    if not isinstance(value, list) or not value:
-        raise AdapterError(
-            f"{CONFIG_FILE}: target_modules must be a non-empty list of module names or a "
-            f"pattern, got {_short(value)}"
-        )
-    for entry in value:
-        # An entry names a module by its full name or a dotted suffix of it (see _listed).
-        if not isinstance(entry, str) or entry.rsplit(".", 1)[-1] not in LORA_TARGETS:
-            raise AdapterError(
-                f"{CONFIG_FILE}: target module {_short(entry)} is not supported; "
-                f"supported: {supported}"
-            )
-    return tuple(value)
-
-
 def _check_base_model(trained_for: str | None, base: BaseModelInfo) -> None:
     """Compare by the last path component: a hub id and a local directory of it agree."""
     if trained_for is None or not base.names:
@@ -381,7 +253,7 @@ def _check_base_model(trained_for: str | None, base: BaseModelInfo) -> None:
     if _last_component(trained_for).lower() not in known:
         also = f" (also known as {', '.join(map(repr, base.names[1:]))})" if base.names[1:] else ""
         raise AdapterError(
-            f"adapter was trained for {_short(trained_for)}; this server's base model is "
+            f"adapter was trained for {short(trained_for)}; this server's base model is "
             f"{base.names[0]!r}{also}"
         )
 
@@ -401,7 +273,7 @@ def _parse_weights(data: torch.Tensor) -> dict[str, torch.Tensor]:
 
 
 def _pair_factors(
-    tensors: dict[str, torch.Tensor], config: _LoraConfig, base: BaseModelInfo
+    tensors: dict[str, torch.Tensor], config: LoraConfig, base: BaseModelInfo
 ) -> list[dict[str, tuple[torch.Tensor, torch.Tensor]]]:
     """Group lora_A/lora_B by (layer, module), check each pair, convert to float32."""
     found: dict[tuple[int, str], dict[str, tuple[str, torch.Tensor]]] = {}
@@ -409,14 +281,14 @@ def _pair_factors(
         layer, module, side = _locate(key, base.num_layers)
         if config.target_modules is not None and not _listed(layer, module, config.target_modules):
             raise AdapterError(
-                f"{WEIGHTS_FILE}: tensor {_short(key, 120)} adapts {module}, which target_modules "
+                f"{WEIGHTS_FILE}: tensor {short(key, 120)} adapts {module}, which target_modules "
                 f"{list(config.target_modules)} does not include"
             )
         pair = found.setdefault((layer, module), {})
         if side in pair:
             raise AdapterError(
                 f"{WEIGHTS_FILE}: layer {layer} {module} has two lora_{side} tensors: "
-                f"{_short(pair[side][0], 120)} and {_short(key, 120)}"
+                f"{short(pair[side][0], 120)} and {short(key, 120)}"
             )
         pair[side] = (key, tensor)
     if not found:
@@ -456,7 +328,7 @@ def _check_finite(factors: list[torch.Tensor], names: list[tuple[str, str]]) -> 
     for tensor, (what, key) in zip(factors, names, strict=True):
         if not bool(torch.isfinite(tensor).all()):
             raise AdapterError(
-                f"{WEIGHTS_FILE}: {what} ({_short(key, 120)}) holds NaN or infinite values"
+                f"{WEIGHTS_FILE}: {what} ({short(key, 120)}) holds NaN or infinite values"
             )
     raise AdapterError(f"{WEIGHTS_FILE}: factor values too large for float32 arithmetic")
 
@@ -472,13 +344,13 @@ def _locate(key: str, num_layers: int) -> tuple[int, str, str]:
     match = _TENSOR_KEY.fullmatch(key)
     if match is None or _BLOCK.get(match["module"]) != match["block"]:
         raise AdapterError(
-            f"{WEIGHTS_FILE}: tensor {_short(key, 120)} is not a lora_A/lora_B weight of "
+            f"{WEIGHTS_FILE}: tensor {short(key, 120)} is not a lora_A/lora_B weight of "
             f"{', '.join(LORA_TARGETS)} in a decoder layer"
         )
     layer = int(match["layer"])
     if layer >= num_layers:
         raise AdapterError(
-            f"{WEIGHTS_FILE}: tensor {_short(key, 120)} is for layer {layer}, but the base "
+            f"{WEIGHTS_FILE}: tensor {short(key, 120)} is for layer {layer}, but the base "
             f"model has {num_layers} layers (0..{num_layers - 1})"
         )
     return layer, match["module"], match["side"]
@@ -490,41 +362,14 @@ def _factor(
     key, tensor = named
     if tensor.dtype not in _FLOAT_DTYPES:
         raise AdapterError(
-            f"{WEIGHTS_FILE}: {what} ({_short(key, 120)}) has dtype {tensor.dtype}; "
+            f"{WEIGHTS_FILE}: {what} ({short(key, 120)}) has dtype {tensor.dtype}; "
             f"expected float16, bfloat16, float32 or float64"
         )
     if tuple(tensor.shape) != expected:
         raise AdapterError(
-            f"{WEIGHTS_FILE}: {what} ({_short(key, 120)}) has shape {list(tensor.shape)}; expected "
+            f"{WEIGHTS_FILE}: {what} ({short(key, 120)}) has shape {list(tensor.shape)}; expected "
             f"{list(expected)} = [{dims}]"
         )
     # float32 factors stay views of the buffer the file was read into (nothing writes to
     # them; the engine copies them into its slots): a copy here would be the load's largest.
     return tensor.to(torch.float32).contiguous()
-
-
-# --- small predicates ----------------------------------------------------------------------
-
-
-def _is_set(value: Any) -> bool:
-    """Whether a config field is in use. 0 counts: `layers_to_transform: 0` means layer 0."""
-    return value is not None and value is not False and value not in ("", [], {})
-
-
-def _is_int(value: Any) -> TypeGuard[int]:
-    return isinstance(value, int) and not isinstance(value, bool)
-
-
-def _is_number(value: Any) -> TypeGuard[float]:
-    if not isinstance(value, int | float) or isinstance(value, bool):
-        return False
-    try:
-        return math.isfinite(value)
-    except OverflowError:  # an int too large for a float
-        return False
-
-
-def _short(value: Any, limit: int = 80) -> str:
-    """repr() cut to a readable length: a refusal must not echo a megabyte of config."""
-    text = repr(value)
-    return text if len(text) <= limit else text[: limit - 3] + "..."
