@@ -211,7 +211,8 @@ def main(argv: list[str] | None = None) -> None:
         # Warm up both paths (and load every adapter) outside the timed runs.
         warm = make_workloads(["w1"], tokenizer_vocab, special, num_prompts=8, seed=args.seed + 1)
         run_ours(llm, warm[0].prompts, [None] * 8, 8, "warmup", progress, 1)
-        run_ours(llm, warm[0].prompts, w3_loras[:8], 8, "warmup", progress, 1)
+        warm_loras = [loras[i % len(loras)] for i in range(8)]  # --num-prompts may be under 8
+        run_ours(llm, warm[0].prompts, warm_loras, 8, "warmup", progress, 1)
 
         rows: dict[str, dict[str, Any]] = {}
         rows["w1 base"] = run_ours(
