@@ -31,7 +31,7 @@ from rich.console import Console
 from rich.table import Table
 
 from bench.agreement import QUESTIONS
-from bench.offline import run_ours
+from bench.offline_ours import run_ours
 from bench.workloads import make_workloads, new_progress
 from kernels import cpu_features
 from kernels.quant import Int8Linear
