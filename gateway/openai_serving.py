@@ -355,4 +355,6 @@ class OpenAIServing:
                 param = guided_param
             elif isinstance(exc, ContextLengthExceeded):
                 param = "messages" if chat else "prompt"
-            raise api_error(exc, param) or exc from exc
+            error = api_error(exc, param)
+            assert error is not None  # ENGINE_ERRORS has a row for every RequestRefused
+            raise error from exc
