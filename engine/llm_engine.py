@@ -1,5 +1,6 @@
-"""LLMEngine: add / step / abort, the n > 1 fan-out, admission checks, and a failed step
-pinned on its requests. The offline front end, `LLM.generate`, is engine/offline.py."""
+"""LLMEngine: add / step / abort, the n > 1 fan-out and admission checks. A step that
+raises goes to engine/step_failure.py, the offline front end (`LLM.generate`) is
+engine/offline.py."""
 
 from __future__ import annotations
 
@@ -28,13 +29,10 @@ from engine.request import Request, RequestStatus, SamplingParams
 from engine.sampler import SamplerOutput
 from engine.scheduler import Scheduler, SchedulerOutput
 from engine.spec_decode import NgramIndex, SpeculativeConfig, can_speculate
-from engine.step_failure import Rows, isolate_failures
+from engine.step_failure import Rows, StepFailures, failure_message
 from kernels import quant_calibration
 
 logger = logging.getLogger(__name__)
-
-# Failed steps in a row that no single request explains before their requests fail.
-MAX_UNEXPLAINED_FAILURES = 8
 
 
 @dataclass(slots=True)
@@ -105,11 +103,11 @@ class LLMEngine:
         # Guided sequences whose matcher does not exist yet (compiling, or not looked at).
         self._awaiting_grammar: dict[str, _Sequence] = {}
         self.num_failed_requests = 0  # sequences a failed step was pinned on
+        self.step_failures = StepFailures(self._run_rows, self.kv, self.scheduler)
         # Speculative decoding: its config, and vLLM's counters (drafts proposed and
         # verified, their tokens, the tokens accepted).
         self.speculative = config.speculative_config
         self.num_drafts = self.num_draft_tokens = self.num_accepted_tokens = 0
-        self._num_unexplained_failures = 0
         logger.info(
             "KV cache: %d blocks x %d tokens = %d tokens (%.1f MiB, %s); max concurrency at "
             "max_model_len=%d: %.1fx",
@@ -264,8 +262,8 @@ class LLMEngine:
         try:
             sampled, sampler_out = self.runner.execute(sched, self.kv)
         except Exception as exc:  # noqa: BLE001 - fail the requests that cause it, alone
-            return updates + self._contain_step_failure(sched.scheduled, exc)
-        self._num_unexplained_failures = 0
+            return updates + self._fail_step(sched.scheduled, exc)
+        self.step_failures.step_succeeded()
         for request, num_new in sched.scheduled:
             request.num_computed_tokens += num_new
         if sampler_out is not None:
@@ -297,7 +295,7 @@ class LLMEngine:
             except Exception as exc:  # noqa: BLE001 - a stop check or detokenizer failure
                 logger.exception("request %s failed after its step", seq.parent_id)
                 self.num_failed_requests += 1
-                updates.append(self._fail(request, _failure_message(exc)))
+                updates.append(self._fail(request, failure_message(exc)))
                 continue
             if speculated and not request.is_finished:
                 self.kv.trim(request, request.num_tokens)  # the rejected drafts' blocks
@@ -342,42 +340,17 @@ class LLMEngine:
                 break
         return self._update(seq, appended, logprobs)
 
-    def _contain_step_failure(self, scheduled: Rows, error: Exception) -> list[SequenceUpdate]:
-        """A step raised: fail only the requests that make it fail, roll the step back for
-        every other, and let those continue from where they were (their tokens unchanged)."""
-        logger.warning(
-            "a step of %d requests failed (%s: %s); re-running it in parts to find the "
-            "requests that fail it",
-            len(scheduled),
-            type(error).__name__,
-            error,
-        )
-        culprits = isolate_failures(scheduled, self._run_rows, error)
-        failing = {id(request) for request, _ in culprits}
-        for request in self.kv.roll_back_step(scheduled):
-            if id(request) not in failing:
-                self.scheduler.preempt(request)  # it hit KV the failed step never wrote
-        if not culprits:
-            # Every part runs alone: the batch fails only as a whole (memory, say). Shrink it
-            # by preempting the request that would go if KV blocks ran out; give up on the
-            # step's requests only if that keeps failing.
-            self._num_unexplained_failures += 1
-            if self._num_unexplained_failures <= MAX_UNEXPLAINED_FAILURES:
-                if self.scheduler.running:
-                    self.scheduler.preempt(self.scheduler.preemption_victim())
-                return []
-            culprits = [(r, error) for r, _ in scheduled if r.status == RequestStatus.RUNNING]
-        self._num_unexplained_failures = 0
-        updates = []
+    def _fail_step(self, scheduled: Rows, error: Exception) -> list[SequenceUpdate]:
+        """A step raised: only the requests that make it fail end (engine/step_failure.py)."""
+        culprits = self.step_failures.contain(scheduled, error)
         for request, exc in culprits:
             logger.error(
                 "request %s failed the engine step; it alone fails",
                 self.sequences[request.request_id].parent_id,
                 exc_info=exc,
             )
-            updates.append(self._fail(request, _failure_message(exc)))
         self.num_failed_requests += len(culprits)
-        return updates
+        return [self._fail(request, failure_message(exc)) for request, exc in culprits]
 
     def _run_rows(self, rows: Rows) -> None:
         """A diagnostic forward of some of a failed step's rows; raises as they do."""
@@ -467,10 +440,6 @@ class LLMEngine:
             stop_reason=request.stop_reason,
             error=request.error,
         )
-
-
-def _failure_message(exc: BaseException) -> str:
-    return f"the engine failed on this request: {type(exc).__name__}: {exc}"
 
 
 def grammar_cache(

@@ -13,11 +13,72 @@ drawing them changes no later token.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable
 
-from engine.request import Request
+from engine.kv_cache.manager import KVCacheManager
+from engine.request import Request, RequestStatus
+from engine.scheduler import Scheduler
+
+logger = logging.getLogger(__name__)
 
 Rows = list[tuple[Request, int]]
+
+# Failed steps in a row that no single request explains before their requests fail.
+MAX_UNEXPLAINED_FAILURES = 8
+
+
+class StepFailures:
+    """The engine's answer to a step that raised: which requests fail, and the state every
+    other request resumes from.
+
+    `run` is a forward of some rows (the model runner's execute on a sub-batch); it raises
+    as those rows do.
+    """
+
+    def __init__(self, run: Callable[[Rows], object], kv: KVCacheManager, scheduler: Scheduler):
+        self._run = run
+        self._kv = kv
+        self._scheduler = scheduler
+        self._num_unexplained = 0  # failed steps in a row with no culprit
+
+    def step_succeeded(self) -> None:
+        self._num_unexplained = 0
+
+    def contain(self, scheduled: Rows, error: Exception) -> list[tuple[Request, Exception]]:
+        """The requests that must fail for the step `scheduled` (which raised `error`), each
+        with its error; every other request is rolled back to before the step, its tokens
+        unchanged. Empty when the step fails only as a whole: then the batch is shrunk (a
+        request preempted) and the next step tries again."""
+        logger.warning(
+            "a step of %d requests failed (%s: %s); re-running it in parts to find the "
+            "requests that fail it",
+            len(scheduled),
+            type(error).__name__,
+            error,
+        )
+        culprits = isolate_failures(scheduled, self._run, error)
+        failing = {id(request) for request, _ in culprits}
+        for request in self._kv.roll_back_step(scheduled):
+            if id(request) not in failing:
+                self._scheduler.preempt(request)  # it hit KV the failed step never wrote
+        if not culprits:
+            # Every part runs alone: the batch fails only as a whole (memory, say). Shrink it
+            # by preempting the request that would go if KV blocks ran out; give up on the
+            # step's requests only if that keeps failing.
+            self._num_unexplained += 1
+            if self._num_unexplained <= MAX_UNEXPLAINED_FAILURES:
+                if self._scheduler.running:
+                    self._scheduler.preempt(self._scheduler.preemption_victim())
+                return []
+            culprits = [(r, error) for r, _ in scheduled if r.status == RequestStatus.RUNNING]
+        self._num_unexplained = 0
+        return culprits
+
+
+def failure_message(exc: BaseException) -> str:
+    """The error a request that alone failed the engine ends with."""
+    return f"the engine failed on this request: {type(exc).__name__}: {exc}"
 
 
 def isolate_failures(
