@@ -184,9 +184,9 @@ async def completions_page(
         raise UsageQueryError("start_time", f"start_time: Unix seconds in [0, {MAX_EPOCH}]")
     end = int(datetime.now(UTC).timestamp()) if now is None else now
     if end_time is not None:
-        if not start_time < end_time <= MAX_EPOCH + 1:
-            raise UsageQueryError("end_time", "end_time: Unix seconds after start_time")
-        end = end_time
+        if not 0 < end_time <= MAX_EPOCH + 1:
+            raise UsageQueryError("end_time", f"end_time: Unix seconds in [1, {MAX_EPOCH + 1}]")
+        end = max(end_time, start_time)  # an empty or backwards range: no buckets
     unknown = [g for g in group_by if g not in COMPLETION_GROUPS]
     if unknown:
         raise UsageQueryError("group_by", f"group_by: one of {', '.join(COMPLETION_GROUPS)}")
@@ -196,7 +196,8 @@ async def completions_page(
         if cursor % width or not first <= cursor < end:
             raise UsageQueryError("page", "page: not a next_page of this query")
         first = cursor
-    total = max(0, -(-(end - first) // width))  # buckets that start before `end`
+    # buckets that start before `end`; none for an empty range
+    total = max(0, -(-(end - first) // width)) if end > start_time else 0
     count = min(limit, total)
     stop = first + count * width
 

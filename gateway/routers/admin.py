@@ -8,7 +8,7 @@ effect in this process at once (its caches are dropped) and in other gateway rep
 from __future__ import annotations
 
 from datetime import UTC, datetime
-from typing import Annotated, Literal
+from typing import Annotated, Any, Literal
 
 from fastapi import APIRouter, Response
 from pydantic import AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field
@@ -16,7 +16,8 @@ from pydantic import AfterValidator, BaseModel, BeforeValidator, ConfigDict, Fie
 from gateway.body import StrictJSONRoute
 from gateway.deps import AdminDep, TenancyDep
 from gateway.errors import APIError
-from gateway.routers.responses import ADMIN_ERRORS, not_found
+from gateway.iso_time import Instant
+from gateway.routers.error_schemas import ADMIN_ERRORS, not_found
 from gateway.tenancy import Tenancy
 from tenants.keys import create_key, list_keys, revoke_key
 from tenants.models import ApiKey, Tenant
@@ -110,19 +111,11 @@ class TenantList(BaseModel):
     data: list[TenantPublic]
 
 
-def _iso_only(value: object) -> object:
-    # pydantic reads a number as Unix time: 2.6e-306 would be 1970, a key born expired.
-    if not isinstance(value, str | datetime):
-        raise ValueError("an ISO 8601 date-time")
-    return value
-
-
 class KeyCreate(_In):
     name: Annotated[str, Field(min_length=1, max_length=64)] | None = None
     expires_at: (
         Annotated[
-            datetime,
-            BeforeValidator(_iso_only),
+            Instant,
             Field(description="ISO 8601 date-time in the future (no offset: UTC)"),
         ]
         | None
@@ -174,7 +167,7 @@ async def create(body: TenantCreate, tenancy: TenancyDep, _: AdminDep) -> Tenant
 
 
 @router.get("/tenants", response_model=TenantList)
-async def list_all(tenancy: TenancyDep, _: AdminDep) -> dict:
+async def list_all(tenancy: TenancyDep, _: AdminDep) -> dict[str, Any]:
     async with tenancy.db.session() as session:
         return {"data": await list_tenants(session)}
 
@@ -222,7 +215,7 @@ async def delete(tenant_id: str, tenancy: TenancyDep, _: AdminDep) -> Response:
 @router.post("/tenants/{tenant_id}/keys", status_code=201, response_model=KeyCreated)
 async def create_tenant_key(
     tenant_id: str, body: KeyCreate, tenancy: TenancyDep, _: AdminDep
-) -> dict:
+) -> dict[str, Any]:
     await _tenant(tenancy, tenant_id)
     expires = body.expires_at
     if expires is not None and expires.tzinfo is None:
@@ -240,7 +233,7 @@ async def create_tenant_key(
 
 
 @router.get("/tenants/{tenant_id}/keys", response_model=KeyList)
-async def list_tenant_keys(tenant_id: str, tenancy: TenancyDep, _: AdminDep) -> dict:
+async def list_tenant_keys(tenant_id: str, tenancy: TenancyDep, _: AdminDep) -> dict[str, Any]:
     await _tenant(tenancy, tenant_id)
     async with tenancy.db.session() as session:
         return {"data": await list_keys(session, tenant_id=tenant_id)}

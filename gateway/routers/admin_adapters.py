@@ -20,11 +20,12 @@ from fastapi import APIRouter, Query, Request, Response
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationError
 from starlette.datastructures import UploadFile
 
-from adapters.peft import CONFIG_FILE, WEIGHTS_FILE, AdapterError
+from adapters.peft import WEIGHTS_FILE
+from adapters.peft_config import CONFIG_FILE, AdapterError
 from gateway.body import StrictJSONRoute
 from gateway.deps import AdminDep, TenancyDep
 from gateway.errors import APIError
-from gateway.routers.responses import ADMIN_ERRORS, error_response, not_found
+from gateway.routers.error_schemas import ADMIN_ERRORS, error_response, not_found
 from gateway.tenancy import Tenancy
 from tenants.adapters import AdapterExists, get_adapter, list_adapters
 from tenants.models import Adapter
@@ -114,7 +115,14 @@ async def _owner(tenancy: Tenancy, tenant_id: str | None) -> str | None:
     status_code=201,
     response_model=AdapterPublic,
     openapi_extra=_REQUEST_BODY,
-    responses={415: error_response("Neither multipart/form-data nor application/json.")},
+    responses={
+        400: error_response(
+            "A field out of bounds, or files (or a server path) that are not a PEFT LoRA "
+            "adapter of the base model (`invalid_adapter`): its config, its tensors' names, "
+            "shapes and rank are read before anything is registered."
+        ),
+        415: error_response("Neither multipart/form-data nor application/json."),
+    },
 )
 async def create(request: Request, tenancy: TenancyDep, _: AdminDep) -> Adapter:
     content_type = request.headers.get("content-type", "").split(";")[0].strip().lower()
@@ -203,7 +211,7 @@ async def list_all(
     tenancy: TenancyDep,
     _: AdminDep,
     tenant_id: Annotated[str | None, Query(max_length=64)] = None,
-) -> dict:
+) -> dict[str, Any]:
     """Every adapter, or one tenant's own."""
     async with tenancy.db.session() as session:
         return {"data": await list_adapters(session, owner_id=tenant_id)}

@@ -14,12 +14,12 @@ from fastapi import APIRouter
 from fastapi.responses import PlainTextResponse
 from pydantic import BaseModel, Field
 
-from adapters.peft import AdapterError
+from adapters.peft_config import AdapterError
 from gateway.body import StrictJSONRoute
 from gateway.deps import AdminDep, TenancyDep
 from gateway.errors import APIError
 from gateway.routers.admin_adapters import AdapterName
-from gateway.routers.responses import ADMIN_ERRORS
+from gateway.routers.error_schemas import ADMIN_ERRORS, error_response
 from tenants.adapters import get_by_name
 from tenants.names import MAX_ADAPTER_NAME
 
@@ -41,7 +41,15 @@ _PLAIN: dict[int | str, dict[str, Any]] = {
 }
 
 
-@router.post("/load_lora_adapter", response_model=None, responses=_PLAIN)
+_LOAD = _PLAIN | {
+    400: error_response(
+        "A field out of bounds, the base model's name, or a `lora_path` that is not a PEFT "
+        "LoRA adapter directory on the server (`invalid_adapter`)."
+    )
+}
+
+
+@router.post("/load_lora_adapter", response_model=None, responses=_LOAD)
 async def load_lora_adapter(
     body: LoadLoRABody, tenancy: TenancyDep, _: AdminDep
 ) -> PlainTextResponse:
@@ -53,7 +61,7 @@ async def load_lora_adapter(
             code="invalid_value",
         )
     path = Path(body.lora_path)
-    if not path.is_dir():
+    if not _is_dir(path):
         raise APIError(
             400,
             "lora_path: not a directory on the server",
@@ -83,3 +91,10 @@ async def unload_lora_adapter(
         )
     await tenancy.catalog.remove(adapter)
     return PlainTextResponse(f"Success: LoRA adapter '{body.lora_name}' removed successfully.")
+
+
+def _is_dir(path: Path) -> bool:
+    try:
+        return path.is_dir()
+    except OSError:  # a name too long for the filesystem, say: no directory either
+        return False

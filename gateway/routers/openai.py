@@ -14,7 +14,7 @@ from gateway.body import StrictJSONRoute
 from gateway.deps import TenantDep, get_tenancy
 from gateway.openai_serving import OpenAIServing
 from gateway.protocol import ChatCompletionRequest, CompletionRequest
-from gateway.routers.responses import ADMIN_ERRORS, OPENAI_ERRORS
+from gateway.routers.error_schemas import ADMIN_ERRORS, OPENAI_ERRORS
 
 router = APIRouter(
     prefix="/v1", tags=["openai"], route_class=StrictJSONRoute, responses=OPENAI_ERRORS
@@ -30,7 +30,8 @@ _GENERATION: dict[int | str, dict[str, Any]] = {
 
 
 def get_serving(request: Request) -> OpenAIServing:
-    return request.app.state.serving
+    serving: OpenAIServing = request.app.state.serving
+    return serving
 
 
 ServingDep = Annotated[OpenAIServing, Depends(get_serving)]

@@ -17,17 +17,17 @@ from __future__ import annotations
 import csv
 import io
 import math
-import re
 from datetime import UTC, datetime
 from typing import Annotated, Any, Literal
 
 from fastapi import APIRouter, Query, Request, Response
-from pydantic import BaseModel, BeforeValidator, Field
+from pydantic import BaseModel, Field
 
 from gateway.body import StrictJSONRoute
 from gateway.deps import AdminDep, TenancyDep, TenantDep
 from gateway.errors import APIError
-from gateway.routers.responses import ADMIN_ERRORS, OPENAI_ERRORS
+from gateway.iso_time import Instant
+from gateway.routers.error_schemas import ADMIN_ERRORS, OPENAI_ERRORS
 from gateway.tenancy import Tenancy
 from tenants.usage import (
     BUCKET_LIMITS,
@@ -47,17 +47,6 @@ admin_router = APIRouter(
 router = APIRouter(prefix="/v1", tags=["usage"], route_class=StrictJSONRoute, responses=_TENANT)
 
 SUMS = ("num_requests", "prompt_tokens", "cached_tokens", "completion_tokens")
-_NUMBER = re.compile(r"\s*[+-]?\d+(\.\d*)?\s*")
-
-
-def _iso_only(value: object) -> object:
-    # pydantic reads a number as Unix time; here a number is a mistake, said so.
-    if isinstance(value, str) and _NUMBER.fullmatch(value):
-        raise ValueError("an ISO 8601 date or date-time, not a number")
-    return value
-
-
-Instant = Annotated[datetime, BeforeValidator(_iso_only)]
 GroupBy = Literal["day", "model", "adapter", "key"]
 CompletionsGroup = Literal["project_id", "api_key_id", "model", "adapter"]
 MAX_ID = 64
@@ -142,7 +131,7 @@ async def admin_summary(
     start: Annotated[Instant | None, Query(alias="from", description=_FROM)] = None,
     end: Annotated[Instant | None, Query(alias="to", description=_TO)] = None,
     group_by: GroupBy | None = None,
-) -> Response | dict:
+) -> Response | dict[str, Any]:
     """Token sums of every tenant, or of one (`tenant_id`)."""
     return await _summary(request, tenancy, tenant_id, start, end, group_by)
 
@@ -155,7 +144,7 @@ async def tenant_summary(
     start: Annotated[Instant | None, Query(alias="from", description=_FROM)] = None,
     end: Annotated[Instant | None, Query(alias="to", description=_TO)] = None,
     group_by: GroupBy | None = None,
-) -> Response | dict:
+) -> Response | dict[str, Any]:
     """The caller's tenant's token sums (any of its keys)."""
     if "tenant_id" in request.query_params:
         raise APIError(
@@ -189,7 +178,7 @@ async def completions(
     project_ids: Annotated[list[Id] | None, Query(max_length=100)] = None,
     api_key_ids: Annotated[list[Id] | None, Query(max_length=100)] = None,
     models: Annotated[list[Name] | None, Query(max_length=100)] = None,
-) -> dict:
+) -> dict[str, Any]:
     """OpenAI's completions usage: a tenant is a project (`project_id`), a key's id its
     `api_key_id`; group_by takes `adapter` too. Lists come as repeated parameters, or with
     brackets (`group_by[]=model`) as OpenAI's SDKs send them."""
@@ -229,10 +218,10 @@ async def _summary(
     start: datetime | None,
     end: datetime | None,
     group_by: str | None,
-) -> Response | dict:
+) -> Response | dict[str, Any]:
     first, stop = _epoch(start, "from"), _epoch(end, "to")
-    if first is not None and stop is not None and stop < first:  # from = to: empty, no error
-        raise APIError(400, "to: not before from", param="to", code="invalid_value")
+    if first is not None and stop is not None:
+        stop = max(stop, first)  # to at or before from: the empty range, no rows
     async with tenancy.db.session() as session:
         totals = await summarize_usage(
             session, tenant_id=tenant_id, start=first, end=stop, group_by=group_by

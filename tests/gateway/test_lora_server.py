@@ -178,9 +178,11 @@ def test_adapters_load_replace_and_unload_at_runtime(
     assert before != after  # the replaced adapter serves its new weights
     second_id = adapter_identity(second)
 
-    bad = {"lora_name": "broken", "lora_path": str(tmp_path / "missing")}
-    resp = httpx.post(f"{url}/v1/load_lora_adapter", headers=admin, json=bad)
-    assert resp.status_code == 400 and resp.json()["error"]["param"] == "lora_path"
+    # A missing directory, and a name too long for the filesystem (once a 500).
+    for path in (str(tmp_path / "missing"), "0" * 4096):
+        bad = {"lora_name": "broken", "lora_path": path}
+        resp = httpx.post(f"{url}/v1/load_lora_adapter", headers=admin, json=bad)
+        assert resp.status_code == 400 and resp.json()["error"]["param"] == "lora_path"
     assert "broken" not in {m.id for m in client.models.list().data}
 
     resp = httpx.post(f"{url}/v1/unload_lora_adapter", headers=admin, json={"lora_name": "runtime"})

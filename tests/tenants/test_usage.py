@@ -162,7 +162,7 @@ def test_openai_groups_a_given_group_once(database_url: str) -> None:
     ("kwargs", "param"),
     [
         ({"start_time": -1}, "start_time"),
-        ({"start_time": 10, "end_time": 10}, "end_time"),
+        ({"start_time": 10, "end_time": 0}, "end_time"),
         ({"start_time": 0, "bucket_width": "2h"}, "bucket_width"),
         ({"start_time": 0, "limit": 32}, "limit"),
         ({"start_time": 0, "group_by": ["user_id"]}, "group_by"),
