@@ -16,11 +16,12 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-from adapters.peft import AdapterError, BaseModelInfo
+from adapters.peft import BaseModelInfo
+from adapters.peft_config import AdapterError
 from adapters.registry import AdapterInfo, RegisteredLoader, inspect_adapter
 from adapters.store import AdapterStore
 from engine.lora_types import LoRARequest
-from tenants.adapters import (
+from tenants.adapter_rows import (
     AdapterExists,
     create_adapter,
     delete_adapter,

@@ -12,7 +12,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from gateway.auth import RequestTenant
 from gateway.errors import APIError
@@ -40,6 +40,9 @@ class Ticket:
     limiter: RateLimiter
     reservation: Reservation
     state: RateState
+    # Releases under way, held so that they are not collected before they finish: the
+    # Admission's own set, shared by its tickets.
+    pending: set[asyncio.Task[None]] = field(default_factory=set)
     released: bool = False
 
     @property
@@ -52,18 +55,15 @@ class Ticket:
             task = asyncio.get_running_loop().create_task(
                 self.limiter.release(self.reservation, used_tokens)
             )
-            _PENDING.add(task)
-            task.add_done_callback(_PENDING.discard)
-
-
-# Releases under way, held so that they are not collected before they finish.
-_PENDING: set[asyncio.Task[None]] = set()
+            self.pending.add(task)
+            task.add_done_callback(self.pending.discard)
 
 
 class Admission:
     def __init__(self, limiter: RateLimiter, metrics: TenantMetrics) -> None:
         self.limiter = limiter
         self.metrics = metrics
+        self.releasing: set[asyncio.Task[None]] = set()
 
     async def admit(self, tenant: RequestTenant, request_id: str, tokens: int) -> Ticket:
         """Reserve one request and `tokens` tokens for the tenant, or raise APIError 429/503."""
@@ -89,7 +89,7 @@ class Admission:
                 code="rate_limiter_unavailable",
                 headers={"Retry-After": str(_seconds(exc.retry_after))},
             ) from exc
-        return Ticket(self.limiter, reservation, state)
+        return Ticket(self.limiter, reservation, state, self.releasing)
 
 
 def _seconds(value: float) -> int:

@@ -12,13 +12,14 @@ from typing import Any
 
 import typer
 
-from adapters.peft import AdapterError, describe_base
+from adapters.peft import describe_base
+from adapters.peft_config import AdapterError
 from engine.config import EngineConfig
 from engine.lora_types import LoRARequest
 from engine.spec_decode import SpeculativeConfig
 from gateway.settings import Settings, SettingsError
 from gateway.tenancy import DemoKey, Tenancy, open_tenancy, prepare
-from tenants.adapters import AdapterExists
+from tenants.adapter_rows import AdapterExists
 
 
 def parse_bytes(value: str) -> int:

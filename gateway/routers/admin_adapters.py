@@ -27,7 +27,7 @@ from gateway.deps import AdminDep, TenancyDep
 from gateway.errors import APIError
 from gateway.routers.error_schemas import ADMIN_ERRORS, error_response, not_found
 from gateway.tenancy import Tenancy
-from tenants.adapters import AdapterExists, get_adapter, list_adapters
+from tenants.adapter_rows import AdapterExists, get_adapter, list_adapters
 from tenants.models import Adapter
 from tenants.names import ADAPTER_NAME_PATTERN, MAX_ADAPTER_NAME, check_adapter_name
 from tenants.tenants import get_tenant

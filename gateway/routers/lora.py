@@ -20,7 +20,7 @@ from gateway.deps import AdminDep, TenancyDep
 from gateway.errors import APIError
 from gateway.routers.admin_adapters import AdapterName
 from gateway.routers.error_schemas import ADMIN_ERRORS, error_response
-from tenants.adapters import get_by_name
+from tenants.adapter_rows import get_by_name
 from tenants.names import MAX_ADAPTER_NAME
 
 router = APIRouter(prefix="/v1", tags=["lora"], route_class=StrictJSONRoute, responses=ADMIN_ERRORS)
