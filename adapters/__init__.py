@@ -5,12 +5,12 @@
 """
 
 from adapters.peft import (
-    AdapterError,
     BaseModelInfo,
     adapter_identity,
     describe_base,
     load_peft_adapter,
 )
+from adapters.peft_config import AdapterError
 
 __all__ = [
     "AdapterError",

@@ -128,7 +128,8 @@ def _save_with_peft(
     # peft needs the model's modules, not its weights: on the meta device the model is built
     # without reading or allocating any, in milliseconds whatever its size.
     with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(config)
+        # transformers leaves the auto classes' from_config unannotated.
+        model = AutoModelForCausalLM.from_config(config)  # type: ignore[no-untyped-call]
     lora_config = LoraConfig(
         r=rank,
         lora_alpha=alpha,

@@ -32,13 +32,10 @@ from pathlib import Path
 
 import torch
 
-from adapters.peft_config import (
-    CONFIG_FILE,
-    AdapterError,
-    LoraConfig,
-    parse_config,
-    short,
-)
+# Re-exported: the adapter's other file, and what load_peft_adapter raises.
+from adapters.peft_config import CONFIG_FILE as CONFIG_FILE
+from adapters.peft_config import AdapterError as AdapterError
+from adapters.peft_config import LoraConfig, parse_config, short
 from adapters.safetensors_view import SafetensorsError, load_views
 from engine.lora_types import LORA_TARGETS, LoRAWeights
 

@@ -14,7 +14,8 @@ import threading
 from dataclasses import dataclass
 from pathlib import Path
 
-from adapters.peft import CONFIG_FILE, WEIGHTS_FILE, AdapterError, BaseModelInfo, load_peft_adapter
+from adapters.peft import WEIGHTS_FILE, BaseModelInfo, load_peft_adapter
+from adapters.peft_config import CONFIG_FILE, AdapterError
 from engine.lora_types import LoRARequest, LoRAWeights
 
 

@@ -16,7 +16,8 @@ import shutil
 from collections.abc import Iterable
 from pathlib import Path
 
-from adapters.peft import CONFIG_FILE, WEIGHTS_FILE
+from adapters.peft import WEIGHTS_FILE
+from adapters.peft_config import CONFIG_FILE
 
 ADAPTER_FILES = (CONFIG_FILE, WEIGHTS_FILE)
 _SHA256 = re.compile(r"[0-9a-f]{64}")

@@ -9,6 +9,7 @@ and does not end in a replacement character.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 # Start a few tokens back into the prompt so the first output token decodes
@@ -38,7 +39,9 @@ class IncrementalDetokenizer:
         # The Rust tokenizer directly: transformers' decode() wrapper costs more
         # than the decoding itself at one call per token.
         backend = getattr(tokenizer, "backend_tokenizer", None)
-        self._decode = backend.decode if backend is not None else tokenizer.decode
+        self._decode: Callable[..., str] = (
+            backend.decode if backend is not None else tokenizer.decode
+        )
         self._skip_special = skip_special_tokens
         self._token_ids = list(prompt_token_ids[-_PROMPT_CONTEXT_TOKENS:])
         self._prefix_offset = 0

@@ -191,7 +191,8 @@ class ModelRunner:
             np.array([n]), np.array([n]), [[0]], np.arange(n), 0, n, self.device, **self.plan_kind
         )
         ids = torch.tensor(token_ids, device=self.device)
-        return self.model(ids, torch.arange(n, device=self.device), plan, scratch)
+        hidden: torch.Tensor = self.model(ids, torch.arange(n, device=self.device), plan, scratch)
+        return hidden
 
     @property
     def bytes_per_block(self) -> int:

@@ -8,8 +8,9 @@ are the operator's commands (gateway/admin_cli.py).
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
-from typing import Annotated
+from typing import Annotated, TypeVar
 
 import typer
 
@@ -114,7 +115,10 @@ def generate(
         )
 
 
-def _with_load_progress(build):  # type: ignore[no-untyped-def]
+_T = TypeVar("_T")
+
+
+def _with_load_progress(build: Callable[[Callable[[int, int], None]], _T]) -> _T:
     """Run `build(progress)` under a progress bar fed with (tensors loaded, total)."""
     import logging
 

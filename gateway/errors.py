@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 import uuid
+from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -44,11 +45,13 @@ class APIError(Exception):
         self.code = code
         self.headers = headers
 
-    def body(self) -> dict:
+    def body(self) -> dict[str, Any]:
         return error_body(self.message, self.type, self.param, self.code)
 
 
-def error_body(message: str, type: str, param: str | None = None, code: str | None = None) -> dict:
+def error_body(
+    message: str, type: str, param: str | None = None, code: str | None = None
+) -> dict[str, Any]:
     return {"error": {"message": message, "type": type, "param": param, "code": code}}
 
 
@@ -132,7 +135,7 @@ def _allowed(request: Request) -> list[str]:
     return sorted(methods)
 
 
-def _param(loc: tuple | list) -> str | None:
+def _param(loc: tuple[int | str, ...] | list[int | str]) -> str | None:
     """A validation error's location as OpenAI's `param` ("messages.0.content"): the body's
     field path, without pydantic's union-branch tags ("str", "list[int]")."""
     parts = [str(p) for p in loc if isinstance(p, int) or p.isdigit() or p.isidentifier()]

@@ -207,14 +207,20 @@ class OpenAIServing:
             for p in prompts
         ]
 
-    def _check_bounds(self, body: Any, num_prompts: int) -> None:
+    def _check_bounds(
+        self, body: CompletionRequest | ChatCompletionRequest, num_prompts: int
+    ) -> None:
         """The bounds that depend on this server: --max-n and the vocabulary."""
         self.bounds.check_choices(body.n, num_prompts)
         self.bounds.check_token_ids(body.stop_token_ids, "stop_token_ids")
         self.bounds.check_token_ids(body.logit_bias, "logit_bias")
 
     @staticmethod
-    def _params(body: Any, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
+    def _params(
+        body: CompletionRequest | ChatCompletionRequest,
+        max_tokens: int | None,
+        logprobs: int | None,
+    ) -> SamplingParams:
         try:
             return body.sampling_params(max_tokens, logprobs)
         except ValueError as exc:

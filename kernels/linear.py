@@ -22,7 +22,8 @@ BATCH_HINT = 16
 
 
 def available() -> bool:
-    return torch.backends.mkldnn.is_available() and hasattr(
+    # torch leaves mkldnn.is_available unannotated.
+    return torch.backends.mkldnn.is_available() and hasattr(  # type: ignore[no-untyped-call]
         torch.ops.mkldnn, "_reorder_linear_weight"
     )
 
@@ -49,7 +50,10 @@ class PrepackedLinear(nn.Module):
         self.bias = None if linear.bias is None else linear.bias.detach()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
+        out: torch.Tensor = torch.ops.mkldnn._linear_pointwise(
+            x, self.packed, self.bias, "none", [], ""
+        )
+        return out
 
 
 def prepack(module: nn.Module) -> int:

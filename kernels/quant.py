@@ -170,15 +170,17 @@ class Int8Linear(nn.Module):
         C++ linear the product is computed as its rows are quantized (one pass over gate/up
         instead of three); elsewhere torch's two ops first."""
         if self.packed is None:
-            gate, up = gate_up.split(self.in_features, dim=-1)
-            return self(F.silu(gate) * up)
+            gate, up = torch.split(gate_up, self.in_features, dim=-1)
+            out: torch.Tensor = self(F.silu(gate) * up)
+            return out
         rows = gate_up.reshape(-1, 2 * self.in_features).contiguous()
         return self._packed_linear(rows, gated=True).view(*gate_up.shape[:-1], self.out_features)
 
     def _packed_linear(self, rows: torch.Tensor, gated: bool) -> torch.Tensor:
-        return torch.ops.loragate.int8_linear(
+        out: torch.Tensor = torch.ops.loragate.int8_linear(
             rows, self.packed, self.col_sums, self.scales, self.bias, self.group, gated
         )
+        return out
 
 
 @torch.no_grad()

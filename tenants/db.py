@@ -8,6 +8,7 @@ SQLite (aiosqlite) is the embedded default; PostgreSQL (asyncpg) takes `postgres
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 from alembic import command
 from alembic.config import Config
@@ -35,7 +36,7 @@ class Database:
     def __init__(self, url: str) -> None:
         self.url = async_url(url)
         parsed = make_url(self.url)
-        kwargs: dict = {"pool_pre_ping": True}
+        kwargs: dict[str, Any] = {"pool_pre_ping": True}
         if parsed.get_backend_name() == "sqlite":
             if parsed.database and parsed.database != ":memory:":
                 Path(parsed.database).parent.mkdir(parents=True, exist_ok=True)

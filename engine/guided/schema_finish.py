@@ -229,7 +229,9 @@ def _name_allowed(names: Schema, name: str) -> bool | None:
         return name in names["enum"]
     if "pattern" in names and not re.fullmatch(python_regex(names["pattern"]), name):
         return False
-    return names.get("minLength", 0) <= len(name) <= names.get("maxLength", len(name))
+    min_length: int = names.get("minLength", 0)
+    max_length: int = names.get("maxLength", len(name))
+    return min_length <= len(name) <= max_length
 
 
 def as_dict(schema: Schema | None) -> dict[str, Any]:

@@ -129,15 +129,19 @@ class Merger:
 
 
 def _property(schema: dict[str, Any], name: str) -> Schema:
-    props = schema.get("properties", {})
+    props: dict[str, Schema] = schema.get("properties", {})
     if name in props:
         return props[name]
-    return schema.get("additionalProperties", True)
+    additional: Schema = schema.get("additionalProperties", True)
+    return additional
 
 
 def _item(schema: dict[str, Any], index: int) -> Schema:
-    prefix = schema.get("prefixItems", [])
-    return prefix[index] if index < len(prefix) else schema.get("items", True)
+    prefix: list[Schema] = schema.get("prefixItems", [])
+    if index < len(prefix):
+        return prefix[index]
+    items: Schema = schema.get("items", True)
+    return items
 
 
 def merge_types(x: Any, y: Any) -> list[str]:

@@ -18,7 +18,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 from dataclasses import dataclass
 
-from engine.kv_cache.hashing import BlockHash
+from engine.kv_cache.hashing import BlockHash, CacheKey
 
 
 @dataclass(slots=True, eq=False)
@@ -27,7 +27,7 @@ class KVCacheBlock:
     ref_cnt: int = 0
     block_hash: BlockHash | None = None
     # What the hash covered, kept so a hit re-checks the contents, not only the hash.
-    cache_key: tuple | None = None
+    cache_key: CacheKey | None = None
     prev_free: KVCacheBlock | None = None
     next_free: KVCacheBlock | None = None
 
@@ -103,7 +103,7 @@ class BlockPool:
     def usage(self) -> float:
         return 1.0 - self.num_free_blocks / self.num_blocks
 
-    def get_cached_block(self, block_hash: BlockHash, cache_key: tuple) -> KVCacheBlock | None:
+    def get_cached_block(self, block_hash: BlockHash, cache_key: CacheKey) -> KVCacheBlock | None:
         block = self.cached.get(block_hash)
         if block is None or block.cache_key != cache_key:
             return None
@@ -135,7 +135,7 @@ class BlockPool:
             if block.ref_cnt == 0:
                 self.free_queue.append(block)
 
-    def cache_block(self, block: KVCacheBlock, block_hash: BlockHash, cache_key: tuple) -> None:
+    def cache_block(self, block: KVCacheBlock, block_hash: BlockHash, cache_key: CacheKey) -> None:
         """Publish a full block for prefix hits. A second block with the same
         contents (computed concurrently) stays private and is freed normally."""
         if not self.enable_caching or block.block_hash is not None:

@@ -14,6 +14,8 @@ from array import array
 from collections.abc import Sequence
 
 BlockHash = bytes
+# What a block's hash covers: (parent hash, the block's token ids, adapter id, cache salt).
+CacheKey = tuple[BlockHash | None, tuple[int, ...], str | None, str | None]
 
 
 def hash_block(

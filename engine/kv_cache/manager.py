@@ -10,7 +10,7 @@ another request may hit a block in the very step that computes it.
 from __future__ import annotations
 
 from engine.kv_cache.block_pool import BlockPool, KVCacheBlock
-from engine.kv_cache.hashing import extend_block_hashes
+from engine.kv_cache.hashing import CacheKey, extend_block_hashes
 from engine.request import Request
 
 
@@ -40,7 +40,7 @@ class KVCacheManager:
     def usage(self) -> float:
         return self.pool.usage
 
-    def _cache_key(self, request: Request, index: int) -> tuple:
+    def _cache_key(self, request: Request, index: int) -> CacheKey:
         bs = self.block_size
         parent = request.block_hashes[index - 1] if index else None
         tokens = tuple(request.all_token_ids[index * bs : (index + 1) * bs])

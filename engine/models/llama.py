@@ -52,7 +52,8 @@ class RMSNorm(nn.Module):
             torch.ops.loragate.rms_norm(x, self.weight, self.eps, out)
             return out
         if self.triton is not None:
-            return self.triton.rms_norm(x, self.weight, self.eps)
+            normed: torch.Tensor = self.triton.rms_norm(x, self.weight, self.eps)
+            return normed
         if x.dtype == torch.float32:
             # One fused op, bitwise equal to the formula below in float32.
             return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
@@ -68,8 +69,10 @@ class RMSNorm(nn.Module):
             torch.ops.loragate.add_rms_norm(residual, delta, self.weight, self.eps, out)
             return out
         if self.triton is not None:
-            return self.triton.add_rms_norm(residual, delta, self.weight, self.eps)
-        return self(residual.add_(delta))
+            normed: torch.Tensor = self.triton.add_rms_norm(residual, delta, self.weight, self.eps)
+            return normed
+        normed = self(residual.add_(delta))
+        return normed
 
 
 class RotaryEmbedding(nn.Module):
@@ -124,9 +127,11 @@ class Attention(nn.Module):
     def __init__(self, config: PretrainedConfig, bias: bool, layer: int) -> None:
         super().__init__()
         self.layer = layer
-        self.num_heads = config.num_attention_heads
-        self.num_kv_heads = config.num_key_value_heads
-        self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // self.num_heads
+        self.num_heads: int = config.num_attention_heads
+        self.num_kv_heads: int = config.num_key_value_heads
+        self.head_dim: int = (
+            getattr(config, "head_dim", None) or config.hidden_size // self.num_heads
+        )
         self.q_size = self.num_heads * self.head_dim
         self.kv_size = self.num_kv_heads * self.head_dim
         self.scale = self.head_dim**-0.5
@@ -169,7 +174,7 @@ class Attention(nn.Module):
             write(k, v, key_cache, value_cache, plan.slot_mapping)
             out = paged_attention(q, key_cache, value_cache, plan, self.scale, k, v)
         out = out.view(n, self.q_size)
-        y = self.o_proj(out)
+        y: torch.Tensor = self.o_proj(out)
         if lora is not None:
             lora.apply(self.layer, O_PROJ, out, y)
         return y
@@ -195,7 +200,7 @@ class MLP(nn.Module):
             return self.down_proj.forward_gated(gate_up)
         gate, up = gate_up.split(self.intermediate_size, dim=-1)
         h = self.act(gate) * up
-        y = self.down_proj(h)
+        y: torch.Tensor = self.down_proj(h)
         if lora is not None:
             lora.apply(self.layer, DOWN, h, y)
         return y
@@ -227,7 +232,8 @@ class DecoderLayer(nn.Module):
             h = self.input_layernorm.add_forward(residual, delta)
         attn = self.self_attn(rope, h, plan, kv_cache, lora)
         h = self.post_attention_layernorm.add_forward(residual, attn)
-        return self.mlp(h, lora)
+        mlp_out: torch.Tensor = self.mlp(h, lora)
+        return mlp_out
 
 
 class LlamaForCausalLM(nn.Module):
@@ -286,7 +292,8 @@ class LlamaForCausalLM(nn.Module):
                 module.triton = ops
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.lm_head(hidden).float()
+        logits: torch.Tensor = self.lm_head(hidden)
+        return logits.float()
 
     def load_weights(
         self,

@@ -131,7 +131,8 @@ def _dequantized_model(gguf_path: Path) -> LlamaForCausalLM:
     config.dtype = torch.float32
     model = LlamaForCausalLM(config)
     model.load_state_dict(gguf_model.state_dict())
-    model.generation_config = GenerationConfig(
+    # transformers leaves GenerationConfig.__init__ (**kwargs) unannotated.
+    model.generation_config = GenerationConfig(  # type: ignore[no-untyped-call]
         bos_token_id=BOS_TOKEN_ID, eos_token_id=EOS_TOKEN_ID, pad_token_id=PAD_TOKEN_ID
     )
     return model

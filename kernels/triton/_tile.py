@@ -6,8 +6,8 @@ import triton
 import triton.language as tl
 
 
-@triton.jit
-def dot(a, b, UPCAST: tl.constexpr):
+@triton.jit  # type: ignore[untyped-decorator]  # triton ships no type hints
+def dot(a, b, UPCAST: tl.constexpr):  # type: ignore[no-untyped-def]  # triton reads annotations
     """a @ b accumulated in float32 (float32 inputs exactly: no tf32).
 
     UPCAST: multiply in float32 whatever the inputs. The launchers set it off the GPU,

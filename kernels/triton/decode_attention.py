@@ -35,8 +35,8 @@ LOG2E = 1.4426950408889634
 MIN_SPLIT_TOKENS = 256
 
 
-@triton.jit
-def _decode_kernel(
+@triton.jit  # type: ignore[untyped-decorator]  # triton ships no type hints
+def _decode_kernel(  # type: ignore[no-untyped-def]  # triton reads annotations
     q,
     key_cache,
     value_cache,
@@ -121,8 +121,8 @@ def _decode_kernel(
         )
 
 
-@triton.jit
-def _merge_kernel(
+@triton.jit  # type: ignore[untyped-decorator]  # triton ships no type hints
+def _merge_kernel(  # type: ignore[no-untyped-def]  # triton reads annotations
     part_out,
     part_lse,
     out,

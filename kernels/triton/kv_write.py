@@ -23,8 +23,8 @@ from kernels.triton._checks import (
 )
 
 
-@triton.jit
-def _kv_write_kernel(
+@triton.jit  # type: ignore[untyped-decorator]  # triton ships no type hints
+def _kv_write_kernel(  # type: ignore[no-untyped-def]  # triton reads annotations
     key,
     value,
     key_cache,

@@ -119,8 +119,8 @@ def lora_batch(token_slots: list[int] | torch.Tensor, device: torch.device) -> L
     )
 
 
-@triton.jit
-def _shrink_kernel(
+@triton.jit  # type: ignore[untyped-decorator]  # triton ships no type hints
+def _shrink_kernel(  # type: ignore[no-untyped-def]  # triton reads annotations
     x,
     lora_a,
     widths,
@@ -175,8 +175,8 @@ def _shrink_kernel(
     )
 
 
-@triton.jit
-def _expand_kernel(
+@triton.jit  # type: ignore[untyped-decorator]  # triton ships no type hints
+def _expand_kernel(  # type: ignore[no-untyped-def]  # triton reads annotations
     xa,
     lora_b,
     widths,

@@ -24,8 +24,8 @@ from kernels.triton._tile import dot
 LOG2E = 1.4426950408889634
 
 
-@triton.jit
-def _prefill_kernel(
+@triton.jit  # type: ignore[untyped-decorator]  # triton ships no type hints
+def _prefill_kernel(  # type: ignore[no-untyped-def]  # triton reads annotations
     q,
     key_cache,
     value_cache,

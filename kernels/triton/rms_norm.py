@@ -20,8 +20,8 @@ import triton.language as tl
 from kernels.triton._checks import check, check_float, check_last_contiguous, next_pow2
 
 
-@triton.jit
-def _rms_norm_kernel(
+@triton.jit  # type: ignore[untyped-decorator]  # triton ships no type hints
+def _rms_norm_kernel(  # type: ignore[no-untyped-def]  # triton reads annotations
     x,
     delta,
     weight,

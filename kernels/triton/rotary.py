@@ -22,8 +22,8 @@ import triton.language as tl
 from kernels.triton._checks import check, check_float, check_index, next_pow2, same_device
 
 
-@triton.jit
-def _rotary_kernel(
+@triton.jit  # type: ignore[untyped-decorator]  # triton ships no type hints
+def _rotary_kernel(  # type: ignore[no-untyped-def]  # triton reads annotations
     x,
     positions,
     cos,
