@@ -174,23 +174,9 @@ def run_offline(
     rows: list[dict[str, Any]] = []
     with new_progress(console) as progress:
         contenders = _build_contenders(model_dir, runnable, run, num_kv_blocks, progress)
-        llm = contenders.ours
-        if contenders.hf_model is not None:
-            num_params = sum(p.numel() for p in contenders.hf_model.parameters())
-        else:
-            num_params = sum(p.numel() for p in llm.engine.runner.model.parameters())
-        env = environment(model_dir, num_params, llm)
-        peak_task = progress.add_task("matmul peak", total=None)
-        env["peak_flops"] = matmul_peak(llm.engine.runner.dtype)
-        progress.update(peak_task, total=1, completed=1)
+        env = _measured_environment(model_dir, contenders, progress)
         print_header(console, env, run.batch_size, run.output_len, run.block_size, run.seed)
-        warm = progress.add_task("warmup", total=None)
-        for engine in (llm, contenders.nocache, contenders.matched):
-            if engine is not None:
-                warmup_ours(engine, warm_prompts, 8)
-        if contenders.hf_model is not None:
-            hf_generate(contenders.hf_model, contenders.hf_tokenizer, warm_prompts, 8)
-        progress.update(warm, total=1, completed=1)
+        _warm_up(contenders, warm_prompts, progress)
 
         model_flops = ModelFlops.from_config(hf_config)
         for wl in all_wl:
@@ -217,10 +203,37 @@ def run_offline(
         if run.profile and runnable:
             wl = runnable[0]
             task = progress.add_task(f"profile ours ({wl.name})", total=None)
-            report = profile_ours(llm, wl.prompts[: run.batch_size], run.output_len)
+            report = profile_ours(contenders.ours, wl.prompts[: run.batch_size], run.output_len)
             progress.update(task, total=1, completed=1)
             console.print(report, markup=False, highlight=False)
     return rows
+
+
+def _measured_environment(
+    model_dir: str, contenders: _Contenders, progress: Progress
+) -> dict[str, Any]:
+    """`environment` plus the parameter count and the matmul peak (the MFU denominator)."""
+    llm = contenders.ours
+    if contenders.hf_model is not None:
+        num_params = sum(p.numel() for p in contenders.hf_model.parameters())
+    else:
+        num_params = sum(p.numel() for p in llm.engine.runner.model.parameters())
+    env = environment(model_dir, num_params, llm)
+    peak_task = progress.add_task("matmul peak", total=None)
+    env["peak_flops"] = matmul_peak(llm.engine.runner.dtype)
+    progress.update(peak_task, total=1, completed=1)
+    return env
+
+
+def _warm_up(contenders: _Contenders, warm_prompts: list[list[int]], progress: Progress) -> None:
+    """One small untimed generate per contender, so no timed run pays first-call costs."""
+    warm = progress.add_task("warmup", total=None)
+    for engine in (contenders.ours, contenders.nocache, contenders.matched):
+        if engine is not None:
+            warmup_ours(engine, warm_prompts, 8)
+    if contenders.hf_model is not None:
+        hf_generate(contenders.hf_model, contenders.hf_tokenizer, warm_prompts, 8)
+    progress.update(warm, total=1, completed=1)
 
 
 def _build_contenders(
