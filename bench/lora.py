@@ -156,7 +156,7 @@ def cold_load_ms(model_dir: str, work_dir: Path, ranks: tuple[int, ...], count: 
     return result
 
 
-def main(argv: list[str] | None = None) -> None:
+def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="loragate-bench lora",
         description=__doc__,
@@ -174,71 +174,59 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--cold-load-model", default=None, help="model for the cold-load timing")
     p.add_argument("--adapters-dir", type=Path, default=None, help="keep the built adapters here")
     p.add_argument("--json", type=Path, default=None)
-    args = p.parse_args(argv)
+    return p
 
+
+def measure_throughput(
+    args: argparse.Namespace, adapter_dirs: list[Path], progress: Progress
+) -> dict[str, dict[str, Any]]:
+    """The throughput rows: ours on base-only W1 and on W3, then peft on W3 (unless
+    --skip-peft). Our engine lives only in here, so its KV cache is gone once this returns."""
+    from adapters.peft import describe_base
+    from adapters.registry import AdapterRegistry
     from engine.offline import LLM
 
-    console = Console()
-    work = args.adapters_dir or Path(tempfile.mkdtemp(prefix="loragate-bench-lora-"))
-    work.mkdir(parents=True, exist_ok=True)
-    with new_progress(console) as progress:
-        task = progress.add_task("build adapters", total=None)
-        adapter_dirs = build_adapters(args.model, work, args.num_adapters, args.rank)
-        progress.update(task, completed=1, total=1)
+    registry = AdapterRegistry(describe_base(args.model), max_lora_rank=max(16, args.rank))
+    names = [d.name for d in adapter_dirs]
+    loras = [registry.register(n, d) for n, d in zip(names, adapter_dirs, strict=True)]
+    llm = LLM(
+        args.model,
+        lora_loader=registry.load,
+        max_loras=args.num_adapters,
+        max_lora_rank=max(16, args.rank),
+        dtype="float32",
+    )
+    vocab = llm.engine.vocab_size
+    special = list(llm.tokenizer.all_special_ids)
+    (w1,) = make_workloads(["w1"], vocab, special, num_prompts=args.num_prompts, seed=args.seed)
+    prompts = w1.prompts
+    w3_loras = [loras[i % len(loras)] for i in range(len(prompts))]
+    # Warm up both paths (and load every adapter) outside the timed runs.
+    warm = make_workloads(["w1"], vocab, special, num_prompts=8, seed=args.seed + 1)
+    run_ours(llm, warm[0].prompts, [None] * 8, 8, "warmup", progress, 1)
+    warm_loras = [loras[i % len(loras)] for i in range(8)]  # --num-prompts may be under 8
+    run_ours(llm, warm[0].prompts, warm_loras, 8, "warmup", progress, 1)
 
-        from adapters.peft import describe_base
-        from adapters.registry import AdapterRegistry
-
-        registry = AdapterRegistry(describe_base(args.model), max_lora_rank=max(16, args.rank))
-        names = [d.name for d in adapter_dirs]
-        loras = [registry.register(n, d) for n, d in zip(names, adapter_dirs, strict=True)]
-
-        tokenizer_vocab = None
-        llm = LLM(
+    rows: dict[str, dict[str, Any]] = {}
+    rows["w1 base"] = run_ours(
+        llm, prompts, [None] * len(prompts), args.output_len, "w1 base", progress, args.repeat
+    )
+    rows["w3"] = run_ours(llm, prompts, w3_loras, args.output_len, "w3", progress, args.repeat)
+    if not args.skip_peft:
+        rows["w3 peft"] = run_peft(
             args.model,
-            lora_loader=registry.load,
-            max_loras=args.num_adapters,
-            max_lora_rank=max(16, args.rank),
-            dtype="float32",
+            adapter_dirs,
+            w1,
+            names,
+            args.output_len,
+            args.batch_size,
+            progress,
+            args.repeat,
         )
-        tokenizer_vocab = llm.engine.vocab_size
-        special = list(llm.tokenizer.all_special_ids)
-        (w1,) = make_workloads(
-            ["w1"], tokenizer_vocab, special, num_prompts=args.num_prompts, seed=args.seed
-        )
-        prompts = w1.prompts
-        w3_loras = [loras[i % len(loras)] for i in range(len(prompts))]
-        # Warm up both paths (and load every adapter) outside the timed runs.
-        warm = make_workloads(["w1"], tokenizer_vocab, special, num_prompts=8, seed=args.seed + 1)
-        run_ours(llm, warm[0].prompts, [None] * 8, 8, "warmup", progress, 1)
-        warm_loras = [loras[i % len(loras)] for i in range(8)]  # --num-prompts may be under 8
-        run_ours(llm, warm[0].prompts, warm_loras, 8, "warmup", progress, 1)
+    return rows
 
-        rows: dict[str, dict[str, Any]] = {}
-        rows["w1 base"] = run_ours(
-            llm, prompts, [None] * len(prompts), args.output_len, "w1 base", progress, args.repeat
-        )
-        rows["w3"] = run_ours(llm, prompts, w3_loras, args.output_len, "w3", progress, args.repeat)
-        if not args.skip_peft:
-            rows["w3 peft"] = run_peft(
-                args.model,
-                adapter_dirs,
-                w1,
-                names,
-                args.output_len,
-                args.batch_size,
-                progress,
-                args.repeat,
-            )
-        cold = {}
-        if args.cold_load_model:
-            # The throughput engine's KV cache (2 GiB by default) is freed first: the cold
-            # loads get a fresh engine in a process that holds nothing else.
-            del llm
-            gc.collect()
-            progress.add_task("cold loads r8, r16", total=None)
-            cold = cold_load_ms(args.cold_load_model, work, (8, 16))
 
+def results_table(args: argparse.Namespace, rows: dict[str, dict[str, Any]]) -> Table:
     table = Table(
         title=f"multi-LoRA, {args.num_adapters} adapters r{args.rank} all-linear, "
         f"{args.num_prompts} x 128 in / {args.output_len} out"
@@ -255,13 +243,43 @@ def main(argv: list[str] | None = None) -> None:
             f"{row['tok_s'] / base:.2f}x",
             f"{row['tok_s'] / peft:.2f}x" if peft else "",
         )
-    console.print(table)
+    return table
+
+
+def print_report(
+    console: Console,
+    args: argparse.Namespace,
+    rows: dict[str, dict[str, Any]],
+    cold: dict[int, float],
+) -> None:
+    console.print(results_table(args, rows))
     if "w3 peft" in rows:
         ours, theirs = rows["w3"]["token_ids"], rows["w3 peft"]["token_ids"]
         same = sum(a == b for a, b in zip(ours, theirs, strict=True))
         console.print(f"w3 greedy outputs equal to peft's: {same}/{len(ours)}")
     for rank, ms in cold.items():
         console.print(f"cold load r{rank} on {args.cold_load_model}: {ms:.1f} ms (median of 9)")
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = _parser().parse_args(argv)
+    console = Console()
+    work = args.adapters_dir or Path(tempfile.mkdtemp(prefix="loragate-bench-lora-"))
+    work.mkdir(parents=True, exist_ok=True)
+    with new_progress(console) as progress:
+        task = progress.add_task("build adapters", total=None)
+        adapter_dirs = build_adapters(args.model, work, args.num_adapters, args.rank)
+        progress.update(task, completed=1, total=1)
+        rows = measure_throughput(args, adapter_dirs, progress)
+        cold: dict[int, float] = {}
+        if args.cold_load_model:
+            # The throughput engine and its KV cache (2 GiB by default) went with
+            # measure_throughput's frame; collected here, so that the cold loads get a fresh
+            # engine in a process that holds nothing else.
+            gc.collect()
+            progress.add_task("cold loads r8, r16", total=None)
+            cold = cold_load_ms(args.cold_load_model, work, (8, 16))
+    print_report(console, args, rows, cold)
     if args.json:
         out = {k: {m: v for m, v in r.items() if m != "token_ids"} for k, r in rows.items()}
         args.json.write_text(json.dumps({"rows": out, "cold_load_ms": cold}, indent=2))

@@ -20,10 +20,12 @@ from __future__ import annotations
 import argparse
 import random
 import time
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from rich.console import Console
+from rich.progress import Progress
 from rich.table import Table
 
 from bench.workloads import make_workloads, new_progress
@@ -75,10 +77,7 @@ def timed(
     return sum(len(t) for t in tokens) / wall, tokens, (drafted, accepted)
 
 
-def main(argv: list[str] | None = None) -> None:
-    from engine import LLM, SamplingParams
-    from engine.spec_decode import SpeculativeConfig
-
+def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="loragate-bench spec-decode", description=__doc__.split("\n\n")[0]
     )
@@ -89,70 +88,96 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--prompt-lookup-max", type=int, default=4)
     p.add_argument("--prompt-lookup-min", type=int, default=2)
     p.add_argument("--max-num-seqs", default="4,16", help="comma-separated concurrencies")
-    args = p.parse_args(argv)
-    console = Console(width=max(Console().width, 120))
-    spec = SpeculativeConfig(
-        num_speculative_tokens=args.num_speculative_tokens,
-        prompt_lookup_max=args.prompt_lookup_max,
-        prompt_lookup_min=args.prompt_lookup_min,
-    )
-    engines: dict[str, Any] = {}
-    with new_progress(console) as progress:
-        for label, config in (("off", None), ("ngram", spec)):
-            task = progress.add_task(f"load {label}", total=None)
-            engines[label] = LLM(
-                args.model,
-                dtype=args.dtype,
-                kv_cache_memory=1 << 30,
-                max_model_len=2048,
-                speculative_config=config,
-            )
-            progress.update(task, total=1, completed=1)
-        tokenizer = engines["off"].tokenizer
-        dtype = str(engines["off"].engine.runner.dtype).removeprefix("torch.")
-        (w1,) = make_workloads(["w1"], len(tokenizer), tokenizer.all_special_ids, num_prompts=64)
-        workloads = {
-            "copy": (
-                copy_prompts(engines["off"], 32),
-                SamplingParams(temperature=0, max_tokens=128),
-            ),
-            "random, T=1": (
-                w1.prompts,
-                SamplingParams(temperature=1.0, max_tokens=64, ignore_eos=True),
-            ),
-        }
-        for llm in engines.values():  # warm both up
-            llm.generate(workloads["copy"][0][:2], SamplingParams(temperature=0, max_tokens=8))
-        concurrencies = [int(c) for c in args.max_num_seqs.split(",")]
-        results: dict[tuple[str, int, str], list[float]] = {}
-        outputs: dict[tuple[str, int, str], list[list[int]]] = {}
-        acceptance: dict[tuple[str, int], tuple[int, int]] = {}
-        for _ in range(args.repeat):
-            for name, (prompts, params) in workloads.items():
-                for seqs in concurrencies:
-                    for label, llm in engines.items():
-                        llm.engine.scheduler.max_num_seqs = seqs
-                        task = progress.add_task(f"{name} x{seqs} spec {label}", total=None)
-                        tok_s, tokens, drafts = timed(llm, prompts, params)
-                        progress.update(task, total=1, completed=1)
-                        results.setdefault((name, seqs, label), []).append(tok_s)
-                        outputs[(name, seqs, label)] = tokens
-                        if label == "ngram":
-                            acceptance[(name, seqs)] = drafts
+    return p
 
-    console.print(
-        f"{Path(args.model).name}, {dtype}; {cpu_features.describe()}\n"
-        f"speculative config: k={spec.num_speculative_tokens}, "
-        f"n-gram {spec.prompt_lookup_min}..{spec.prompt_lookup_max}"
-    )
+
+# (workload name, max_num_seqs, engine label): the key of every run's figures
+RunKey = tuple[str, int, str]
+
+
+@dataclass(slots=True)
+class Measurements:
+    """Every run's tok/s, the last run's outputs, and the n-gram engine's drafts."""
+
+    results: dict[RunKey, list[float]] = field(default_factory=dict)
+    outputs: dict[RunKey, list[list[int]]] = field(default_factory=dict)
+    acceptance: dict[tuple[str, int], tuple[int, int]] = field(default_factory=dict)
+
+
+def load_engines(args: argparse.Namespace, spec: Any, progress: Progress) -> dict[str, Any]:
+    """The engine without speculation ("off") and with the n-gram proposer ("ngram")."""
+    from engine import LLM
+
+    engines: dict[str, Any] = {}
+    for label, config in (("off", None), ("ngram", spec)):
+        task = progress.add_task(f"load {label}", total=None)
+        engines[label] = LLM(
+            args.model,
+            dtype=args.dtype,
+            kv_cache_memory=1 << 30,
+            max_model_len=2048,
+            speculative_config=config,
+        )
+        progress.update(task, total=1, completed=1)
+    return engines
+
+
+def spec_workloads(llm: Any) -> dict[str, tuple[list[list[int]], Any]]:
+    """name: (prompts, sampling params) of the copying workload and the random one."""
+    from engine import SamplingParams
+
+    tokenizer = llm.tokenizer
+    (w1,) = make_workloads(["w1"], len(tokenizer), tokenizer.all_special_ids, num_prompts=64)
+    return {
+        "copy": (
+            copy_prompts(llm, 32),
+            SamplingParams(temperature=0, max_tokens=128),
+        ),
+        "random, T=1": (
+            w1.prompts,
+            SamplingParams(temperature=1.0, max_tokens=64, ignore_eos=True),
+        ),
+    }
+
+
+def measure(
+    engines: dict[str, Any],
+    workloads: dict[str, tuple[list[list[int]], Any]],
+    concurrencies: list[int],
+    repeat: int,
+    progress: Progress,
+) -> Measurements:
+    """Both engines on the same prompts at each concurrency, alternating, `repeat` times."""
+    measured = Measurements()
+    for _ in range(repeat):
+        for name, (prompts, params) in workloads.items():
+            for seqs in concurrencies:
+                for label, llm in engines.items():
+                    llm.engine.scheduler.max_num_seqs = seqs
+                    task = progress.add_task(f"{name} x{seqs} spec {label}", total=None)
+                    tok_s, tokens, drafts = timed(llm, prompts, params)
+                    progress.update(task, total=1, completed=1)
+                    measured.results.setdefault((name, seqs, label), []).append(tok_s)
+                    measured.outputs[(name, seqs, label)] = tokens
+                    if label == "ngram":
+                        measured.acceptance[(name, seqs)] = drafts
+    return measured
+
+
+def results_table(
+    measured: Measurements,
+    workloads: dict[str, tuple[list[list[int]], Any]],
+    concurrencies: list[int],
+) -> Table:
     table = Table(title="n-gram speculative decoding vs none (fastest of the runs)")
     for col in ("workload", "seqs", "off tok/s", "ngram tok/s", "ratio", "drafts accepted",
                 "identical outputs", "runs off / ngram"):  # fmt: skip
         table.add_column(col, justify="right")
+    results, outputs = measured.results, measured.outputs
     for name, (_, params) in workloads.items():
         for seqs in concurrencies:
             off, on = results[(name, seqs, "off")], results[(name, seqs, "ngram")]
-            drafted, accepted = acceptance[(name, seqs)]
+            drafted, accepted = measured.acceptance[(name, seqs)]
             same = outputs[(name, seqs, "off")] == outputs[(name, seqs, "ngram")]
             table.add_row(
                 name,
@@ -164,7 +189,35 @@ def main(argv: list[str] | None = None) -> None:
                 ("yes" if same else "NO") if params.temperature == 0 else "- (sampled)",
                 " ".join(f"{v:.0f}" for v in off) + " / " + " ".join(f"{v:.0f}" for v in on),
             )
-    console.print(table)
+    return table
+
+
+def main(argv: list[str] | None = None) -> None:
+    from engine import SamplingParams
+    from engine.spec_decode import SpeculativeConfig
+
+    args = _parser().parse_args(argv)
+    console = Console(width=max(Console().width, 120))
+    spec = SpeculativeConfig(
+        num_speculative_tokens=args.num_speculative_tokens,
+        prompt_lookup_max=args.prompt_lookup_max,
+        prompt_lookup_min=args.prompt_lookup_min,
+    )
+    with new_progress(console) as progress:
+        engines = load_engines(args, spec, progress)
+        dtype = str(engines["off"].engine.runner.dtype).removeprefix("torch.")
+        workloads = spec_workloads(engines["off"])
+        for llm in engines.values():  # warm both up
+            llm.generate(workloads["copy"][0][:2], SamplingParams(temperature=0, max_tokens=8))
+        concurrencies = [int(c) for c in args.max_num_seqs.split(",")]
+        measured = measure(engines, workloads, concurrencies, args.repeat, progress)
+
+    console.print(
+        f"{Path(args.model).name}, {dtype}; {cpu_features.describe()}\n"
+        f"speculative config: k={spec.num_speculative_tokens}, "
+        f"n-gram {spec.prompt_lookup_min}..{spec.prompt_lookup_max}"
+    )
+    console.print(results_table(measured, workloads, concurrencies))
 
 
 if __name__ == "__main__":
