@@ -36,6 +36,38 @@ MIN_SPLIT_TOKENS = 256
 
 
 @triton.jit  # type: ignore[untyped-decorator]  # triton ships no type hints
+def _attend_tile(  # type: ignore[no-untyped-def]  # triton reads annotations
+    q_tile,
+    key_cache,
+    value_cache,
+    offs,
+    d,
+    d_mask,
+    n_mask,
+    m_i,
+    l_i,
+    acc,
+    qk_scale,
+    UPCAST: tl.constexpr,
+):
+    """One tile of keys (their cache offsets `offs`, the valid ones `n_mask`) folded into
+    the group's running softmax: online softmax in base 2 (qk_scale carries log2 e), m_i the
+    running max, l_i the running sum, acc the unnormalised output; returns the three updated.
+    A @triton.jit function called from a kernel is inlined: no cost on the GPU."""
+    kv_mask = n_mask[:, None] & d_mask[None, :]
+    k = tl.load(key_cache + offs[:, None] + d[None, :], mask=kv_mask, other=0.0)
+    s = dot(q_tile, tl.trans(k), UPCAST) * qk_scale
+    s = tl.where(n_mask[None, :], s, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(s, axis=1))
+    alpha = tl.exp2(m_i - m_new)
+    p = tl.exp2(s - m_new[:, None])
+    l_i = l_i * alpha + tl.sum(p, axis=1)
+    v = tl.load(value_cache + offs[:, None] + d[None, :], mask=kv_mask, other=0.0)
+    acc = acc * alpha[:, None] + dot(p.to(value_cache.dtype.element_ty), v, UPCAST)
+    return m_new, l_i, acc
+
+
+@triton.jit  # type: ignore[untyped-decorator]  # triton ships no type hints
 def _decode_kernel(  # type: ignore[no-untyped-def]  # triton reads annotations
     q,
     key_cache,
@@ -92,17 +124,9 @@ def _decode_kernel(  # type: ignore[no-untyped-def]  # triton reads annotations
         n_mask = n < end
         block = tl.load(block_tables + row * stride_bt + n // block_size, mask=n_mask, other=0)
         offs = kv_base + block.to(tl.int64) * stride_cb + (n % block_size) * stride_cs
-        kv_mask = n_mask[:, None] & d_mask[None, :]
-        k = tl.load(key_cache + offs[:, None] + d[None, :], mask=kv_mask, other=0.0)
-        s = dot(q_tile, tl.trans(k), UPCAST) * qk_scale
-        s = tl.where(n_mask[None, :], s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, axis=1))
-        alpha = tl.exp2(m_i - m_new)
-        p = tl.exp2(s - m_new[:, None])
-        l_i = l_i * alpha + tl.sum(p, axis=1)
-        v = tl.load(value_cache + offs[:, None] + d[None, :], mask=kv_mask, other=0.0)
-        acc = acc * alpha[:, None] + dot(p.to(value_cache.dtype.element_ty), v, UPCAST)
-        m_i = m_new
+        m_i, l_i, acc = _attend_tile(
+            q_tile, key_cache, value_cache, offs, d, d_mask, n_mask, m_i, l_i, acc, qk_scale, UPCAST
+        )
 
     has_keys = l_i > 0
     o = acc / tl.where(has_keys, l_i, 1.0)[:, None]
@@ -162,23 +186,16 @@ def _num_splits(rows: int, kv_heads: int, max_seq_len: int, device: torch.device
     return max(1, min(-(-target // programs), -(-max_seq_len // MIN_SPLIT_TOKENS)))
 
 
-def decode_attention(
+def _check_arguments(
     query: torch.Tensor,
     key_cache: torch.Tensor,
     value_cache: torch.Tensor,
     block_tables: torch.Tensor,
     seq_lens: torch.Tensor,
     max_seq_len: int,
-    scale: float,
     out: torch.Tensor,
-    num_splits: int | None = None,
 ) -> None:
-    """out[r] = softmax(query[r] . K[r]^T * scale) . V[r] for every row r.
-
-    query/out: [rows, num_heads, head_dim] (any row and head strides); caches: the engine's
-    layout; block_tables: [rows, max_blocks] int32/int64; seq_lens: [rows], each <= max_seq_len
-    (a host int: it sizes the splits without reading the device). `num_splits`: None picks
-    one for the GPU; tests pass their own."""
+    """Refuses what the kernel would misread (decode_attention's docstring has the shapes)."""
     check(query.dim() == 3 and out.shape == query.shape, "query/out must be [rows, heads, dim]")
     rows, num_heads, head_dim = query.shape
     check(key_cache.dim() == 4 and key_cache.shape == value_cache.shape, "caches differ")
@@ -196,15 +213,43 @@ def decode_attention(
     check(block_tables.stride(1) == 1, "block_tables must be contiguous in its rows")
     check(max_seq_len <= block_tables.shape[1] * block_size, "max_seq_len exceeds the tables")
     same_device(query, key_cache, value_cache, block_tables, seq_lens, out)
+
+
+def _split_keys(max_seq_len: int, wanted: int, block_n: int) -> tuple[int, int]:
+    """(splits, tokens_per_split): each split's key range rounded up to whole BLOCK_N tiles,
+    so fewer splits than `wanted` where the rounding leaves the last ones without keys."""
+    tokens_per_split = -(-max(max_seq_len, 1) // wanted)
+    tokens_per_split = -(-tokens_per_split // block_n) * block_n
+    return max(1, -(-max_seq_len // tokens_per_split)), tokens_per_split
+
+
+def decode_attention(
+    query: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    max_seq_len: int,
+    scale: float,
+    out: torch.Tensor,
+    num_splits: int | None = None,
+) -> None:
+    """out[r] = softmax(query[r] . K[r]^T * scale) . V[r] for every row r.
+
+    query/out: [rows, num_heads, head_dim] (any row and head strides); caches: the engine's
+    layout; block_tables: [rows, max_blocks] int32/int64; seq_lens: [rows], each <= max_seq_len
+    (a host int: it sizes the splits without reading the device). `num_splits`: None picks
+    one for the GPU; tests pass their own."""
+    _check_arguments(query, key_cache, value_cache, block_tables, seq_lens, max_seq_len, out)
+    rows, num_heads, head_dim = query.shape
+    kvh, _, block_size, _ = key_cache.shape
     if rows == 0:
         return
     group = num_heads // kvh
-    splits = num_splits or _num_splits(rows, kvh, max_seq_len, query.device)
     on_gpu = query.device.type == "cuda"
     block_n = 64 if on_gpu else 16
-    tokens_per_split = -(-max(max_seq_len, 1) // splits)
-    tokens_per_split = -(-tokens_per_split // block_n) * block_n
-    splits = max(1, -(-max_seq_len // tokens_per_split))
+    wanted = num_splits or _num_splits(rows, kvh, max_seq_len, query.device)
+    splits, tokens_per_split = _split_keys(max_seq_len, wanted, block_n)
     dim_pad = next_pow2(head_dim)
     if splits > 1:
         part_out = torch.empty(rows, num_heads, splits, dim_pad, device=query.device)
