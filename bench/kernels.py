@@ -145,11 +145,15 @@ def build_model(s: Shapes, device: torch.device, max_len: int) -> LlamaForCausal
     )
     torch.manual_seed(0)
     with torch.device(device):
-        model = LlamaForCausalLM(config, max_len).to(torch.bfloat16)
+        model = LlamaForCausalLM(config, max_len, kernels=triton_kernels(device))
+    model.to(torch.bfloat16)
     model.rotary.to(torch.float32)
     model.eval()
-    model.use_triton(dispatch.triton_ops(device))
     return model
+
+
+def triton_kernels(device: torch.device) -> dispatch.Kernels:
+    return dispatch.Kernels(dispatch.Backend.TRITON, triton=dispatch.triton_ops(device))
 
 
 def lora_manager(s: Shapes, config: Any, device: torch.device) -> LoRAManager:
@@ -180,8 +184,8 @@ def lora_manager(s: Shapes, config: Any, device: torch.device) -> LoRAManager:
         loader=loader,
         device=device,
         dtype=torch.bfloat16,
+        kernels=triton_kernels(device),
     )
-    manager.triton = dispatch.triton_ops(device)
     for i in range(4):
         manager.load_now(LoRARequest(str(i), "", f"bench-{i}"))
     return manager

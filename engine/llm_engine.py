@@ -84,10 +84,9 @@ class LLMEngine:
                 loader=lora_loader,
                 device=self.runner.device,
                 dtype=self.runner.dtype,
+                kernels=self.runner.kernels,
             )
             self.runner.lora = self.lora
-            self.lora.native = self.runner.native_kernels
-            self.lora.triton = self.runner.triton
         self.scheduler = Scheduler(
             self.kv,
             max_num_seqs=config.max_num_seqs,

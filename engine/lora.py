@@ -24,6 +24,7 @@ from engine.lora_types import (
     LoRAWeights,
     PackedLoRA,
 )
+from kernels.dispatch import TORCH_KERNELS, Kernels
 from kernels.lora import LoRAGroup, add_lora, add_lora_masked, slot_mask
 
 # Steps of at most this many tokens with more than one adapter (or base rows) take
@@ -125,6 +126,7 @@ class LoRAManager:
         loader: LoRALoader | None,
         device: torch.device,
         dtype: torch.dtype,
+        kernels: Kernels = TORCH_KERNELS,
     ) -> None:
         self.targets = targets
         self.num_layers = num_layers
@@ -156,8 +158,8 @@ class LoRAManager:
         self._pending_unload: set[str] = set()
         self._clock = 0
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="lora-loader")
-        self.native = False  # the C++ grouped op (kernels.native), set by the model runner
-        self.triton: ModuleType | None = None  # kernels.triton.ops, set by the model runner
+        self.native = kernels.native  # the C++ grouped op (kernels.native)
+        self.triton: ModuleType | None = kernels.triton  # kernels.triton.ops
         self._triton_layouts: list[Any] | None = None  # per target; remade after slots change
         self.num_loads = 0  # installs into a slot
         self.num_disk_loads = 0

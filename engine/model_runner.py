@@ -30,7 +30,7 @@ from engine.request import Request
 from engine.sampler import Sampler, SamplerOutput
 from engine.scheduler import SchedulerOutput
 from engine.spec_decode import verify
-from kernels import dispatch, linear, native, quant
+from kernels import dispatch, linear, quant
 from kernels.attention import build_plan
 
 logger = logging.getLogger(__name__)
@@ -112,9 +112,20 @@ class ModelRunner:
         model_dir = Path(config.model)
         names = weight_names(model_dir)
         qkv_bias = any(n.endswith("q_proj.bias") for n in names)
+        head_dim = (
+            getattr(hf_config, "head_dim", None)
+            or hf_config.hidden_size // hf_config.num_attention_heads
+        )
+        # The engine's one kernel choice, handed to every module that runs a kernel.
+        self.kernels = dispatch.choose(
+            config.kernels, self.device, self.dtype, config.cpu_kernels, head_dim, self.block_size
+        )
+        self.plan_kind = self.kernels.plan_flags()  # build_plan's kernel flags
         torch.manual_seed(config.seed)
         with torch.device(self.device):
-            self.model = LlamaForCausalLM(hf_config, max_model_len, qkv_bias).to(self.dtype)
+            self.model = LlamaForCausalLM(hf_config, max_model_len, qkv_bias, self.kernels).to(
+                self.dtype
+            )
         self.model.eval()
         self.model.rotary.to(torch.float32)
         total = len(names)
@@ -135,32 +146,12 @@ class ModelRunner:
         self.large_step_tokens = max(1, -(-LARGE_STEP_TOKEN_PARAMS // max(1, num_params)))
         self.num_kv_heads = attn.num_kv_heads
         self.head_dim = attn.head_dim
-        # build_plan's kernel flags. int8 calibration runs the model before the kernels are
-        # chosen below: on the torch paths, which no flag means.
-        self.plan_kind: dict[str, bool] = {}
         if config.quantization is not None:
             self._quantize(calibration or [])
         self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
         self.lora: LoRAManager | None = None  # set by the engine when LoRA is enabled
         self.sampler = Sampler(self.device, config.seed)
         self.vocab_size = int(hf_config.vocab_size)
-        self.kernels = dispatch.select(config.kernels, self.device, self.dtype, config.cpu_kernels)
-        self.native_kernels = self.kernels is dispatch.Backend.NATIVE
-        # kernels.triton.ops when the triton kernels run, else None
-        self.triton = (
-            dispatch.triton_ops(self.device) if self.kernels is dispatch.Backend.TRITON else None
-        )
-        logger.info("kernels: %s", self.kernels.value)
-        self.plan_kind = {
-            "native": self.native_kernels,
-            "triton": self.triton is not None,
-            # bf16 prompts' attention in C++ too, where the CPU has bf16 dot products.
-            "native_prefill": self.native_kernels
-            and native.prefill_attention_available(self.dtype, self.head_dim, self.block_size),
-        }
-        self.model.use_native_kernels(self.native_kernels)
-        self.model.use_triton(self.triton)
-        quant.use_native(self.model, self.native_kernels)
         if config.cpu_kernels and self.device.type == "cpu" and linear.available():
             linear.prepack(self.model)
 
@@ -170,7 +161,7 @@ class ModelRunner:
             raise ValueError("int8 quantization needs calibration text")
         ranges = quant.activation_ranges(self.model, self.forward_prompt, calibration)
         quant.smooth(self.model, ranges, quant.SMOOTHING_ALPHA)
-        count = quant.quantize(self.model)
+        count = quant.quantize(self.model, native=self.kernels.native)
         logger.info("int8: %d projections smoothed and quantized", count)
 
     @torch.inference_mode()
@@ -294,7 +285,7 @@ class ModelRunner:
         def is_decode(item: tuple[Request, int]) -> bool:
             return item[0].num_computed_tokens + 1 == item[0].num_tokens
 
-        if self.native_kernels or self.triton is not None:
+        if self.kernels.native or self.kernels.triton is not None:
             return sorted(
                 sched.scheduled, key=lambda item: (not is_decode(item), item[0].lora_slot)
             )

@@ -23,6 +23,7 @@ import enum
 import logging
 import os
 import sys
+from dataclasses import dataclass
 from types import ModuleType
 
 import torch
@@ -55,6 +56,50 @@ def select(
     if requested == "native":
         logger.warning("native kernels requested but unavailable for %s: the torch path", dtype)
     return Backend.TORCH
+
+
+@dataclass(frozen=True, slots=True)
+class Kernels:
+    """One engine's kernel choice, made once (`choose`) and handed to every module that runs
+    a kernel as it is built: the model's norms and attention, the LoRA manager, int8."""
+
+    backend: Backend
+    triton: ModuleType | None = None  # kernels.triton.ops when the backend is triton
+    native_prefill: bool = False  # prompts' attention in C++ too (bf16 dot products)
+
+    @property
+    def native(self) -> bool:
+        return self.backend is Backend.NATIVE
+
+    def plan_flags(self) -> dict[str, bool]:
+        """kernels.attention.build_plan's keyword flags for this choice."""
+        return {
+            "native": self.native,
+            "triton": self.triton is not None,
+            "native_prefill": self.native_prefill,
+        }
+
+
+TORCH_KERNELS = Kernels(Backend.TORCH)
+
+
+def choose(
+    requested: str,
+    device: torch.device,
+    dtype: torch.dtype,
+    cpu_kernels: bool,
+    head_dim: int,
+    block_size: int,
+) -> Kernels:
+    """The kernels of an engine on `device` computing in `dtype` (`EngineConfig.kernels`)."""
+    backend = select(requested, device, dtype, cpu_kernels)
+    logger.info("kernels: %s", backend.value)
+    if backend is Backend.TRITON:
+        return Kernels(backend, triton=triton_ops(device))
+    if backend is Backend.NATIVE:
+        prefill = native.prefill_attention_available(dtype, head_dim, block_size)
+        return Kernels(backend, native_prefill=prefill)
+    return Kernels(backend)
 
 
 def triton_ops(device: torch.device) -> ModuleType:

@@ -138,7 +138,7 @@ class Int8Linear(nn.Module):
         self.register_buffer("scales", scales.t().contiguous())
         bias = linear.bias
         self.bias = None if bias is None else bias.detach().float()
-        self.native = False  # the C++ halves (kernels.native), set by the model runner
+        self.native = False  # the C++ halves (kernels.native): quantize(native=True), use_native
         # The weight packed for the C++ linear, and its column sums per group (pack_for_vnni).
         self.packed: torch.Tensor | None = None
         self.col_sums: torch.Tensor | None = None
@@ -246,15 +246,22 @@ def smooth(model: Any, ranges: dict[str, torch.Tensor], alpha: float = SMOOTHING
         _scale_(attn.o_proj.weight, s[:, None, :].expand(-1, per_kv, -1).reshape(-1))
 
 
-def quantize(module: nn.Module) -> int:
-    """Replace every projection under `module` by its Int8Linear; returns how many."""
+def quantize(module: nn.Module, native: bool = False) -> int:
+    """Replace every projection under `module` by its Int8Linear, on the C++ kernels when
+    `native` (packed for them where the CPU has VNNI); returns how many."""
+    count = _replace_projections(module)
+    use_native(module, native)
+    return count
+
+
+def _replace_projections(module: nn.Module) -> int:
     count = 0
     for name, child in list(module.named_children()):
         if isinstance(child, nn.Linear) and name in PROJECTIONS:
             setattr(module, name, Int8Linear(child, _group(child.in_features)))
             count += 1
         else:
-            count += quantize(child)
+            count += _replace_projections(child)
     return count
 
 

@@ -24,6 +24,7 @@ from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 from engine.lora import LoRAStep
 from engine.lora_types import DOWN, GATE_UP, O_PROJ, QKV
 from kernels.attention import AttentionPlan, paged_attention, write_kv
+from kernels.dispatch import TORCH_KERNELS, Kernels
 from kernels.quant import Int8Linear
 
 SUPPORTED_ARCHITECTURES = {"LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM"}
@@ -39,12 +40,12 @@ class RMSNorm(nn.Module):
     differently. `triton`: kernels/triton/rms_norm.py (kernels.dispatch), the same rounding.
     """
 
-    def __init__(self, hidden_size: int, eps: float) -> None:
+    def __init__(self, hidden_size: int, eps: float, kernels: Kernels = TORCH_KERNELS) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.ones(hidden_size))
         self.eps = eps
-        self.native = False
-        self.triton: ModuleType | None = None
+        self.native = kernels.native
+        self.triton: ModuleType | None = kernels.triton
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.native:
@@ -124,7 +125,9 @@ def apply_rope(x: torch.Tensor, rope: Rope) -> torch.Tensor:
 
 
 class Attention(nn.Module):
-    def __init__(self, config: PretrainedConfig, bias: bool, layer: int) -> None:
+    def __init__(
+        self, config: PretrainedConfig, bias: bool, layer: int, kernels: Kernels = TORCH_KERNELS
+    ) -> None:
         super().__init__()
         self.layer = layer
         self.num_heads: int = config.num_attention_heads
@@ -137,8 +140,8 @@ class Attention(nn.Module):
         self.scale = self.head_dim**-0.5
         self.qkv_proj = nn.Linear(config.hidden_size, self.q_size + 2 * self.kv_size, bias=bias)
         self.o_proj = nn.Linear(self.q_size, config.hidden_size, bias=False)
-        self.triton: ModuleType | None = None  # kernels.triton.ops, set by use_triton
-        self.native = False  # rotary and KV write in C++ (kernels/csrc/layer_ops.cpp)
+        self.triton: ModuleType | None = kernels.triton
+        self.native = kernels.native  # rotary and KV write in C++ (kernels/csrc/layer_ops.cpp)
 
     def forward(
         self,
@@ -207,12 +210,15 @@ class MLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, config: PretrainedConfig, bias: bool, layer: int) -> None:
+    def __init__(
+        self, config: PretrainedConfig, bias: bool, layer: int, kernels: Kernels = TORCH_KERNELS
+    ) -> None:
         super().__init__()
-        self.self_attn = Attention(config, bias, layer)
+        self.self_attn = Attention(config, bias, layer, kernels)
         self.mlp = MLP(config, layer)
-        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        eps = config.rms_norm_eps
+        self.input_layernorm = RMSNorm(config.hidden_size, eps, kernels)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, eps, kernels)
 
     def forward(
         self,
@@ -238,8 +244,14 @@ class DecoderLayer(nn.Module):
 
 class LlamaForCausalLM(nn.Module):
     def __init__(
-        self, config: PretrainedConfig, max_model_len: int, qkv_bias: bool = False
+        self,
+        config: PretrainedConfig,
+        max_model_len: int,
+        qkv_bias: bool = False,
+        kernels: Kernels = TORCH_KERNELS,
     ) -> None:
+        """`kernels`: which kernels the norms, rotary, KV writes and attention run
+        (kernels.dispatch.choose); the torch paths by default."""
         super().__init__()
         self.config = config
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
@@ -248,14 +260,14 @@ class LlamaForCausalLM(nn.Module):
         )
         self.rotary = RotaryEmbedding(config, head_dim, max_model_len)
         self.layers = nn.ModuleList(
-            DecoderLayer(config, qkv_bias, i) for i in range(config.num_hidden_layers)
+            DecoderLayer(config, qkv_bias, i, kernels) for i in range(config.num_hidden_layers)
         )
-        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, kernels)
         self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         if self.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
-        self.triton: ModuleType | None = None
+        self.triton: ModuleType | None = kernels.triton
 
     def forward(
         self,
@@ -275,21 +287,6 @@ class LlamaForCausalLM(nn.Module):
         for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
             delta = layer(rope, residual, delta, plan, kv_cache, lora)
         return self.norm(residual) if delta is None else self.norm.add_forward(residual, delta)
-
-    def use_native_kernels(self, enabled: bool) -> None:
-        """Route the norms, rotary and KV writes to kernels.native's C++ ops (loaded by the
-        caller)."""
-        for module in self.modules():
-            if isinstance(module, RMSNorm | Attention):
-                module.native = enabled
-
-    def use_triton(self, ops: ModuleType | None) -> None:
-        """Route norms, rotary, KV writes and attention to kernels.triton.ops (from
-        kernels.dispatch.triton_ops); None: back to the torch/C++ paths."""
-        self.triton = ops
-        for module in self.modules():
-            if isinstance(module, RMSNorm | Attention):
-                module.triton = ops
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         logits: torch.Tensor = self.lm_head(hidden)

@@ -36,7 +36,7 @@ def test_greedy_matches_hf_with_triton_kernels(demo_model_dir: Path) -> None:
         max_model_len=256,
         max_num_batched_tokens=24,
     )
-    assert llm.engine.runner.kernels is dispatch.Backend.TRITON
+    assert llm.engine.runner.kernels.backend is dispatch.Backend.TRITON
     for _ in range(2):  # the second pass on a warm prefix cache
         outs = llm.generate(batch, GREEDY)
         assert [o.outputs[0].token_ids for o in outs] == expected
