@@ -75,6 +75,8 @@ class Tenant(Base):
     tpm_limit: Mapped[int | None] = mapped_column(BigInteger)
     max_concurrency: Mapped[int | None] = mapped_column(BigInteger)
     monthly_token_quota: Mapped[int | None] = mapped_column(BigInteger)
+    # The served models (by name) the tenant may use; None: every model.
+    allowed_models: Mapped[list[str] | None] = mapped_column(JSON)
 
 
 class ApiKey(Base):
@@ -100,7 +102,10 @@ class Adapter(Base):
     (adapters/store.py) under `sha256`."""
 
     __tablename__ = "adapters"
-    __table_args__ = (UniqueConstraint("scope", "name", name="uq_adapters_scope_name"),)
+    # One name per owner and base model: two base models may each have an adapter `sql`.
+    __table_args__ = (
+        UniqueConstraint("scope", "base_model", "name", name="uq_adapters_scope_base_model_name"),
+    )
 
     id: Mapped[str] = mapped_column(String(32), primary_key=True, default=lambda: new_id("ad"))
     # NULL: public. `scope` repeats it as a value a unique constraint can hold (SQL's NULLs
@@ -110,6 +115,7 @@ class Adapter(Base):
     )
     scope: Mapped[str] = mapped_column(String(32))
     name: Mapped[str] = mapped_column(String(128))
+    # The served model's name (the `model` clients send for it) the adapter was checked against.
     base_model: Mapped[str] = mapped_column(String(256))
     rank: Mapped[int]
     alpha: Mapped[float]

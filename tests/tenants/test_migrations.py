@@ -3,10 +3,14 @@ PostgreSQL, and take them down again."""
 
 from __future__ import annotations
 
+from datetime import UTC, datetime
+
+import pytest
 from alembic.autogenerate import compare_metadata
 from alembic.migration import MigrationContext
-from sqlalchemy import create_engine, inspect
+from sqlalchemy import MetaData, Table, create_engine, delete, insert, inspect, select, update
 from sqlalchemy.engine import make_url
+from sqlalchemy.exc import IntegrityError
 
 from tenants.db import async_url, current_revision, downgrade, upgrade
 from tenants.models import Base
@@ -38,5 +42,86 @@ def test_the_migrations_build_the_models_and_come_down_again(database_url: str) 
         upgrade(database_url)  # and up again from empty
         with engine.connect() as conn:
             assert set(inspect(conn).get_table_names()) >= TABLES
+    finally:
+        engine.dispose()
+
+
+def _adapter_row(scope: str, name: str, base_model: str) -> dict[str, object]:
+    return {
+        "id": f"ad_{scope}_{name}_{base_model}",
+        "owner_id": None,
+        "scope": scope,
+        "name": name,
+        "base_model": base_model,
+        "rank": 8,
+        "alpha": 16.0,
+        "target_modules": ["q_proj"],
+        "sha256": "0" * 64,
+        "size_bytes": 1,
+        "storage_path": "0" * 64,
+        "status": "ready",
+        "created_at": datetime(2026, 12, 1, tzinfo=UTC),
+    }
+
+
+def test_0003_names_adapters_per_base_model_and_adds_allowed_models(database_url: str) -> None:
+    """Rows written before 0003 survive it both ways; after it one owner may hold a name on two
+    base models, and a tenant has `allowed_models` (null for the tenants that were there)."""
+    upgrade(database_url, "0002")
+    engine = _sync_engine(database_url)
+    try:
+        metadata = MetaData()
+        with engine.begin() as conn:
+            tenants = Table("tenants", metadata, autoload_with=conn)
+            conn.execute(
+                insert(tenants).values(
+                    id="ten_old",
+                    name="old",
+                    status="active",
+                    created_at=datetime(2026, 12, 1, tzinfo=UTC),
+                    weight=1.0,
+                )
+            )
+            conn.execute(
+                insert(Table("adapters", metadata, autoload_with=conn)),
+                [_adapter_row("public", "sql", "demo")],
+            )
+        with pytest.raises(IntegrityError), engine.begin() as conn:  # one name per owner, yet
+            conn.execute(
+                insert(Table("adapters", MetaData(), autoload_with=conn)),
+                [_adapter_row("public", "sql", "smollm2")],
+            )
+
+        upgrade(database_url, "0003")
+        with engine.begin() as conn:
+            adapters = Table("adapters", MetaData(), autoload_with=conn)
+            conn.execute(insert(adapters), [_adapter_row("public", "sql", "smollm2")])
+            with pytest.raises(IntegrityError), conn.begin_nested():
+                conn.execute(
+                    insert(adapters), [_adapter_row("public", "sql", "demo") | {"id": "x"}]
+                )
+            tenants = Table("tenants", MetaData(), autoload_with=conn)
+            assert conn.execute(select(tenants.c.allowed_models)).scalar_one() is None
+            conn.execute(update(tenants).values(allowed_models=["demo"]))
+            assert conn.execute(select(tenants.c.allowed_models)).scalar_one() == ["demo"]
+
+        # Down again: refused while a name is on two base models, done once it is not.
+        with pytest.raises(RuntimeError, match="public/sql"):
+            downgrade(database_url, "0002")
+        assert current_revision(database_url) == "0003"
+        with engine.begin() as conn:
+            adapters = Table("adapters", MetaData(), autoload_with=conn)
+            conn.execute(delete(adapters).where(adapters.c.base_model == "smollm2"))
+        downgrade(database_url, "0002")
+        with engine.connect() as conn:
+            assert "allowed_models" not in {c["name"] for c in inspect(conn).get_columns("tenants")}
+            unique = inspect(conn).get_unique_constraints("adapters")
+            assert [(u["name"], u["column_names"]) for u in unique] == [
+                ("uq_adapters_scope_name", ["scope", "name"])
+            ]
+            adapters = Table("adapters", MetaData(), autoload_with=conn)
+            assert conn.execute(select(adapters.c.name, adapters.c.base_model)).all() == [
+                ("sql", "demo")
+            ]
     finally:
         engine.dispose()
