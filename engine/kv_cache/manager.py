@@ -76,9 +76,6 @@ class KVCacheManager:
         self.num_hit_tokens += num_hit_tokens
         return hits, num_hit_tokens
 
-    def can_ever_fit(self, num_tokens: int) -> bool:
-        return cdiv(num_tokens, self.block_size) <= self.pool.num_blocks
-
     def allocate_slots(
         self,
         request: Request,
