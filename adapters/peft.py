@@ -250,7 +250,7 @@ def _check_base_model(trained_for: str | None, base: BaseModelInfo) -> None:
     if _last_component(trained_for).lower() not in known:
         also = f" (also known as {', '.join(map(repr, base.names[1:]))})" if base.names[1:] else ""
         raise AdapterError(
-            f"adapter was trained for {short(trained_for)}; this server's base model is "
+            f"adapter was trained for {short(trained_for)}, not for base model "
             f"{base.names[0]!r}{also}"
         )
 

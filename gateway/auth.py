@@ -42,6 +42,8 @@ class RequestTenant:
     cache_salt: str
     key_id: str | None = None
     limits: TenantLimits = TenantLimits()
+    # The base models it may use (and their adapters); None: every model.
+    allowed_models: frozenset[str] | None = None
 
 
 def cache_salt(secret_key: bytes, tenant: Tenant) -> str:
@@ -58,8 +60,15 @@ def request_tenant(secret_key: bytes, tenant: Tenant, key_id: str | None = None)
         max_concurrency=tenant.max_concurrency,
         monthly_tokens=tenant.monthly_token_quota,
     )
+    allowed = None if tenant.allowed_models is None else frozenset(tenant.allowed_models)
     return RequestTenant(
-        tenant.id, tenant.name, tenant.weight, cache_salt(secret_key, tenant), key_id, limits
+        tenant.id,
+        tenant.name,
+        tenant.weight,
+        cache_salt(secret_key, tenant),
+        key_id,
+        limits,
+        allowed,
     )
 
 

@@ -116,7 +116,7 @@ def run_server(settings: Settings, with_progress: Callable[[Any], Any]) -> None:
     modules = lora_modules(settings)
     name = settings.served_model_name or Path(settings.model).resolve().name
     try:
-        tenancy = open_tenancy(settings, describe_base(settings.model, extra_names=[name]), name)
+        tenancy = open_tenancy(settings, {name: describe_base(settings.model, extra_names=[name])})
     except SettingsError as exc:
         raise typer.BadParameter(str(exc)) from exc
     demo, preload = asyncio.run(_start_up(tenancy, settings, modules))
@@ -127,7 +127,7 @@ def run_server(settings: Settings, with_progress: Callable[[Any], Any]) -> None:
     if settings.engine_process:
         process = EngineProcess(
             config,
-            lora_loader=tenancy.catalog.loader,
+            lora_loader=tenancy.catalog.loader(name),
             preload=preload,
             max_waiting=settings.max_waiting,
             restart=settings.restart_engine,
@@ -136,7 +136,8 @@ def run_server(settings: Settings, with_progress: Callable[[Any], Any]) -> None:
         engine = process
     else:
         retain_freed_memory()
-        core = with_progress(lambda progress: LLMEngine(config, progress, tenancy.catalog.loader))
+        loader = tenancy.catalog.loader(name)
+        core = with_progress(lambda progress: LLMEngine(config, progress, loader))
         if core.lora is not None:
             for lora in preload:  # start-up adapters fill the slots before the first request
                 core.lora.load_now(lora)

@@ -25,7 +25,7 @@ from engine.lora_types import LoRARequest
 from engine.messages import EngineRequest
 from engine.outputs import SequenceUpdate
 from engine.request import GuidedSpec, SamplingParams
-from gateway.adapter_catalog import AdapterCatalog
+from gateway.adapter_catalog import AdapterCatalog, AmbiguousAdapter
 from gateway.admission import Admission
 from gateway.auth import RequestTenant
 from gateway.errors import APIError, api_error
@@ -86,14 +86,22 @@ class OpenAIServing:
         """The adapter a `model` field names for this tenant (its own, else a public one); None
         for the base model. 404 otherwise, the same answer for another tenant's adapter as
         for a name that does not exist."""
-        if name == self.model_name:
+        allowed = tenant.allowed_models  # a model outside it answers as one that does not exist
+        if name == self.model_name and (allowed is None or name in allowed):
             return None
-        lora = None if self.catalog is None else await self.catalog.resolve(tenant.id, name)
-        if lora is None:
+        try:
+            found = (
+                None
+                if self.catalog is None
+                else await self.catalog.resolve(tenant.id, name, allowed)
+            )
+        except AmbiguousAdapter as exc:
+            raise APIError(400, str(exc), param="model", code="ambiguous_model") from exc
+        if found is None or found.base_model != self.model_name:
             raise APIError(
                 404, f"The model `{name}` does not exist.", param="model", code="model_not_found"
             )
-        return lora
+        return found.lora
 
     # -- routes -------------------------------------------------------------------------------
 

@@ -48,6 +48,11 @@ class Tenancy:
     # Limits of a tenant created without them (admin REST): field name -> value or None.
     default_limits: dict[str, int | None] = field(default_factory=dict)
 
+    @property
+    def model_names(self) -> list[str]:
+        """The base models this server serves, by the names clients send."""
+        return self.catalog.model_names
+
     async def start(self) -> None:
         """Start the background work (the usage ledger's writer) in the event loop that
         serves: the database's connections belong to it."""
@@ -65,9 +70,11 @@ class DemoKey:
     key: str
 
 
-def open_tenancy(settings: Settings, base: BaseModelInfo, served_model_name: str) -> Tenancy:
-    """The tenancy objects for a server with these settings (synchronous: run it before the
-    event loop starts, or in a thread). Raises SettingsError for unusable secrets."""
+def open_tenancy(settings: Settings, bases: dict[str, BaseModelInfo]) -> Tenancy:
+    """The tenancy objects for a server with these settings that serves `bases` (each served
+    model's name, the `model` clients send, to what its adapters are checked against; the
+    first is the default). Synchronous: run it before the event loop starts, or in a thread.
+    Raises SettingsError for unusable secrets."""
     settings.check_no_auth()
     settings.check_tool_choice()
     secret_key = settings.resolved_secret_key()
@@ -77,8 +84,7 @@ def open_tenancy(settings: Settings, base: BaseModelInfo, served_model_name: str
     catalog = AdapterCatalog(
         db,
         AdapterStore(settings.adapter_store),
-        base,
-        served_model_name,
+        bases,
         settings.max_lora_rank,
         ttl=settings.tenant_cache_ttl,
     )

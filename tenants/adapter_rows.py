@@ -1,7 +1,9 @@
-"""Adapter rows: who owns which adapter under which name (the files are the store's).
+"""Adapter rows: who owns which adapter under which name, on which base model (the files are
+the store's).
 
-A tenant sees the public adapters (owner NULL) and its own; its own name wins over a
-public one of the same name.
+A name is unique per owner and base model: one owner may have `sql` on two base models. A
+tenant sees the public adapters (owner NULL) and its own; on one base model, its own name wins
+over a public one of the same name.
 """
 
 from __future__ import annotations
@@ -24,37 +26,59 @@ def scope_of(owner_id: str | None) -> str:
     return PUBLIC_SCOPE if owner_id is None else owner_id
 
 
+def adapter_exists(name: str, base_model: str) -> AdapterExists:
+    return AdapterExists(f"an adapter named {name!r} exists on base model {base_model!r}")
+
+
 async def create_adapter(
-    session: AsyncSession, *, owner_id: str | None, name: str, **fields: Any
+    session: AsyncSession, *, owner_id: str | None, name: str, base_model: str, **fields: Any
 ) -> Adapter:
-    """Raises AdapterExists for a name the owner already uses (the session must then roll
-    back)."""
-    row = Adapter(owner_id=owner_id, scope=scope_of(owner_id), name=check_adapter_name(name))
+    """Raises AdapterExists for a name the owner already uses on that base model (the session
+    must then roll back)."""
+    row = Adapter(
+        owner_id=owner_id,
+        scope=scope_of(owner_id),
+        name=check_adapter_name(name),
+        base_model=base_model,
+    )
     for key, value in fields.items():
         setattr(row, key, value)
     session.add(row)
     try:
         await session.flush()
     except IntegrityError as exc:
-        raise AdapterExists(f"an adapter named {name!r} exists") from exc
+        raise adapter_exists(name, base_model) from exc
     return row
 
 
-async def name_taken(session: AsyncSession, *, owner_id: str | None, name: str) -> bool:
-    found = await session.scalar(
-        select(Adapter.id).where(Adapter.scope == scope_of(owner_id), Adapter.name == name)
+async def name_taken(
+    session: AsyncSession, *, owner_id: str | None, base_model: str, name: str
+) -> bool:
+    return (
+        await get_by_name(session, owner_id=owner_id, base_model=base_model, name=name) is not None
     )
-    return found is not None
 
 
 async def get_adapter(session: AsyncSession, *, adapter_id: str) -> Adapter | None:
     return await session.get(Adapter, adapter_id)
 
 
-async def get_by_name(session: AsyncSession, *, owner_id: str | None, name: str) -> Adapter | None:
+async def get_by_name(
+    session: AsyncSession, *, owner_id: str | None, base_model: str, name: str
+) -> Adapter | None:
     return await session.scalar(
-        select(Adapter).where(Adapter.scope == scope_of(owner_id), Adapter.name == name)
+        select(Adapter).where(
+            Adapter.scope == scope_of(owner_id),
+            Adapter.base_model == base_model,
+            Adapter.name == name,
+        )
     )
+
+
+async def find_by_name(session: AsyncSession, *, owner_id: str | None, name: str) -> list[Adapter]:
+    """The owner's adapters of that name, one per base model it is on."""
+    query = select(Adapter).where(Adapter.scope == scope_of(owner_id), Adapter.name == name)
+    return list(await session.scalars(query.order_by(Adapter.base_model)))
 
 
 async def list_adapters(session: AsyncSession, *, owner_id: str | None = None) -> list[Adapter]:
@@ -65,15 +89,19 @@ async def list_adapters(session: AsyncSession, *, owner_id: str | None = None) -
     return list(await session.scalars(query))
 
 
-async def visible_adapters(session: AsyncSession, *, tenant_id: str) -> dict[str, Adapter]:
-    """Name -> adapter, for the names a tenant's `model` field may use."""
+async def visible_adapters(
+    session: AsyncSession, *, tenant_id: str
+) -> dict[tuple[str, str], Adapter]:
+    """(name, base model) -> adapter, for the adapters a tenant's `model` field may name: its
+    own, and the public ones it has no adapter of the same name on the same base model for."""
     rows = await session.scalars(
         select(Adapter).where(or_(Adapter.owner_id == tenant_id, Adapter.owner_id.is_(None)))
     )
-    visible: dict[str, Adapter] = {}
+    visible: dict[tuple[str, str], Adapter] = {}
     for row in rows:
-        if row.owner_id is not None or row.name not in visible:
-            visible[row.name] = row
+        key = (row.name, row.base_model)
+        if row.owner_id is not None or key not in visible:
+            visible[key] = row
     return visible
 
 

@@ -76,7 +76,7 @@ class Tenant(Base):
     max_concurrency: Mapped[int | None] = mapped_column(BigInteger)
     monthly_token_quota: Mapped[int | None] = mapped_column(BigInteger)
     # The served models (by name) the tenant may use; None: every model.
-    allowed_models: Mapped[list[str] | None] = mapped_column(JSON)
+    allowed_models: Mapped[list[str] | None] = mapped_column(JSON(none_as_null=True))
 
 
 class ApiKey(Base):

@@ -54,10 +54,27 @@ def _json_number(value: object) -> object:
     return value
 
 
+# The served models a tenant may use, by name; null: every model.
+MAX_ALLOWED_MODELS = 64
+ModelName = Annotated[str, Field(min_length=1, max_length=256)]
+AllowedModels = Annotated[
+    list[ModelName],
+    Field(
+        max_length=MAX_ALLOWED_MODELS,
+        description=(
+            "The served models (by the `model` name clients send) the tenant may use, and so "
+            "their adapters; any other is a 404 `model_not_found`, as a model that does not "
+            "exist. null: every model."
+        ),
+    ),
+]
+
 # Per-tenant limits; null is unlimited. A limit of 2^53 or more is as good as none.
 RequestLimit = Annotated[int, Field(ge=1, lt=1 << 53), BeforeValidator(_json_number)]
 TokenQuota = Annotated[int, Field(ge=0, lt=1 << 53), BeforeValidator(_json_number)]
 LIMIT_FIELDS = ("rpm_limit", "tpm_limit", "max_concurrency", "monthly_token_quota")
+# Fields where a PATCH's null is a value (no group, unlimited, every model), not "unchanged".
+NULLABLE_FIELDS = ("cache_group", "allowed_models", *LIMIT_FIELDS)
 
 
 class _Limits(_In):
@@ -78,16 +95,18 @@ class TenantCreate(_Limits):
     name: TenantName
     weight: float = Field(1.0, gt=0.0, le=1000.0)
     cache_group: TenantName | None = None
+    allowed_models: AllowedModels | None = None
 
 
 class TenantUpdate(_Limits):
     """Fields to change. null leaves a field as it is, but for cache_group (null leaves the
-    group) and the limits (null lifts the limit)."""
+    group), allowed_models (null allows every model) and the limits (null lifts the limit)."""
 
     name: TenantName | None = None
     status: Literal["active", "suspended"] | None = None
     weight: float | None = Field(None, gt=0.0, le=1000.0)
     cache_group: TenantName | None = None
+    allowed_models: AllowedModels | None = None
 
 
 class TenantPublic(BaseModel):
@@ -103,6 +122,7 @@ class TenantPublic(BaseModel):
     tpm_limit: int | None
     max_concurrency: int | None
     monthly_token_quota: int | None
+    allowed_models: list[str] | None
     created_at: datetime
 
 
@@ -145,6 +165,24 @@ class KeyList(BaseModel):
     data: list[KeyPublic]
 
 
+def _served(tenancy: Tenancy, allowed_models: list[str] | None) -> list[str] | None:
+    """The list as stored (each name once, in the order given), every name a served model's;
+    else 400 naming the first that is not."""
+    if allowed_models is None:
+        return None
+    served = tenancy.model_names
+    for name in allowed_models:
+        if name not in served:
+            raise APIError(
+                400,
+                f"allowed_models: {name!r} is not a model this server serves "
+                f"({', '.join(map(repr, served))})",
+                param="allowed_models",
+                code="invalid_value",
+            )
+    return list(dict.fromkeys(allowed_models))
+
+
 async def _tenant(tenancy: Tenancy, tenant_id: str) -> Tenant:
     async with tenancy.db.session() as session:
         tenant = await get_tenant(session, tenant_id=tenant_id)
@@ -156,6 +194,7 @@ async def _tenant(tenancy: Tenancy, tenant_id: str) -> Tenant:
 @router.post("/tenants", status_code=201, response_model=TenantPublic)
 async def create(body: TenantCreate, tenancy: TenancyDep, _: AdminDep) -> Tenant:
     fields = body.model_dump()
+    fields["allowed_models"] = _served(tenancy, body.allowed_models)
     for name in LIMIT_FIELDS:
         if name not in body.model_fields_set:
             fields[name] = tenancy.default_limits.get(name)
@@ -179,13 +218,15 @@ async def read(tenant_id: str, tenancy: TenancyDep, _: AdminDep) -> Tenant:
 
 @router.patch("/tenants/{tenant_id}", response_model=TenantPublic)
 async def update(tenant_id: str, body: TenantUpdate, tenancy: TenancyDep, _: AdminDep) -> Tenant:
-    """Rename, re-weigh, regroup, change limits; `status` suspends (`suspended`) or
-    reactivates (`active`)."""
+    """Rename, re-weigh, regroup, change limits or the models allowed; `status` suspends
+    (`suspended`) or reactivates (`active`)."""
     changes = {
         k: v
         for k, v in body.model_dump(exclude_unset=True).items()
-        if v is not None or k == "cache_group" or k in LIMIT_FIELDS
+        if v is not None or k in NULLABLE_FIELDS
     }
+    if "allowed_models" in changes:
+        changes["allowed_models"] = _served(tenancy, changes["allowed_models"])
     try:
         async with tenancy.db.session() as session, session.begin():
             tenant = await get_tenant(session, tenant_id=tenant_id)
@@ -194,7 +235,8 @@ async def update(tenant_id: str, body: TenantUpdate, tenancy: TenancyDep, _: Adm
             await update_tenant(session, tenant=tenant, **changes)
     except TenantExists as exc:
         raise APIError(409, str(exc), param="name", code="tenant_exists") from exc
-    tenancy.auth.forget()  # a suspension, a new cache group or new limits apply at once
+    # A suspension, a new cache group, new limits or models allowed apply at once.
+    tenancy.auth.forget()
     return tenant
 
 

@@ -1,11 +1,13 @@
 """Admin REST for adapters, under /admin/adapters.
 
-`POST /admin/adapters` takes a multipart upload (text fields `name` and, for a tenant's own
-adapter, `tenant_id`; file parts named `adapter_config.json` and
-`adapter_model.safetensors`), or JSON `{name, tenant_id?, path}` naming a server-local PEFT
-directory (only with --allow-local-adapter-paths). The adapter is validated against the base
-model before anything is stored: a refusal is a 400 naming the problem and leaves no row and
-no file. The body is limited to --max-adapter-bytes (413 before it is read whole).
+`POST /admin/adapters` takes a multipart upload (text fields `name`, `base_model` and, for a
+tenant's own adapter, `tenant_id`; file parts named `adapter_config.json` and
+`adapter_model.safetensors`), or JSON `{name, base_model?, tenant_id?, path}` naming a
+server-local PEFT directory (only with --allow-local-adapter-paths). `base_model` is the served
+model the adapter is for: required when the server serves several, the only one otherwise.
+The adapter is validated against that model before anything is stored: a refusal is a 400
+naming the problem (a shape that does not fit names the module) and leaves no row and no file.
+The body is limited to --max-adapter-bytes (413 before it is read whole).
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ from starlette.datastructures import UploadFile
 
 from adapters.peft import WEIGHTS_FILE
 from adapters.peft_config import CONFIG_FILE, AdapterError
+from gateway.adapter_catalog import InvalidBaseModel
 from gateway.body import StrictJSONRoute
 from gateway.deps import AdminDep, TenancyDep
 from gateway.errors import APIError
@@ -42,12 +45,20 @@ AdapterName = Annotated[
     AfterValidator(check_adapter_name),
 ]
 MAX_FIELD_BYTES = 1 << 10
+MAX_MODEL_NAME = 256  # the adapters table's base_model column
+BASE_MODEL_DOC = (
+    "The served model (its `model` name) the adapter is for: required when the server serves "
+    "several, the only one otherwise."
+)
 
 
 class AdapterFromPath(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     name: AdapterName
+    base_model: str | None = Field(
+        None, min_length=1, max_length=MAX_MODEL_NAME, description=BASE_MODEL_DOC
+    )
     tenant_id: str | None = Field(None, max_length=64)
     path: str = Field(min_length=1, max_length=4096)
 
@@ -85,6 +96,12 @@ _UPLOAD_SCHEMA = {
             "maxLength": MAX_ADAPTER_NAME,
             "pattern": ADAPTER_NAME_PATTERN,
         },
+        "base_model": {
+            "type": "string",
+            "minLength": 1,
+            "maxLength": MAX_MODEL_NAME,
+            "description": BASE_MODEL_DOC,
+        },
         "tenant_id": {"type": "string", "description": "absent: a public adapter"},
         CONFIG_FILE: {"type": "string", "format": "binary"},
         WEIGHTS_FILE: {"type": "string", "format": "binary"},
@@ -117,9 +134,10 @@ async def _owner(tenancy: Tenancy, tenant_id: str | None) -> str | None:
     openapi_extra=_REQUEST_BODY,
     responses={
         400: error_response(
-            "A field out of bounds, or files (or a server path) that are not a PEFT LoRA "
-            "adapter of the base model (`invalid_adapter`): its config, its tensors' names, "
-            "shapes and rank are read before anything is registered."
+            "A field out of bounds, a `base_model` missing (several models are served) or "
+            "not served (`invalid_value`), or files (or a server path) that are not a PEFT "
+            "LoRA adapter of that base model (`invalid_adapter`): its config, its tensors' "
+            "names, shapes and rank are read before anything is registered."
         ),
         415: error_response("Neither multipart/form-data nor application/json."),
     },
@@ -131,6 +149,8 @@ async def create(request: Request, tenancy: TenancyDep, _: AdminDep) -> Adapter:
             return await _upload(request, tenancy)
         if content_type == "application/json":
             return await _from_path(request, tenancy)
+    except InvalidBaseModel as exc:
+        raise APIError(400, str(exc), param="base_model", code="invalid_value") from exc
     except AdapterError as exc:
         raise APIError(400, str(exc), param="adapter", code="invalid_adapter") from exc
     except AdapterExists as exc:
@@ -139,7 +159,7 @@ async def create(request: Request, tenancy: TenancyDep, _: AdminDep) -> Adapter:
 
 
 async def _upload(request: Request, tenancy: Tenancy) -> Adapter:
-    form = await request.form(max_files=2, max_fields=2, max_part_size=MAX_FIELD_BYTES)
+    form = await request.form(max_files=2, max_fields=3, max_part_size=MAX_FIELD_BYTES)
     try:
         name = _text(form.get("name"), "name")
         try:
@@ -148,6 +168,8 @@ async def _upload(request: Request, tenancy: Tenancy) -> Adapter:
             raise APIError(400, f"name: {exc}", param="name") from exc
         tenant_id = form.get("tenant_id")
         owner = await _owner(tenancy, None if tenant_id is None else _text(tenant_id, "tenant_id"))
+        base_model = form.get("base_model")
+        base = None if base_model is None else _text(base_model, "base_model")
         staging = tenancy.catalog.store.staging()
         try:
             for part in (CONFIG_FILE, WEIGHTS_FILE):
@@ -158,7 +180,9 @@ async def _upload(request: Request, tenancy: Tenancy) -> Adapter:
         except BaseException:
             tenancy.catalog.store.discard(staging)
             raise
-        return await tenancy.catalog.add_upload(owner_id=owner, name=name, staging=staging)
+        return await tenancy.catalog.add_upload(
+            owner_id=owner, name=name, staging=staging, base_model=base
+        )
     finally:
         await form.close()
 
@@ -183,7 +207,9 @@ async def _from_path(request: Request, tenancy: Tenancy) -> Adapter:
         raise APIError(
             400, "path: not a directory on the server", param="path", code="invalid_adapter"
         )
-    return await tenancy.catalog.add_local(owner_id=owner, name=body.name, path=path)
+    return await tenancy.catalog.add_local(
+        owner_id=owner, name=body.name, path=path, base_model=body.base_model
+    )
 
 
 async def _adapter(tenancy: Tenancy, adapter_id: str) -> Adapter:

@@ -75,10 +75,18 @@ async def list_models(serving: ServingDep, tenant: TenantDep, request: Request) 
         "parent": None,
         "max_model_len": serving.engine.max_model_len,
     }
+    if tenant.allowed_models is not None and serving.model_name not in tenant.allowed_models:
+        return {"object": "list", "data": []}
     # Adapters as vLLM lists them: their own ids, with the base model as parent.
-    adapters = [] if serving.catalog is None else await serving.catalog.names(tenant.id)
+    adapters = (
+        []
+        if serving.catalog is None
+        else await serving.catalog.names(tenant.id, tenant.allowed_models)
+    )
     data = [base] + [
-        base | {"id": name, "root": name, "parent": serving.model_name} for name in adapters
+        base | {"id": name, "root": name, "parent": serving.model_name}
+        for name, parent in adapters
+        if parent == serving.model_name
     ]
     return {"object": "list", "data": data}
 

@@ -412,7 +412,7 @@ REFUSALS = [
     ),
     pytest.param(
         _config(base_model_name_or_path="meta-llama/Llama-3.1-8B"),
-        r"adapter was trained for 'meta-llama/Llama-3\.1-8B'; this server's base model is '.+'",
+        r"adapter was trained for 'meta-llama/Llama-3\.1-8B', not for base model '.+'",
         id="wrong-base",
     ),
     pytest.param(

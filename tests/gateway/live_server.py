@@ -18,7 +18,7 @@ import openai
 import uvicorn
 from fastapi import FastAPI
 
-from adapters.peft import describe_base
+from adapters.peft import BaseModelInfo, describe_base
 from engine.async_engine import AsyncEngine, EngineClient
 from gateway.admin_auth import mint_admin_token
 from gateway.settings import Settings
@@ -41,10 +41,16 @@ class ServerTenancy:
 
 
 def make_tenancy(
-    root: Path, model_dir: Path, served_name: str, database_url: str | None = None, **settings: Any
+    root: Path,
+    model_dir: Path,
+    served_name: str,
+    database_url: str | None = None,
+    extra_bases: dict[str, BaseModelInfo] | None = None,
+    **settings: Any,
 ) -> ServerTenancy:
     """Migrate a database (a SQLite file under `root` by default), make tenant `tester` with one
-    key, and mint an admin token, all as `loragate serve` would."""
+    key, and mint an admin token, all as `loragate serve` would. `extra_bases`: base models the
+    tenancy knows of besides `served_name` (adapters can be registered on them)."""
     settings.setdefault("usage_spool_dir", root / "loragate-spool")
     config = Settings(
         model=str(model_dir),
@@ -54,7 +60,8 @@ def make_tenancy(
         demo_tenant=False,
         **settings,
     )
-    tenancy = open_tenancy(config, describe_base(model_dir, extra_names=[served_name]), served_name)
+    bases = {served_name: describe_base(model_dir, extra_names=[served_name])}
+    tenancy = open_tenancy(config, bases | (extra_bases or {}))
 
     async def setup() -> tuple[str, str]:
         await prepare(tenancy, config)
@@ -162,12 +169,15 @@ def build_test_app(
     model_dir: Path,
     database_url: str | None = None,
     settings: dict[str, Any] | None = None,
+    extra_bases: dict[str, BaseModelInfo] | None = None,
     **build: Any,
 ) -> FastAPI:
     """build_app with a fresh test tenancy (kept on app.state.server_tenancy)."""
     from gateway.app import build_app
 
-    tenancy = make_tenancy(root, model_dir, served_name, database_url, **(settings or {}))
+    tenancy = make_tenancy(
+        root, model_dir, served_name, database_url, extra_bases, **(settings or {})
+    )
     app = build_app(engine, served_name, tenancy.tenancy, **build)
     app.state.server_tenancy = tenancy
     return app

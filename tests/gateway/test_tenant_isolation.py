@@ -70,7 +70,7 @@ def test_keys_and_adapters_survive_a_restart(
 
     # A new server process in all but name: new tenancy objects on the same database and store.
     settings = first.tenancy.settings
-    tenancy = open_tenancy(settings, describe_base(demo_model_dir, extra_names=[MODEL]), MODEL)
+    tenancy = open_tenancy(settings, {MODEL: describe_base(demo_model_dir, extra_names=[MODEL])})
 
     async def start() -> None:
         await prepare(tenancy, settings)
