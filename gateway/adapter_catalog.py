@@ -31,6 +31,7 @@ from engine.lora_types import LoRARequest
 from tenants.adapter_rows import (
     AdapterExists,
     adapter_exists,
+    count_by_base_model,
     create_adapter,
     delete_adapter,
     get_by_name,
@@ -250,6 +251,13 @@ class AdapterCatalog:
         async with self.db.session() as session:
             keep = await referenced_shas(session)
         return self.store.sweep(keep)
+
+    async def unserved(self) -> dict[str, int]:
+        """Adapters registered on base models this server does not serve (renamed, say),
+        counted by model: they name nothing until it serves that model again."""
+        async with self.db.session() as session:
+            counts = await count_by_base_model(session)
+        return {model: n for model, n in sorted(counts.items()) if model not in self.bases}
 
     def _inspect(self, path: Path, base_model: str) -> AdapterInfo:
         try:

@@ -134,6 +134,11 @@ async def prepare(tenancy: Tenancy, settings: Settings) -> DemoKey | None:
     removed = await tenancy.catalog.sweep()
     if removed:
         logger.info("removed %d stored adapters no row references", len(removed))
+    if unserved := await tenancy.catalog.unserved():
+        logger.warning(
+            "adapters of base models this server does not serve name nothing: %s",
+            ", ".join(f"{count} on {model!r}" for model, count in unserved.items()),
+        )
     demo = None
     async with tenancy.db.session() as session, session.begin():
         if settings.demo_tenant and await count_tenants(session) == 0:

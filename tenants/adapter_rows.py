@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from sqlalchemy import or_, select
+from sqlalchemy import func, or_, select
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.ext.asyncio import AsyncSession
 
@@ -112,6 +112,13 @@ async def delete_adapter(session: AsyncSession, *, adapter: Adapter) -> None:
 
 async def is_referenced(session: AsyncSession, *, sha256: str) -> bool:
     return await session.scalar(select(Adapter.id).where(Adapter.sha256 == sha256)) is not None
+
+
+async def count_by_base_model(session: AsyncSession) -> dict[str, int]:
+    rows = await session.execute(
+        select(Adapter.base_model, func.count()).group_by(Adapter.base_model)
+    )
+    return {base_model: count for base_model, count in rows}
 
 
 async def referenced_shas(session: AsyncSession) -> set[str]:

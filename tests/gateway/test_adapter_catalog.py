@@ -137,6 +137,8 @@ async def test_one_owner_may_use_a_name_once_per_model_and_names_resolve_per_ten
     demo_only = _catalog(db, tmp_path, {DEMO: demo_base})
     assert await demo_only.names(a) == [("chat", DEMO), ("sql", DEMO)]
     assert await demo_only.resolve(a, "sql@wide") is None
+    assert await demo_only.unserved() == {WIDE: 1}  # what start-up warns of
+    assert await catalog.unserved() == {}
 
 
 async def test_each_model_has_its_loader_and_files_go_with_the_last_row(
