@@ -67,8 +67,8 @@ def two_base_server(
     tmp_path: Path,
 ) -> Iterator[Server]:
     """A server whose tenancy knows two base models, `demo` (served by the demo engine) and
-    `wide` (adapters can be registered on it; no engine serves it here), on a fresh database
-    of each kind."""
+    `wide` (adapters can be registered on it; no engine serves it here), with vLLM's runtime
+    adapter routes, on a fresh database of each kind."""
     app = build_test_app(
         tenancy_engine,
         "demo",
@@ -77,6 +77,7 @@ def two_base_server(
         database_url,
         settings={"max_adapter_bytes": 4 << 20, "allow_local_adapter_paths": True},
         extra_bases={WIDE: wide_base},
+        allow_runtime_lora_updating=True,
     )
     with live_server(app, tenancy_engine) as server:
         yield server

@@ -113,3 +113,37 @@ def test_name_at_base_picks_the_model_and_a_bare_ambiguous_name_is_refused(
         text("sql@wide")
     models = {m.id: m.model_dump().get("parent") for m in client.models.list()}
     assert models == {DEMO: None, "alone": DEMO, "sql@demo": DEMO}
+
+
+def test_runtime_loading_takes_a_base_model_and_unloading_the_listed_id(
+    two_base_server: Server, demo_adapters: dict[str, Path], wide_adapter: Path, tmp_path: Path
+) -> None:
+    server = two_base_server
+    r8 = demo_adapters["r8-all"]
+
+    def post(route: str, **body: str) -> httpx.Response:
+        return httpx.post(f"{server.base_url}/v1/{route}", headers=server.admin_headers, json=body)
+
+    def listed() -> dict[str, object]:
+        return {m.id: m.model_dump().get("parent") for m in server.client().models.list()}
+
+    missing = post("load_lora_adapter", lora_name="rt", lora_path=str(r8))
+    assert "required" in _error(missing, 400, "invalid_value", "base_model")
+    taken = post("load_lora_adapter", lora_name=WIDE, lora_path=str(r8), base_model=DEMO)
+    _error(taken, 400, "invalid_value", "lora_name")  # a served model's name
+    unclaimed = retarget(r8, tmp_path / "unclaimed", None)
+    misfit = post("load_lora_adapter", lora_name="rt", lora_path=str(unclaimed), base_model=WIDE)
+    assert "q_proj" in _error(misfit, 400, "invalid_adapter", "lora_path")
+    for path, base in ((r8, DEMO), (wide_adapter, WIDE)):
+        loaded = post("load_lora_adapter", lora_name="rt", lora_path=str(path), base_model=base)
+        assert loaded.status_code == 200, loaded.text
+    assert listed() == {DEMO: None, "rt@demo": DEMO}  # `wide` has no engine here
+
+    ambiguous = post("unload_lora_adapter", lora_name="rt")
+    assert "`rt@demo`, `rt@wide`" in _error(ambiguous, 400, "ambiguous_model", "lora_name")
+    assert post("unload_lora_adapter", lora_name="rt@wide").status_code == 200
+    assert post("unload_lora_adapter", lora_name="rt@wide").status_code == 404
+    assert listed() == {DEMO: None, "rt": DEMO}  # unique again: the bare name
+    assert server.client().completions.create(model="rt", prompt=PROMPT, max_tokens=1).choices
+    assert post("unload_lora_adapter", lora_name="rt").status_code == 200
+    assert listed() == {DEMO: None}
