@@ -17,7 +17,7 @@ from gateway.body import StrictJSONRoute
 from gateway.deps import AdminDep, TenancyDep
 from gateway.errors import APIError
 from gateway.iso_time import Instant
-from gateway.routers.error_schemas import ADMIN_ERRORS, not_found
+from gateway.routers.error_schemas import ADMIN_ERRORS, error_response, not_found
 from gateway.tenancy import Tenancy
 from tenants.keys import create_key, list_keys, revoke_key
 from tenants.models import ApiKey, Tenant
@@ -191,7 +191,16 @@ async def _tenant(tenancy: Tenancy, tenant_id: str) -> Tenant:
     return tenant
 
 
-@router.post("/tenants", status_code=201, response_model=TenantPublic)
+# The one 400 a schema cannot foresee: which models this server serves.
+_TENANT_400 = {
+    400: error_response(
+        "A field out of bounds, or an `allowed_models` name that is not a model this server "
+        "serves (`invalid_value`)."
+    )
+}
+
+
+@router.post("/tenants", status_code=201, response_model=TenantPublic, responses=_TENANT_400)
 async def create(body: TenantCreate, tenancy: TenancyDep, _: AdminDep) -> Tenant:
     fields = body.model_dump()
     fields["allowed_models"] = _served(tenancy, body.allowed_models)
@@ -216,7 +225,7 @@ async def read(tenant_id: str, tenancy: TenancyDep, _: AdminDep) -> Tenant:
     return await _tenant(tenancy, tenant_id)
 
 
-@router.patch("/tenants/{tenant_id}", response_model=TenantPublic)
+@router.patch("/tenants/{tenant_id}", response_model=TenantPublic, responses=_TENANT_400)
 async def update(tenant_id: str, body: TenantUpdate, tenancy: TenancyDep, _: AdminDep) -> Tenant:
     """Rename, re-weigh, regroup, change limits or the models allowed; `status` suspends
     (`suspended`) or reactivates (`active`)."""
