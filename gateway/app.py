@@ -1,12 +1,13 @@
-"""Build the FastAPI app around a running engine (EngineClient) and the tenancy objects."""
+"""Build the FastAPI app around the served models' engines (gateway.served_models) and the
+tenancy objects."""
 
 from __future__ import annotations
 
 import time
+from collections.abc import Mapping
 
 from fastapi import FastAPI
 
-from engine.async_engine import EngineClient
 from gateway.admission import Admission
 from gateway.body import BodySizeLimit
 from gateway.errors import ErrorBoundary, install_error_handlers
@@ -15,14 +16,14 @@ from gateway.openai_serving import OpenAIServing
 from gateway.request_limits import RequestLimits
 from gateway.routers import admin, admin_adapters, lora, usage
 from gateway.routers.openai import health_router, router
+from gateway.served_models import ModelEngine, ServedModels
 from gateway.tenancy import Tenancy
 
 ADAPTER_UPLOADS = "/admin/adapters"
 
 
 def build_app(
-    engine: EngineClient,
-    served_model_name: str,
+    engines: Mapping[str, ModelEngine],
     tenancy: Tenancy,
     *,
     max_body_bytes: int = 4 << 20,
@@ -39,19 +40,18 @@ def build_app(
         redoc_url=None,
     )
     app.state.tenancy = tenancy
-    metrics = app.state.metrics = Metrics(engine, metrics_max_tenants)
+    models = app.state.models = ServedModels(engines, limits or RequestLimits())
+    metrics = app.state.metrics = Metrics(models, metrics_max_tenants)
     metrics.watch_tenancy(tenancy.limiter, tenancy.ledger)
     catalog = tenancy.catalog if enable_lora else None
     if catalog is not None:
-        catalog.on_unreferenced = engine.unload_lora
+        catalog.on_unreferenced = models.unload_lora
     app.state.serving = OpenAIServing(
-        engine,
-        served_model_name,
+        models,
         metrics,
         Admission(tenancy.limiter, metrics.tenants),
         tenancy.ledger,
         catalog,
-        limits or RequestLimits(),
         tool_call_parser,
     )
     app.state.started_at = int(time.time())

@@ -14,21 +14,17 @@ import typer
 
 from adapters.peft import describe_base
 from adapters.peft_config import AdapterError
+from adapters.registry import RegisteredLoader
+from engine.async_engine import EngineClient
 from engine.config import EngineConfig
 from engine.lora_types import LoRARequest
 from engine.spec_decode import SpeculativeConfig
-from gateway.settings import Settings, SettingsError
+from gateway.engine_on_demand import OnDemandEngine, ScalePolicy, model_facts
+from gateway.models_file import ServedModelSpec, served_models
+from gateway.served_models import ModelEngine
+from gateway.settings import Settings, SettingsError, parse_bytes
 from gateway.tenancy import DemoKey, Tenancy, open_tenancy, prepare
 from tenants.adapter_rows import AdapterExists
-
-
-def parse_bytes(value: str) -> int:
-    """'2GiB', '512MiB', '1G' or a plain byte count."""
-    units = {"k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}
-    text = value.strip().lower().removesuffix("b").removesuffix("i")
-    if text and text[-1] in units:
-        return int(float(text[:-1]) * units[text[-1]])
-    return int(text)
 
 
 def engine_config(settings: Settings) -> EngineConfig:
@@ -104,48 +100,98 @@ async def _start_up(
         await tenancy.db.close()  # its connections belong to this loop, not uvicorn's
 
 
-def run_server(settings: Settings, with_progress: Callable[[Any], Any]) -> None:
-    import uvicorn
-
+def start_engine(
+    settings: Settings,
+    loader: RegisteredLoader,
+    preload: list[LoRARequest],
+    with_progress: Callable[[Any], Any],
+) -> EngineClient:
+    """One model's engine, started and loaded: its own process (the default), or a loop
+    in this one. `preload`: adapters that fill its LoRA slots before the first request."""
     from engine import LLMEngine
-    from engine.async_engine import AsyncEngine, EngineClient
+    from engine.async_engine import AsyncEngine
     from engine.engine_process import EngineProcess, retain_freed_memory
-    from gateway.app import build_app
-    from gateway.request_limits import RequestLimits
-
-    modules = lora_modules(settings)
-    name = settings.served_model_name or Path(settings.model).resolve().name
-    try:
-        tenancy = open_tenancy(settings, {name: describe_base(settings.model, extra_names=[name])})
-    except SettingsError as exc:
-        raise typer.BadParameter(str(exc)) from exc
-    demo, preload = asyncio.run(_start_up(tenancy, settings, modules))
-    preload = preload[: settings.max_loras] if settings.enable_lora else []
 
     config = engine_config(settings)
-    engine: EngineClient
+    preload = preload[: settings.max_loras] if settings.enable_lora else []
     if settings.engine_process:
         process = EngineProcess(
             config,
-            lora_loader=tenancy.catalog.loader(name),
+            lora_loader=loader,
             preload=preload,
             max_waiting=settings.max_waiting,
             restart=settings.restart_engine,
         )
         with_progress(process.start)
-        engine = process
-    else:
-        retain_freed_memory()
-        loader = tenancy.catalog.loader(name)
-        core = with_progress(lambda progress: LLMEngine(config, progress, loader))
-        if core.lora is not None:
-            for lora in preload:  # start-up adapters fill the slots before the first request
-                core.lora.load_now(lora)
-        engine = AsyncEngine(core, max_waiting=settings.max_waiting)
-        engine.start()
+        return process
+    retain_freed_memory()
+    core = with_progress(lambda progress: LLMEngine(config, progress, loader))
+    if core.lora is not None:
+        for lora in preload:
+            core.lora.load_now(lora)
+    engine = AsyncEngine(core, max_waiting=settings.max_waiting)
+    engine.start()
+    return engine
+
+
+def model_engine(
+    spec: ServedModelSpec,
+    loader: RegisteredLoader,
+    preload: list[LoRARequest],
+    with_progress: Callable[[Any], Any],
+) -> ModelEngine:
+    """A model's engine as its entry asks: started now (min_replicas 1), or on its first
+    request, stopped after idle_timeout (min_replicas 0: gateway.engine_on_demand)."""
+    if spec.entry.min_replicas > 0:
+        return start_engine(spec.settings, loader, preload, with_progress)
+    # A dead engine is replaced on the model's next request, not by the process itself.
+    settings = spec.settings.model_copy(update={"restart_engine": False})
+    return OnDemandEngine(
+        spec.name,
+        lambda: start_engine(settings, loader, preload, _without_progress),
+        model_facts(settings.model, settings.max_model_len),
+        ScalePolicy(
+            min_replicas=0,
+            idle_timeout=spec.entry.idle_timeout,
+            max_pending=settings.max_pending_per_model,
+            cold_start_timeout=settings.cold_start_timeout,
+        ),
+    )
+
+
+def _without_progress(load: Callable[[Any], Any]) -> Any:
+    return load(None)
+
+
+def run_server(settings: Settings, with_progress: Callable[[Any], Any]) -> None:
+    import uvicorn
+
+    from gateway.app import build_app
+    from gateway.request_limits import RequestLimits
+
+    modules = lora_modules(settings)
+    try:
+        specs = served_models(settings)
+        first = specs[0]
+        bases = {s.name: describe_base(s.settings.model, extra_names=[s.name]) for s in specs}
+        tenancy = open_tenancy(settings, bases)
+    except SettingsError as exc:
+        raise typer.BadParameter(str(exc)) from exc
+    demo, preload = asyncio.run(_start_up(tenancy, settings, modules))
+    engines: dict[str, ModelEngine] = {}
+    for spec in specs:
+        if spec.entry.min_replicas == 0:
+            typer.echo(f"{spec.name!r} scales to zero: its engine starts on its first request")
+        elif len(specs) > 1:
+            typer.echo(f"loading {spec.name!r} from {spec.entry.path}")
+        engines[spec.name] = model_engine(
+            spec,
+            tenancy.catalog.loader(spec.name),
+            preload if spec is first else [],
+            with_progress,
+        )
     app = build_app(
-        engine,
-        name,
+        engines,
         tenancy,
         max_body_bytes=settings.max_body_bytes,
         enable_lora=settings.enable_lora,
@@ -159,7 +205,7 @@ def run_server(settings: Settings, with_progress: Callable[[Any], Any]) -> None:
     async def lifespan(_: object):  # type: ignore[no-untyped-def]
         await tenancy.start()  # in uvicorn's loop, which the tenancy's connections belong to
         yield
-        await engine.shutdown(settings.shutdown_grace)
+        await asyncio.gather(*(e.shutdown(settings.shutdown_grace) for e in engines.values()))
         await tenancy.close()
 
     app.router.lifespan_context = lifespan
@@ -172,7 +218,8 @@ def run_server(settings: Settings, with_progress: Callable[[Any], Any]) -> None:
         )
     if not settings.auth:
         typer.echo("--no-auth: every request runs as tenant 'demo'")
-    typer.echo(f"serving {name!r} on http://{settings.host}:{settings.port}/v1")
+    names = ", ".join(repr(name) for name in engines)
+    typer.echo(f"serving {names} on http://{settings.host}:{settings.port}/v1")
     uvicorn.run(
         app,
         host=settings.host,

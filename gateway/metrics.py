@@ -14,9 +14,10 @@ from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
-from engine.async_engine import EngineClient
 from engine.messages import EngineStats
+from gateway.engine_on_demand import OnDemandEngine
 from gateway.ratelimit import RateLimiter
+from gateway.served_models import ServedModels
 from tenants.ledger import Ledger, UsageRecord
 
 _LATENCY_BUCKETS = (
@@ -41,89 +42,123 @@ _LATENCY_BUCKETS = (
 )
 
 
+_COLD_START_BUCKETS = (0.25, 0.5, 1.0, 2.0, 3.0, 5.0, 7.5, 10.0, 15.0, 20.0, 30.0, 60.0, 120.0)
+
+
 class _EngineCollector(Collector):
-    def __init__(self, engine: EngineClient) -> None:
-        self.engine = engine
+    """Each served model's engine, read at scrape time, under vLLM's `model_name` label."""
+
+    def __init__(self, models: ServedModels) -> None:
+        self.models = models
 
     def collect(self) -> Iterator[GaugeMetricFamily | CounterMetricFamily]:
-        stats = self.engine.stats()
-        yield GaugeMetricFamily(
-            "loragate:num_requests_running",
-            "Sequences in the running batch.",
-            value=stats.num_running,
-        )
-        yield GaugeMetricFamily(
-            "loragate:num_requests_waiting",
-            "Sequences waiting to run.",
-            value=stats.num_waiting,
-        )
-        yield GaugeMetricFamily(
-            "loragate:kv_cache_usage_perc",
-            "Fraction of KV blocks in use.",
-            value=stats.kv_cache_usage,
-        )
-        yield CounterMetricFamily(
-            "loragate:prefix_cache_queries",
-            "Prompt tokens looked up.",
-            value=stats.prefix_cache_queries,
-        )
-        yield CounterMetricFamily(
-            "loragate:prefix_cache_hits",
-            "Prompt tokens found cached.",
-            value=stats.prefix_cache_hits,
-        )
-        yield CounterMetricFamily(
-            "loragate:num_preemptions", "Sequences preempted.", value=stats.num_preemptions
-        )
-        yield CounterMetricFamily(
-            "loragate:engine_failed_requests",
-            "Sequences that alone made an engine step fail (failed; the others went on).",
-            value=stats.num_failed_requests,
-        )
-        if stats.spec_decode is not None:
-            drafts, draft_tokens, accepted = stats.spec_decode
-            yield CounterMetricFamily(
-                "loragate:spec_decode_num_drafts", "Drafts verified.", value=drafts
-            )
-            yield CounterMetricFamily(
-                "loragate:spec_decode_num_draft_tokens",
-                "Draft tokens verified.",
-                value=draft_tokens,
-            )
-            yield CounterMetricFamily(
-                "loragate:spec_decode_num_accepted_tokens",
-                "Draft tokens accepted (the output holds them).",
-                value=accepted,
-            )
-        if stats.max_loras is not None:
-            yield from self._lora(stats)
+        families: dict[str, GaugeMetricFamily | CounterMetricFamily] = {}
+        for model in self.models:
+            stats = model.engine.stats()
+            for name, kind, help, value in _engine_series(stats):
+                if name not in families:
+                    families[name] = kind(name, help, labels=["model_name"])
+                families[name].add_metric([model.name], value)
+            if stats.max_loras is not None:
+                info = families.get("loragate:lora_requests_info")
+                if info is None:
+                    info = families["loragate:lora_requests_info"] = GaugeMetricFamily(
+                        "loragate:lora_requests_info",
+                        "Adapters of running and waiting requests (vLLM's labels); the value "
+                        "is a timestamp.",
+                        labels=[
+                            "max_lora",
+                            "running_lora_adapters",
+                            "waiting_lora_adapters",
+                            "model_name",
+                        ],
+                    )
+                info.add_metric(
+                    [
+                        str(stats.max_loras),
+                        ",".join(stats.running_adapters),
+                        ",".join(stats.waiting_adapters),
+                        model.name,
+                    ],
+                    time.time(),
+                )
+        yield from families.values()
+        yield from _scaling_series(self.models)
 
-    @staticmethod
-    def _lora(stats: EngineStats) -> Iterator[GaugeMetricFamily | CounterMetricFamily]:
-        info = GaugeMetricFamily(
-            "loragate:lora_requests_info",
-            "Adapters of running and waiting requests (vLLM's labels); the value is a timestamp.",
-            labels=["max_lora", "running_lora_adapters", "waiting_lora_adapters"],
-        )
-        info.add_metric(
-            [
-                str(stats.max_loras),
-                ",".join(stats.running_adapters),
-                ",".join(stats.waiting_adapters),
-            ],
-            time.time(),
-        )
-        yield info
-        yield GaugeMetricFamily(
-            "loragate:lora_slots_used",
-            "Device LoRA slots holding an adapter.",
-            value=stats.lora_slots_used,
-        )
-        yield CounterMetricFamily(
-            "loragate:lora_loads",
-            "Adapters read from disk.",
-            value=stats.lora_disk_loads,
-        )
+
+_Kind = type[GaugeMetricFamily] | type[CounterMetricFamily]
+_GAUGE, _COUNTER = GaugeMetricFamily, CounterMetricFamily
+# (name, kind, help, the EngineStats field)
+_ENGINE_SERIES: tuple[tuple[str, _Kind, str, str], ...] = (
+    ("loragate:num_requests_running", _GAUGE, "Sequences in the running batch.", "num_running"),
+    ("loragate:num_requests_waiting", _GAUGE, "Sequences waiting to run.", "num_waiting"),
+    ("loragate:kv_cache_usage_perc", _GAUGE, "Fraction of KV blocks in use.", "kv_cache_usage"),
+    ("loragate:prefix_cache_queries", _COUNTER, "Prompt tokens looked up.", "prefix_cache_queries"),
+    ("loragate:prefix_cache_hits", _COUNTER, "Prompt tokens found cached.", "prefix_cache_hits"),
+    ("loragate:num_preemptions", _COUNTER, "Sequences preempted.", "num_preemptions"),
+    (
+        "loragate:engine_failed_requests",
+        _COUNTER,
+        "Sequences that alone made an engine step fail (failed; the others went on).",
+        "num_failed_requests",
+    ),
+)
+_LORA_SERIES: tuple[tuple[str, _Kind, str, str], ...] = (
+    (
+        "loragate:lora_slots_used",
+        _GAUGE,
+        "Device LoRA slots holding an adapter.",
+        "lora_slots_used",
+    ),
+    ("loragate:lora_loads", _COUNTER, "Adapters read from disk.", "lora_disk_loads"),
+)
+# spec_decode's (drafts, draft tokens, accepted tokens), in that order
+_SPEC_DECODE_SERIES: tuple[tuple[str, str], ...] = (
+    ("loragate:spec_decode_num_drafts", "Drafts verified."),
+    ("loragate:spec_decode_num_draft_tokens", "Draft tokens verified."),
+    ("loragate:spec_decode_num_accepted_tokens", "Draft tokens accepted (the output holds them)."),
+)
+
+
+def _scaling_series(models: ServedModels) -> Iterator[GaugeMetricFamily | CounterMetricFamily]:
+    """Engines on demand, by model (the issue's `model` label): what an autoscaler reads."""
+    replicas = GaugeMetricFamily(
+        "loragate:engine_replicas", "Engines ready to serve the model.", labels=["model"]
+    )
+    cold_starts = CounterMetricFamily(
+        "loragate:engine_cold_starts",
+        "Engines started for the model on demand (its first request, or after idling out).",
+        labels=["model"],
+    )
+    pending = GaugeMetricFamily(
+        "loragate:model_pending_requests",
+        "Requests held for the model's engine to start, or waiting in its queue.",
+        labels=["model"],
+    )
+    for model in models:
+        engine = model.engine
+        waiting = engine.stats().num_waiting
+        if isinstance(engine, OnDemandEngine):
+            replicas.add_metric([model.name], engine.num_replicas)
+            cold_starts.add_metric([model.name], engine.num_cold_starts)
+            pending.add_metric([model.name], engine.num_held + waiting)
+        else:
+            replicas.add_metric([model.name], int(engine.health == "ok"))
+            cold_starts.add_metric([model.name], 0)
+            pending.add_metric([model.name], waiting)
+    yield from (replicas, cold_starts, pending)
+
+
+def _engine_series(stats: EngineStats) -> Iterator[tuple[str, _Kind, str, float]]:
+    """(name, kind, help, value) of one engine's series."""
+    for name, kind, help, field in _ENGINE_SERIES:
+        yield name, kind, help, getattr(stats, field)
+    if stats.spec_decode is not None:
+        for (name, help), value in zip(_SPEC_DECODE_SERIES, stats.spec_decode, strict=True):
+            yield name, _COUNTER, help, value
+    if stats.max_loras is not None:
+        for name, kind, help, field in _LORA_SERIES:
+            yield name, kind, help, getattr(stats, field)
 
 
 class _TenancyCollector(Collector):
@@ -168,9 +203,9 @@ class _TenancyCollector(Collector):
 
 
 class Metrics:
-    def __init__(self, engine: EngineClient, max_tenants: int = 100) -> None:
+    def __init__(self, models: ServedModels, max_tenants: int = 100) -> None:
         self.registry = CollectorRegistry()
-        self.registry.register(_EngineCollector(engine))
+        self.registry.register(_EngineCollector(models))
         r = self.registry
         self.tenants = TenantMetrics(r, max_tenants)
         self.prompt_tokens = Counter(
@@ -189,6 +224,16 @@ class Metrics:
             ["keyword"],
             registry=r,
         )
+        self.cold_start = Histogram(
+            "loragate:engine_cold_start_seconds",
+            "A request held for its model's engine to start: held to engine ready.",
+            ["model"],
+            buckets=_COLD_START_BUCKETS,
+            registry=r,
+        )
+        for model in models:
+            if isinstance(model.engine, OnDemandEngine):
+                model.engine.on_cold_start = self.cold_start.labels(model.name).observe
         self.ttft = Histogram(
             "loragate:time_to_first_token_seconds",
             "Time to first token.",

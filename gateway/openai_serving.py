@@ -19,7 +19,6 @@ from typing import Any, cast
 
 from fastapi.responses import JSONResponse, Response
 
-from engine.async_engine import EngineClient
 from engine.errors import ContextLengthExceeded, GuidedSpecError, RequestRefused
 from engine.lora_types import LoRARequest
 from engine.messages import EngineRequest
@@ -38,10 +37,9 @@ from gateway.request_limits import (
     EMPTY_PROMPT,
     INVALID_GRAMMAR,
     INVALID_VALUE,
-    RequestLimits,
-    ServerBounds,
 )
 from gateway.response_state import Answer, Choice, Timer, Usage
+from gateway.served_models import ServedModel, ServedModels
 from gateway.sse_response import sse_chunks
 from gateway.streaming import Disconnected, MeteredStream, merge, unless_disconnected
 from gateway.tool_call_stream import ToolCallStream
@@ -59,36 +57,37 @@ CLIENT_CLOSED_REQUEST = 499
 class OpenAIServing:
     def __init__(
         self,
-        engine: EngineClient,
-        served_model_name: str,
+        models: ServedModels,
         metrics: Metrics,
         admission: Admission,
         ledger: Ledger,
         catalog: AdapterCatalog | None = None,
-        limits: RequestLimits | None = None,
         tool_call_parser: str | None = None,
     ) -> None:
-        self.engine = engine
+        self.models = models
         self.admission = admission
         self.ledger = ledger
-        self.model_name = served_model_name
-        self.tokenizer: Any = engine.tokenizer
         self.metrics = metrics
         self.catalog = catalog  # None: LoRA is off
-        self.bounds = ServerBounds(
-            limits or RequestLimits(), engine.vocab_size, engine.max_model_len
-        )
         self.checks = OutputChecks(metrics)
         # tool_choice "auto" reads calls in this format; None: auto is refused.
         self.tool_format = None if tool_call_parser is None else FORMATS[tool_call_parser]
 
-    async def resolve_model(self, name: str, tenant: RequestTenant) -> LoRARequest | None:
-        """The adapter a `model` field names for this tenant (its own, else a public one); None
-        for the base model. 404 otherwise, the same answer for another tenant's adapter as
-        for a name that does not exist."""
+    def models_for(self, tenant: RequestTenant) -> list[ServedModel]:
+        """The base models this tenant may use."""
+        allowed = tenant.allowed_models
+        return [m for m in self.models if allowed is None or m.name in allowed]
+
+    async def resolve_model(
+        self, name: str, tenant: RequestTenant
+    ) -> tuple[ServedModel, LoRARequest | None]:
+        """The base model a `model` field names for this tenant, and the adapter on it (its
+        own, else a public one; None: the base model itself). 404 otherwise, the same answer
+        for another tenant's adapter as for a name that does not exist."""
         allowed = tenant.allowed_models  # a model outside it answers as one that does not exist
-        if name == self.model_name and (allowed is None or name in allowed):
-            return None
+        model = self.models.get(name)
+        if model is not None and (allowed is None or name in allowed):
+            return model, None
         try:
             found = (
                 None
@@ -97,11 +96,12 @@ class OpenAIServing:
             )
         except AmbiguousAdapter as exc:
             raise APIError(400, str(exc), param="model", code="ambiguous_model") from exc
-        if found is None or found.base_model != self.model_name:
+        served = None if found is None else self.models.get(found.base_model)
+        if found is None or served is None:
             raise APIError(
                 404, f"The model `{name}` does not exist.", param="model", code="model_not_found"
             )
-        return found.lora
+        return served, found.lora
 
     # -- routes -------------------------------------------------------------------------------
 
@@ -111,19 +111,19 @@ class OpenAIServing:
         tenant: RequestTenant,
         disconnected: Disconnected | None = None,
     ) -> Response:
-        lora = await self.resolve_model(body.model, tenant)
+        model, lora = await self.resolve_model(body.model, tenant)
         prompts = self._completion_prompts(body.prompt)
-        self._check_bounds(body, len(prompts))
+        self._check_bounds(model, body, len(prompts))
         params = self._params(body, body.max_tokens, body.logprobs)
         for prompt in prompts:
             if isinstance(prompt, str):
-                self.bounds.check_prompt_chars(len(prompt), "prompt")
+                model.bounds.check_prompt_chars(len(prompt), "prompt")
             else:
-                self.bounds.check_token_ids(prompt, "prompt")
+                model.bounds.check_token_ids(prompt, "prompt")
         # Text is tokenized here, off the event loop, so that a long prompt delays neither
         # other clients nor the engine's steps.
         token_ids = (
-            await asyncio.to_thread(self._tokenize, prompts)
+            await asyncio.to_thread(_tokenize, model.tokenizer, prompts)
             if any(isinstance(p, str) for p in prompts)
             else cast(list[list[int]], prompts)
         )
@@ -131,6 +131,7 @@ class OpenAIServing:
             raise APIError(400, "the prompt is empty", param="prompt", code=EMPTY_PROMPT)
         return await self._respond(
             body,
+            model,
             token_ids,
             params,
             lora,
@@ -146,23 +147,23 @@ class OpenAIServing:
         tenant: RequestTenant,
         disconnected: Disconnected | None = None,
     ) -> Response:
-        lora = await self.resolve_model(body.model, tenant)
-        self._check_bounds(body, 1)
+        model, lora = await self.resolve_model(body.model, tenant)
+        self._check_bounds(model, body, 1)
         try:
             plan = tool_plan(body, auto=self.tool_format is not None)
         except FieldError as exc:
             raise APIError(400, str(exc), param=exc.param, code=INVALID_VALUE) from exc
-        native = template_knows_tools(getattr(self.tokenizer, "chat_template", None))
+        native = template_knows_tools(getattr(model.tokenizer, "chat_template", None))
         fmt = self.tool_format or FORMATS["hermes"]
         messages, tools = render_messages(body.messages, plan, native, fmt)
         chars = sum(len(m["content"]) for m in messages) + len(json.dumps(tools or ""))
-        self.bounds.check_prompt_chars(chars, "messages")
+        model.bounds.check_prompt_chars(chars, "messages")
         params = self._params(body, body.requested_max_tokens, body.num_logprobs)
         guided_param = body.guided_param
         calls = None if plan is None or plan.mode == "none" else plan
         if calls is not None:
             for spec, param in calls.tool_specs():  # a bad schema is refused by its tool
-                await self._compile_grammar(spec, param)
+                await _compile_grammar(model, spec, param)
             guided = (
                 calls.output_spec()
                 if calls.forced
@@ -172,7 +173,7 @@ class OpenAIServing:
             guided_param = "tools"
         try:
             encoded = await asyncio.to_thread(
-                self.tokenizer.apply_chat_template,
+                model.tokenizer.apply_chat_template,
                 messages,
                 tools=tools,
                 add_generation_prompt=True,
@@ -186,6 +187,7 @@ class OpenAIServing:
         prompt_ids = list(cast(list[int], encoded["input_ids"]))
         return await self._respond(
             body,
+            model,
             [prompt_ids],
             params,
             lora,
@@ -207,21 +209,14 @@ class OpenAIServing:
             return [list(prompt)]
         return list(prompt)
 
-    def _tokenize(self, prompts: list[str | list[int]]) -> list[list[int]]:
-        return [
-            list(self.tokenizer(p, add_special_tokens=True)["input_ids"])
-            if isinstance(p, str)
-            else p
-            for p in prompts
-        ]
-
+    @staticmethod
     def _check_bounds(
-        self, body: CompletionRequest | ChatCompletionRequest, num_prompts: int
+        model: ServedModel, body: CompletionRequest | ChatCompletionRequest, num_prompts: int
     ) -> None:
-        """The bounds that depend on this server: --max-n and the vocabulary."""
-        self.bounds.check_choices(body.n, num_prompts)
-        self.bounds.check_token_ids(body.stop_token_ids, "stop_token_ids")
-        self.bounds.check_token_ids(body.logit_bias, "logit_bias")
+        """The bounds that depend on this server and model: --max-n and the vocabulary."""
+        model.bounds.check_choices(body.n, num_prompts)
+        model.bounds.check_token_ids(body.stop_token_ids, "stop_token_ids")
+        model.bounds.check_token_ids(body.logit_bias, "logit_bias")
 
     @staticmethod
     def _params(
@@ -235,17 +230,10 @@ class OpenAIServing:
             param = exc.param if isinstance(exc, FieldError) else None
             raise APIError(400, str(exc), param=param, code=INVALID_VALUE) from exc
 
-    async def _compile_grammar(self, spec: GuidedSpec, param: str | None) -> None:
-        """A spec that cannot compile (or not in time) answers 400 before anything is queued
-        or streamed; the engine then finds the grammar in its cache."""
-        try:
-            await self.engine.compile_grammar(spec)
-        except GuidedSpecError as exc:
-            raise APIError(400, str(exc), param=param, code=INVALID_GRAMMAR) from exc
-
     async def _respond(
         self,
         body: Any,
+        model: ServedModel,
         prompts: list[list[int]],
         params: SamplingParams,
         lora: LoRARequest | None,
@@ -259,12 +247,13 @@ class OpenAIServing:
         """Admit, start the engine's requests, and answer in one JSON body or in SSE chunks."""
         timer = Timer(self.metrics)  # time to first token includes a grammar's compile
         if params.guided is not None:
-            await self._compile_grammar(params.guided, guided_param)
+            await _compile_grammar(model, params.guided, guided_param)
         request_id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
-        ticket = await self.admission.admit(tenant, request_id, self._reserved(prompts, params))
+        reserved = _reserved(model, prompts, params)
+        ticket = await self.admission.admit(tenant, request_id, reserved)
         try:
-            first, updates = await self._start(
-                guided_param, request_id, prompts, params, lora, tenant, chat
+            first, updates = await _start(
+                model, guided_param, request_id, prompts, params, lora, tenant, chat
             )
         except BaseException:
             ticket.release(0)  # refused by the engine: nothing used
@@ -276,7 +265,7 @@ class OpenAIServing:
             self.metrics.tenants,
             tenant,
             request_id,
-            self.model_name,
+            model.name,
             None if lora is None else body.model,
             lora,
             timer.start,
@@ -305,7 +294,7 @@ class OpenAIServing:
         )
         if body.stream:
             return MeteredStream(
-                sse_chunks(answer, self.checks, self.tokenizer),
+                sse_chunks(answer, self.checks, model.tokenizer),
                 on_close=lambda: answer.end_nowait(STATUS_ABORTED),
                 updates=updates,
                 media_type="text/event-stream",
@@ -315,60 +304,76 @@ class OpenAIServing:
             # Nobody is left to answer; the engine's requests are aborted, the row written.
             return Response(status_code=CLIENT_CLOSED_REQUEST)
         return JSONResponse(
-            await json_body(answer, self.checks, self.tokenizer), headers=ticket.headers
+            await json_body(answer, self.checks, model.tokenizer), headers=ticket.headers
         )
 
-    def _reserved(self, prompts: list[list[int]], params: SamplingParams) -> int:
-        """Tokens the limiter reserves: each prompt, and each sample's max_tokens (what remains
-        of the context where none is given). The actual count replaces it at the end."""
-        max_len = self.engine.max_model_len
-        return sum(
-            len(p) + params.n * (params.max_tokens or max(0, max_len - len(p))) for p in prompts
-        )
 
-    async def _start(
-        self,
-        guided_param: str | None,
-        request_id: str,
-        prompts: list[list[int]],
-        params: SamplingParams,
-        lora: LoRARequest | None,
-        tenant: RequestTenant,
-        chat: bool,
-    ) -> tuple[tuple[int, SequenceUpdate] | None, AsyncGenerator[tuple[int, SequenceUpdate]]]:
-        """Submit every prompt and wait for the first update, so that the engine's refusals
-        (context length, a grammar) become HTTP errors before anything is answered."""
-        streams = [
-            # The salt, the fairness key and its weight are the tenant's, never the client's.
-            self.engine.generate(
-                EngineRequest(
-                    f"{request_id}-{i}",
-                    prompt,
-                    params,
-                    lora=lora,
-                    cache_salt=tenant.cache_salt,
-                    fairness_key=tenant.id,
-                    fairness_weight=tenant.weight,
-                )
+def _tokenize(tokenizer: Any, prompts: list[str | list[int]]) -> list[list[int]]:
+    return [
+        list(tokenizer(p, add_special_tokens=True)["input_ids"]) if isinstance(p, str) else p
+        for p in prompts
+    ]
+
+
+async def _compile_grammar(model: ServedModel, spec: GuidedSpec, param: str | None) -> None:
+    """A spec that cannot compile (or not in time) answers 400 before anything is queued or
+    streamed; the engine then finds the grammar in its cache."""
+    try:
+        await model.engine.compile_grammar(spec)
+    except GuidedSpecError as exc:
+        raise APIError(400, str(exc), param=param, code=INVALID_GRAMMAR) from exc
+
+
+def _reserved(model: ServedModel, prompts: list[list[int]], params: SamplingParams) -> int:
+    """Tokens the limiter reserves: each prompt, and each sample's max_tokens (what remains of
+    the context where none is given). The actual count replaces it at the end."""
+    max_len = model.engine.max_model_len
+    return sum(len(p) + params.n * (params.max_tokens or max(0, max_len - len(p))) for p in prompts)
+
+
+async def _start(
+    model: ServedModel,
+    guided_param: str | None,
+    request_id: str,
+    prompts: list[list[int]],
+    params: SamplingParams,
+    lora: LoRARequest | None,
+    tenant: RequestTenant,
+    chat: bool,
+) -> tuple[tuple[int, SequenceUpdate] | None, AsyncGenerator[tuple[int, SequenceUpdate]]]:
+    """Submit every prompt and wait for the first update, so that the engine's refusals
+    (context length, a grammar) become HTTP errors before anything is answered."""
+    streams = [
+        # The salt, the fairness key and its weight are the tenant's, never the client's.
+        model.engine.generate(
+            EngineRequest(
+                f"{request_id}-{i}",
+                prompt,
+                params,
+                lora=lora,
+                cache_salt=tenant.cache_salt,
+                fairness_key=tenant.id,
+                fairness_weight=tenant.weight,
             )
-            for i, prompt in enumerate(prompts)
-        ]
-        updates = merge(streams)
-        try:
-            return await anext(updates), updates
-        except StopAsyncIteration:
-            return None, updates
-        except BaseException as exc:
-            await updates.aclose()  # the other prompts' requests end too
-            if not isinstance(exc, ValueError):
-                raise
-            if not isinstance(exc, RequestRefused):  # a malformed field the edge let through
-                raise APIError(400, str(exc), code=INVALID_VALUE) from exc
-            param = None
-            if isinstance(exc, GuidedSpecError):
-                param = guided_param
-            elif isinstance(exc, ContextLengthExceeded):
-                param = "messages" if chat else "prompt"
-            error = api_error(exc, param)
-            assert error is not None  # ENGINE_ERRORS has a row for every RequestRefused
-            raise error from exc
+        )
+        for i, prompt in enumerate(prompts)
+    ]
+    updates = merge(streams)
+    try:
+        return await anext(updates), updates
+    except StopAsyncIteration:
+        return None, updates
+    except BaseException as exc:
+        await updates.aclose()  # the other prompts' requests end too
+        if not isinstance(exc, ValueError):
+            raise
+        if not isinstance(exc, RequestRefused):  # a malformed field the edge let through
+            raise APIError(400, str(exc), code=INVALID_VALUE) from exc
+        param = None
+        if isinstance(exc, GuidedSpecError):
+            param = guided_param
+        elif isinstance(exc, ContextLengthExceeded):
+            param = "messages" if chat else "prompt"
+        error = api_error(exc, param)
+        assert error is not None  # ENGINE_ERRORS has a row for every RequestRefused
+        raise error from exc

@@ -20,6 +20,10 @@ from gateway.settings import Settings
 HELP: dict[str, str] = {
     "model": "Hugging Face model directory.",
     "served_model_name": "The `model` clients send. Default: the directory's name.",
+    "models_config": "A YAML file of base models to serve, each with its engine knobs "
+    "(docs: Several models). Default: --model alone.",
+    "max_pending_per_model": "Requests held for a model whose engine is starting (503 past).",
+    "cold_start_timeout": "Seconds a request waits for its model's engine to start (503 past).",
     "max_model_len": "Prompt + output tokens per sequence. Default: the model's.",
     "block_size": "Tokens per KV block.",
     "kv_cache_memory": "KV pool size (512MiB, 4GiB). Default: 2GiB on CPU, profiled on CUDA.",

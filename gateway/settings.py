@@ -28,6 +28,15 @@ MIN_SECRET_BYTES = 32
 MAKE_A_SECRET = "python3 -c 'import secrets; print(secrets.token_urlsafe(48))'"
 
 
+def parse_bytes(value: str) -> int:
+    """'2GiB', '512MiB', '1G' or a plain byte count."""
+    units = {"k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}
+    text = value.strip().lower().removesuffix("b").removesuffix("i")
+    if text and text[-1] in units:
+        return int(float(text[:-1]) * units[text[-1]])
+    return int(text)
+
+
 class SettingsError(ValueError):
     """A setting that cannot be used; the message is one line a person can act on."""
 
@@ -38,6 +47,11 @@ class Settings(BaseSettings):
     # -- the model and the engine ------------------------------------------------------------
     model: str = "models/smollm2"
     served_model_name: str | None = None
+    # Several base models, each with its engine knobs (gateway/models_file.py); None: --model.
+    models_config: Path | None = None
+    # Models that scale to zero (min_replicas 0): requests held while their engine starts.
+    max_pending_per_model: int = Field(default=256, ge=1)
+    cold_start_timeout: float = Field(default=60.0, gt=0.0)
     max_model_len: int | None = None
     block_size: int = 16
     kv_cache_memory: str | None = None

@@ -64,29 +64,30 @@ async def chat_completions(
 
 @router.get("/models")
 async def list_models(serving: ServingDep, tenant: TenantDep, request: Request) -> dict[str, Any]:
-    """The base model, the public adapters and the caller's own."""
+    """The base models the caller may use, the public adapters and the caller's own."""
     created = request.app.state.started_at
-    base = {
-        "id": serving.model_name,
-        "object": "model",
-        "created": created,
-        "owned_by": "loragate",
-        "root": serving.model_name,
-        "parent": None,
-        "max_model_len": serving.engine.max_model_len,
+    bases = {
+        model.name: {
+            "id": model.name,
+            "object": "model",
+            "created": created,
+            "owned_by": "loragate",
+            "root": model.name,
+            "parent": None,
+            "max_model_len": model.engine.max_model_len,
+        }
+        for model in serving.models_for(tenant)
     }
-    if tenant.allowed_models is not None and serving.model_name not in tenant.allowed_models:
-        return {"object": "list", "data": []}
-    # Adapters as vLLM lists them: their own ids, with the base model as parent.
+    # Adapters as vLLM lists them: their own ids, with their base model as parent.
     adapters = (
         []
         if serving.catalog is None
         else await serving.catalog.names(tenant.id, tenant.allowed_models)
     )
-    data = [base] + [
-        base | {"id": name, "root": name, "parent": serving.model_name}
-        for name, parent in adapters
-        if parent == serving.model_name
+    data = list(bases.values()) + [
+        bases[base] | {"id": name, "root": name, "parent": base}
+        for name, base in adapters
+        if base in bases
     ]
     return {"object": "list", "data": data}
 
@@ -106,7 +107,7 @@ class Health(BaseModel):
 async def health(request: Request) -> JSONResponse:
     """200 {"status": "ok"} while the engine serves; else 503 with "restarting" (a dead
     engine process being replaced), "stopping" or "dead"."""
-    status = request.app.state.serving.engine.health
+    status = request.app.state.models.health
     return JSONResponse({"status": status}, status_code=200 if status == "ok" else 503)
 
 

@@ -21,6 +21,7 @@ from fastapi import FastAPI
 from adapters.peft import BaseModelInfo, describe_base
 from engine.async_engine import AsyncEngine, EngineClient
 from gateway.admin_auth import mint_admin_token
+from gateway.served_models import ModelEngine
 from gateway.settings import Settings
 from gateway.tenancy import Tenancy, open_tenancy, prepare
 from tenants.keys import create_key
@@ -169,16 +170,19 @@ def build_test_app(
     model_dir: Path,
     database_url: str | None = None,
     settings: dict[str, Any] | None = None,
+    more_models: dict[str, ModelEngine] | None = None,
     extra_bases: dict[str, BaseModelInfo] | None = None,
     **build: Any,
 ) -> FastAPI:
-    """build_app with a fresh test tenancy (kept on app.state.server_tenancy)."""
+    """build_app with a fresh test tenancy (kept on app.state.server_tenancy). `more_models`:
+    base models served beside `served_name`, each with its engine; `extra_bases`: base models
+    the adapter catalog knows beside `served_name`'s."""
     from gateway.app import build_app
 
     tenancy = make_tenancy(
         root, model_dir, served_name, database_url, extra_bases, **(settings or {})
     )
-    app = build_app(engine, served_name, tenancy.tenancy, **build)
+    app = build_app({served_name: engine} | (more_models or {}), tenancy.tenancy, **build)
     app.state.server_tenancy = tenancy
     return app
 

@@ -209,7 +209,15 @@ def test_metrics_report_adapter_slots_and_loads(server: Server) -> None:
     server.client().completions.create(model="r4-attn", prompt=PROMPT, max_tokens=2)
     text = httpx.get(f"{server.base_url}/metrics").text
     assert 'loragate:lora_requests_info{max_lora="2"' in text
-    slots = [line for line in text.splitlines() if line.startswith("loragate:lora_slots_used ")]
+    slots = [
+        line
+        for line in text.splitlines()
+        if line.startswith(f'loragate:lora_slots_used{{model_name="{MODEL}"}} ')
+    ]
     assert slots and 1.0 <= float(slots[0].split()[1]) <= 2.0
-    loads = [line for line in text.splitlines() if line.startswith("loragate:lora_loads_total ")]
+    loads = [
+        line
+        for line in text.splitlines()
+        if line.startswith(f'loragate:lora_loads_total{{model_name="{MODEL}"}} ')
+    ]
     assert loads and float(loads[0].split()[1]) >= 1.0

@@ -24,7 +24,7 @@ DOCUMENT = (
 
 
 def _counter(text: str, name: str) -> float:
-    match = re.search(rf"^{name}_total (\S+)$", text, re.MULTILINE)
+    match = re.search(rf'^{name}_total{{model_name="smollm2"}} (\S+)$', text, re.MULTILINE)
     assert match, f"{name} missing from /metrics"
     return float(match.group(1))
 

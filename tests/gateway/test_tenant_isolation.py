@@ -77,7 +77,7 @@ def test_keys_and_adapters_survive_a_restart(
         await tenancy.db.close()
 
     asyncio.run(start())
-    app = build_app(tenancy_engine, MODEL, tenancy)
+    app = build_app({MODEL: tenancy_engine}, tenancy)
     app.state.server_tenancy = ServerTenancy(
         tenancy, settings, tenant_id, key, first.tenancy.admin_token
     )

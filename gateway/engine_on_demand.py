@@ -1,0 +1,237 @@
+"""A model's engine that starts on its first request and stops when nobody calls it.
+
+A model with `min_replicas: 0` has no engine until a request names it. That request, and the
+ones behind it, are held (at most `max_pending`; past that, or past `cold_start_timeout`
+seconds, a 503 with Retry-After) while the engine starts, then served in order. After
+`idle_timeout` seconds with no request in flight or held, the engine shuts down and its memory
+goes back to the machine (an engine process exits). A dead engine is replaced on the next
+request. With `min_replicas: 1` the engine starts with the server and never idles out.
+
+The gateway reads the model's tokenizer, vocabulary and context length from its directory, so
+a request is tokenized and checked at the edge before any engine exists.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
+from typing import Any
+
+from engine.async_engine import EngineClient
+from engine.errors import EngineDead, EngineOverloaded
+from engine.messages import EngineRequest, EngineStats
+from engine.outputs import SequenceUpdate
+from engine.request import GuidedSpec
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True, slots=True)
+class ScalePolicy:
+    min_replicas: int = 1  # 0: scale to zero
+    idle_timeout: float = 300.0  # seconds with nothing in flight or held before a stop
+    max_pending: int = 256  # requests held while the engine starts
+    cold_start_timeout: float = 60.0  # seconds a held request waits before a 503
+
+
+@dataclass(frozen=True, slots=True)
+class ModelFacts:
+    """What the edge needs of a model before its engine runs."""
+
+    tokenizer: Any
+    vocab_size: int
+    max_model_len: int
+
+
+def model_facts(model: str, max_model_len: int | None) -> ModelFacts:
+    """A model directory's tokenizer, vocabulary and context length, as its engine will
+    have them (engine.llm_engine reads the same)."""
+    from transformers import AutoConfig, AutoTokenizer
+
+    config = AutoConfig.from_pretrained(model)
+    return ModelFacts(
+        AutoTokenizer.from_pretrained(model),
+        int(config.vocab_size),
+        max_model_len or int(config.max_position_embeddings),
+    )
+
+
+class OnDemandEngine:
+    """One model's engine behind the gateway's engine interface, started on demand.
+
+    `start` builds and starts an engine (blocking: a process spawned and loaded, or a loop in
+    a thread); it runs in a worker thread so that the event loop keeps serving other models.
+    """
+
+    def __init__(
+        self,
+        name: str,
+        start: Callable[[], EngineClient],
+        facts: ModelFacts,
+        policy: ScalePolicy,
+        on_cold_start: Callable[[float], None] | None = None,
+    ) -> None:
+        self.name = name
+        self._start_engine = start
+        self.facts = facts
+        self.policy = policy
+        self.on_cold_start = on_cold_start
+        self._engine: EngineClient | None = None
+        self._starting: asyncio.Task[EngineClient] | None = None
+        self._idle_watch: asyncio.Task[None] | None = None
+        self._transition = asyncio.Lock()  # a start and a stop never overlap
+        self.num_held = 0  # requests waiting for the engine to start
+        self.num_in_flight = 0  # requests (and grammar compiles) the engine is serving
+        self.num_cold_starts = 0
+        self._last_used = time.monotonic()
+        self._closed = False
+
+    # -- what the gateway reads --------------------------------------------------------------
+
+    @property
+    def tokenizer(self) -> Any:
+        return self.facts.tokenizer
+
+    @property
+    def vocab_size(self) -> int:
+        return self.facts.vocab_size
+
+    @property
+    def max_model_len(self) -> int:
+        return self.facts.max_model_len
+
+    @property
+    def num_replicas(self) -> int:
+        """Engines ready to serve: 0 or 1."""
+        return int(self._engine is not None and self._engine.is_alive)
+
+    @property
+    def health(self) -> str:
+        """ok while the model can serve: scaled to zero is ok, it starts when called."""
+        if self._closed:
+            return "stopping"
+        return "ok" if self._engine is None else self._engine.health
+
+    def stats(self) -> EngineStats:
+        return EngineStats() if self._engine is None else self._engine.stats()
+
+    # -- lifecycle -----------------------------------------------------------------------------
+
+    def start_now(self) -> None:
+        """Start the engine before serving (min_replicas 1), blocking."""
+        self._engine = self._start_engine()
+        self.num_cold_starts += 1
+
+    async def shutdown(self, grace_period: float = 10.0) -> None:
+        self._closed = True
+        if self._idle_watch is not None:
+            self._idle_watch.cancel()
+        if self._starting is not None:
+            try:
+                self._engine = await self._starting
+            except Exception:  # noqa: BLE001 - a failed start leaves nothing to stop
+                self._engine = None
+        if self._engine is not None:
+            await self._engine.shutdown(grace_period)
+            self._engine = None
+
+    # -- requests ------------------------------------------------------------------------------
+
+    async def generate(self, request: EngineRequest) -> AsyncIterator[SequenceUpdate]:
+        engine = await self._acquire()
+        try:
+            async for update in engine.generate(request):
+                yield update
+        finally:
+            self._release()
+
+    async def compile_grammar(self, spec: GuidedSpec) -> None:
+        engine = await self._acquire()
+        try:
+            await engine.compile_grammar(spec)
+        finally:
+            self._release()
+
+    def unload_lora(self, adapter_id: str) -> None:
+        if self._engine is not None:  # an engine that is not running holds no adapter
+            self._engine.unload_lora(adapter_id)
+
+    async def _acquire(self) -> EngineClient:
+        """The running engine, started if there is none; counts the caller in flight."""
+        engine = self._engine
+        if engine is None or (not engine.is_alive and self.policy.min_replicas == 0):
+            engine = await self._wait_for_start()
+        self.num_in_flight += 1
+        return engine
+
+    def _release(self) -> None:
+        self.num_in_flight -= 1
+        self._last_used = time.monotonic()
+
+    async def _wait_for_start(self) -> EngineClient:
+        if self._closed:
+            raise EngineDead(f"the model {self.name!r} is stopping")
+        if self.num_held >= self.policy.max_pending:
+            raise EngineOverloaded(
+                f"the model {self.name!r} is starting and {self.num_held} requests wait for it"
+            )
+        self.num_held += 1
+        held = time.monotonic()
+        try:
+            if self._starting is None:
+                self._starting = asyncio.create_task(self._cold_start(held))
+            try:
+                return await asyncio.wait_for(
+                    asyncio.shield(self._starting), self.policy.cold_start_timeout
+                )
+            except TimeoutError:
+                raise EngineOverloaded(
+                    f"the model {self.name!r} did not start within "
+                    f"{self.policy.cold_start_timeout:g} s"
+                ) from None
+        finally:
+            self.num_held -= 1
+
+    async def _cold_start(self, held: float) -> EngineClient:
+        try:
+            async with self._transition:
+                dead, self._engine = self._engine, None
+                if dead is not None:  # it died: what it held is gone with it
+                    await dead.shutdown(0)
+                logger.info("starting an engine for %r", self.name)
+                try:
+                    engine = await asyncio.to_thread(self._start_engine)
+                except Exception as exc:
+                    logger.exception("the engine for %r failed to start", self.name)
+                    raise EngineDead(f"the model {self.name!r} failed to start: {exc}") from exc
+                self._engine = engine
+                self.num_cold_starts += 1
+                self._last_used = time.monotonic()
+                seconds = self._last_used - held
+                logger.info("engine for %r ready in %.2f s", self.name, seconds)
+                if self.on_cold_start is not None:
+                    self.on_cold_start(seconds)
+                if self.policy.min_replicas == 0 and self._idle_watch is None:
+                    self._idle_watch = asyncio.create_task(self._stop_when_idle())
+                return engine
+        finally:
+            self._starting = None
+
+    async def _stop_when_idle(self) -> None:
+        """Stop the engine once nothing has been in flight or held for idle_timeout."""
+        timeout = self.policy.idle_timeout
+        while not self._closed:
+            await asyncio.sleep(min(1.0, timeout / 4))
+            idle = time.monotonic() - self._last_used
+            if self._engine is None or self.num_in_flight or self.num_held or idle < timeout:
+                continue
+            async with self._transition:
+                engine = self._engine
+                if engine is None or self.num_in_flight or self.num_held:
+                    continue
+                self._engine = None
+                logger.info("no request for %r in %.0f s: stopping its engine", self.name, idle)
+                await engine.shutdown(0)

@@ -1,0 +1,139 @@
+"""`loragate serve --models-config` as users run it: two base models behind one server, one
+always on and one that scales to zero. The lazy one has no engine process until its first
+request, one after it, and none again once idle_timeout has passed (the process exits, so
+its memory goes back to the machine); a bad models file stops the server with one line."""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+from live_server import free_port
+
+LORAGATE_CLI = str(Path(sys.executable).parent / "loragate")
+
+
+def _engine_processes(server_pid: int) -> list[int]:
+    """The server's children that multiprocessing spawned: its engine processes (a lazy
+    model's is started from a worker thread: each thread lists its own children)."""
+    children = [
+        pid
+        for task in Path(f"/proc/{server_pid}/task").iterdir()
+        for pid in _read(task / "children").split()
+    ]
+    return [int(pid) for pid in children if "spawn_main" in _read(Path(f"/proc/{pid}/cmdline"))]
+
+
+def _read(path: Path) -> str:
+    try:
+        return path.read_text(errors="replace")
+    except OSError:  # a thread or process that ended while we looked
+        return ""
+
+
+def _wait(condition: object, what: str, timeout: float = 60.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():  # type: ignore[operator]
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.1)
+
+
+def _models_file(tmp_path: Path, demo_model_dir: Path) -> Path:
+    engine = "{kv_cache_memory: 64MiB, max_model_len: 256}"
+    path = tmp_path / "models.yaml"
+    path.write_text(
+        f"""models:
+  - name: always
+    path: {demo_model_dir}
+    engine: {engine}
+  - name: lazy
+    path: {demo_model_dir}
+    min_replicas: 0
+    idle_timeout: 2
+    engine: {engine}
+"""
+    )
+    return path
+
+
+def test_a_model_that_scales_to_zero_has_an_engine_process_only_while_called(
+    demo_model_dir: Path, tmp_path: Path
+) -> None:
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    log_path = tmp_path / "serve.log"
+    command = [
+        LORAGATE_CLI,
+        "serve",
+        "--models-config",
+        str(_models_file(tmp_path, demo_model_dir)),
+        "--port",
+        str(port),
+    ]
+    with log_path.open("wb") as log:
+        server = subprocess.Popen(
+            command,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+            env=os.environ | {"PYTHONUNBUFFERED": "1", "COLUMNS": "400"},
+            cwd=tmp_path,
+        )
+    try:
+        _wait(lambda: b"serving" in log_path.read_bytes(), "the server")
+        _wait(lambda: _get(f"{url}/health") == 200, "/health")
+        key = re.search(r"export LORAGATE_API_KEY=(lg-\S+)", log_path.read_text())
+        assert key is not None, log_path.read_text()
+        auth = {"Authorization": f"Bearer {key.group(1)}"}
+        assert len(_engine_processes(server.pid)) == 1  # the always-on model's alone
+        models = httpx.get(f"{url}/v1/models", headers=auth).json()["data"]
+        assert {m["id"] for m in models} == {"always", "lazy"}
+
+        body = {"prompt": "Hello", "max_tokens": 4, "temperature": 0}
+        answers = {}
+        for name in ("always", "lazy"):
+            resp = httpx.post(
+                f"{url}/v1/completions", json=body | {"model": name}, headers=auth, timeout=120
+            )
+            assert resp.status_code == 200, resp.text
+            answers[name] = resp.json()["choices"][0]["text"]
+        assert answers["lazy"] == answers["always"]  # the same weights
+        assert len(_engine_processes(server.pid)) == 2
+        metrics = httpx.get(f"{url}/metrics").text
+        assert 'loragate:engine_cold_starts_total{model="lazy"} 1.0' in metrics
+
+        _wait(lambda: len(_engine_processes(server.pid)) == 1, "the idle engine to exit", 30)
+        metrics = httpx.get(f"{url}/metrics").text
+        assert 'loragate:engine_replicas{model="lazy"} 0.0' in metrics
+        assert 'loragate:engine_replicas{model="always"} 1.0' in metrics
+    finally:
+        os.killpg(server.pid, signal.SIGTERM)
+        server.wait(60)
+
+
+def _get(url: str) -> int:
+    try:
+        return httpx.get(url, timeout=5).status_code
+    except httpx.HTTPError:
+        return 0
+
+
+def test_a_bad_models_file_stops_the_server_with_one_line(tmp_path: Path) -> None:
+    path = tmp_path / "models.yaml"
+    path.write_text("models:\n  - {name: a, path: /nonexistent}\n")
+    done = subprocess.run(
+        [LORAGATE_CLI, "serve", "--models-config", str(path), "--port", str(free_port())],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=tmp_path,
+        env=os.environ | {"COLUMNS": "400"},
+    )
+    assert done.returncode != 0
+    assert "models[0].path: /nonexistent is not a Hugging Face model directory" in done.stderr
