@@ -192,7 +192,7 @@ async def _tenant(tenancy: Tenancy, tenant_id: str) -> Tenant:
 
 
 # The one 400 a schema cannot foresee: which models this server serves.
-_TENANT_400 = {
+_TENANT_400: dict[int | str, dict[str, Any]] = {
     400: error_response(
         "A field out of bounds, or an `allowed_models` name that is not a model this server "
         "serves (`invalid_value`)."
