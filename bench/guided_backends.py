@@ -5,9 +5,9 @@ its matcher accepts exactly the documents the `jsonschema` validator accepts.
     python -m bench.guided_backends --schemas DIR [--tokenizer models/smollm2] [--loose]
         [--max-docs N] [--json FILE]
 
-A measurement for issue 15, not an integration: llguidance is not a project dependency.
-Install it into the venv to run this (`pip install llguidance==1.9.1`; it pulls in nothing
-else); without it the bench exits with that message.
+A measurement for issue 15, not an integration: llguidance is a dev dependency only
+(`llguidance==1.9.1` in pyproject.toml's dev extra; it pulls in nothing else), never the
+engine's; without it the bench exits saying how to install it.
 
 For every `*.json` schema in DIR, with one tokenizer (SmolLM2's by default):
 
