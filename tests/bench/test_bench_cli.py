@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-from bench.__main__ import BENCHMARKS, main
+from bench.__main__ import BENCHMARKS, _without_option, main
 
 
 def test_the_listing_names_every_benchmark(capsys: pytest.CaptureFixture[str]) -> None:
@@ -25,6 +25,21 @@ def test_each_benchmark_imports_and_answers_help(
         main([name, "--help"])
     assert exit_.value.code == 0
     assert "usage:" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("spelling", [["--workload", "w3"], ["--workload=w3"]])
+def test_offline_w3_is_the_lora_benchmark(
+    spelling: list[str], capsys: pytest.CaptureFixture[str]
+) -> None:
+    """W3 needs adapters: `offline --workload w3` runs `lora`, without the --workload option."""
+    with pytest.raises(SystemExit) as exit_:
+        main(["offline", *spelling, "--num-prompts", "4", "--help"])
+    assert exit_.value.code == 0
+    assert capsys.readouterr().out.startswith("usage: loragate-bench lora")
+    assert _without_option([*spelling, "--num-prompts", "4"], "--workload") == [
+        "--num-prompts",
+        "4",
+    ]
 
 
 def test_an_unknown_benchmark_is_refused_with_the_listing() -> None:
