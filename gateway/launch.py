@@ -83,14 +83,16 @@ def lora_modules(settings: Settings) -> list[tuple[str, Path]]:
 async def _start_up(
     tenancy: Tenancy, settings: Settings, modules: list[tuple[str, Path]]
 ) -> tuple[DemoKey | None, list[LoRARequest]]:
-    """Database work before serving: the demo tenant, --lora-modules as public adapters."""
+    """Database work before serving: the demo tenant, --lora-modules as public adapters (of
+    the first served model, the one --model names)."""
     try:
         demo = await prepare(tenancy, settings)
         preload = []
+        first = tenancy.catalog.model_names[0]
         for name, path in modules:
             try:
                 row = await tenancy.catalog.add_local(
-                    owner_id=None, name=name, path=path, replace=True
+                    owner_id=None, name=name, path=path, base_model=first, replace=True
                 )
             except (AdapterError, AdapterExists, ValueError, OSError) as exc:
                 raise typer.BadParameter(f"{name}: {exc}", param_hint="--lora-modules") from exc

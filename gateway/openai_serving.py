@@ -266,7 +266,8 @@ class OpenAIServing:
             tenant,
             request_id,
             model.name,
-            None if lora is None else body.model,
+            # The adapter's own name: `sql@demo` is billed as `sql` (the row names demo).
+            None if lora is None else body.model.partition("@")[0],
             lora,
             timer.start,
         )

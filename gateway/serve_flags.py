@@ -53,7 +53,8 @@ HELP: dict[str, str] = {
     "max_loras": "Adapters resident on the device.",
     "max_lora_rank": "The largest adapter rank accepted.",
     "max_cpu_loras": "Adapters cached in CPU memory.",
-    "lora_modules": "Public adapters registered at start: name=path, as many as needed.",
+    "lora_modules": "Public adapters registered at start: name=path, as many as needed (with a "
+    "models file: of its first model).",
     "allow_runtime_lora_updating": "Serve vLLM's /v1/load_lora_adapter (admin token).",
     "guided_compile_timeout": "Seconds a grammar may take to compile before a 400.",
     "guided_cache_size": "Compiled grammars kept (LRU).",

@@ -10,7 +10,7 @@ from pathlib import Path
 import httpx
 import openai
 import pytest
-from live_server import Server, admin_client, new_tenant
+from live_server import Server, admin_client, new_tenant, wait_for_usage
 from second_base import WIDE, retarget, two_base_server, wide_adapter, wide_base, wide_model_dir
 
 from adapters.peft import CONFIG_FILE, WEIGHTS_FILE
@@ -113,6 +113,11 @@ def test_name_at_base_picks_the_model_and_a_bare_ambiguous_name_is_refused(
         text("sql@wide")
     models = {m.id: m.model_dump().get("parent") for m in client.models.list()}
     assert models == {DEMO: None, "alone": DEMO, "sql@demo": DEMO}
+    # Billed under the adapter's own name, on the base model that served it.
+    rows = wait_for_usage(
+        server.tenancy.settings.database_url, 1, tenant_id=tenant_id, adapter_name="sql"
+    )
+    assert {row["model"] for row in rows} == {DEMO}
 
 
 def test_runtime_loading_takes_a_base_model_and_unloading_the_listed_id(
