@@ -153,11 +153,13 @@ def load_peft_adapter(
     # The identity is computed from the very bytes that are parsed, so a file replaced while
     # it is loaded cannot be served under the identity of the one it replaced. sha256
     # releases the GIL: it runs beside the parsing, which is the other half of a load.
-    digest = _HASHER.submit(_digest, config_bytes, weights)
-    try:
-        layers = _pair_factors(_parse_weights(weights), config, base)
-    finally:
-        adapter_id = digest.result()
+    # A thread of this load's own, gone when it ends (no pool outlives its loads).
+    with ThreadPoolExecutor(max_workers=1, thread_name_prefix="adapter-sha256") as hasher:
+        digest = hasher.submit(_digest, config_bytes, weights)
+        try:
+            layers = _pair_factors(_parse_weights(weights), config, base)
+        finally:
+            adapter_id = digest.result()
     if expected_id is not None and adapter_id != expected_id:
         raise AdapterError(
             f"adapter files changed since registration: sha256 is {adapter_id}, "
@@ -229,9 +231,6 @@ def _max_weights_bytes(base: BaseModelInfo, rank: int) -> int:
     """The largest file a valid adapter can be: every module of every layer, in float64."""
     per_rank = sum(inp + out for inp, out in base.module_shapes.values())
     return rank * per_rank * base.num_layers * 8 + _HEADER_ALLOWANCE
-
-
-_HASHER = ThreadPoolExecutor(max_workers=2, thread_name_prefix="adapter-sha256")
 
 
 def _digest(config_bytes: bytes, weights: torch.Tensor) -> str:
