@@ -23,6 +23,7 @@ BENCHMARKS: dict[str, tuple[str, str]] = {
     "agreement": ("bench.agreement", "greedy agreement with transformers in bfloat16"),
     "kernels": ("bench.kernels", "the triton kernels on a GPU (--toy: the CPU interpreter)"),
     "fairness": ("bench.fairness", "a tenant flooding at 10x another's rate; weighted shares"),
+    "coldstart": ("bench.coldstart", "a model's engine from nothing to its first token, by phase"),
 }
 
 

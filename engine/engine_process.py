@@ -93,6 +93,7 @@ class EngineProcess(EngineClient):
         self._supervisor: threading.Thread | None = None
         self._info: EngineInfo | None = None
         self._stats = EngineStats()
+        self.load_seconds: dict[str, float] = {}  # the last start's phases (Ready)
         self._tokenizer: Any = None
         self._grammars: GrammarCache | None = None
         self._state = "stopped"
@@ -127,7 +128,7 @@ class EngineProcess(EngineClient):
         conn, child = context.Pipe()
         process = context.Process(
             target=run_engine,
-            args=(child, self.config, self._lora_loader, self._preload),
+            args=(child, self.config, self._lora_loader, self._preload, time.time()),
             name="loragate-engine",
             daemon=True,
         )
@@ -147,6 +148,7 @@ class EngineProcess(EngineClient):
                 raise RuntimeError(f"the engine failed to start: {message.message}")
             elif isinstance(message, Ready):
                 self._info, self._stats = message.info, message.stats
+                self.load_seconds = message.load_seconds
                 break
         with self._send_lock:
             if self._conn is not None:
@@ -321,8 +323,11 @@ def run_engine(
     config: EngineConfig,
     lora_loader: LoRALoader | None,
     preload: Sequence[LoRARequest],
+    spawned_at: float = 0.0,
 ) -> None:
-    """The engine process's main: load, report ready, then step until told to stop."""
+    """The engine process's main: load, report ready, then step until told to stop.
+    `spawned_at`: when the gateway spawned it (time.time()), to time the process's start."""
+    entered = time.time()
     logging.basicConfig(level=logging.INFO, format="%(levelname)s [engine] %(message)s")
     # The gateway process decides when this one stops (it sends None, or its pipe closes).
     signal.signal(signal.SIGINT, signal.SIG_IGN)
@@ -339,7 +344,8 @@ def run_engine(
         conn.send(Fatal(f"{type(exc).__name__}: {exc}"))
         return
     info = EngineInfo(engine.max_model_len, engine.vocab_size, tuple(sorted(engine.eos_token_ids)))
-    conn.send(Ready(info, engine_stats(engine)))
+    load_seconds = {"process": max(0.0, entered - spawned_at)} if spawned_at else {}
+    conn.send(Ready(info, engine_stats(engine), load_seconds | engine.load_seconds))
     with contextlib.suppress(EOFError, OSError, KeyboardInterrupt):  # the gateway is gone
         _EngineLoop(engine, conn).run()
 

@@ -19,6 +19,7 @@ from engine.detokenizer import IncrementalDetokenizer
 from engine.errors import ContextLengthExceeded, GuidedSpecError, RequestRefused
 from engine.guided import GrammarCache, grammar_ready
 from engine.kv_cache.manager import KVCacheManager, cdiv
+from engine.load_timings import LoadTimings
 from engine.lora import LoRAManager
 from engine.lora_types import LoRALoader, LoRARequest, llama_fused_targets
 from engine.messages import EngineRequest
@@ -53,6 +54,7 @@ class LLMEngine:
         lora_loader: LoRALoader | None = None,
     ) -> None:
         self.config = config
+        timings = LoadTimings()
         self.tokenizer = AutoTokenizer.from_pretrained(config.tokenizer or config.model)
         hf_config = AutoConfig.from_pretrained(config.model)
         self.hf_config = hf_config
@@ -63,7 +65,10 @@ class LLMEngine:
         calibration = None
         if config.quantization is not None:
             calibration = quant_calibration.token_batches(self.tokenizer)
-        self.runner = ModelRunner(config, hf_config, self.max_model_len, progress, calibration)
+        timings.mark("tokenizer")
+        self.runner = ModelRunner(
+            config, hf_config, self.max_model_len, progress, calibration, timings
+        )
         num_blocks = self.runner.num_blocks_for_memory()
         capacity = num_blocks * config.block_size
         if capacity < self.max_model_len:
@@ -72,6 +77,7 @@ class LLMEngine:
                 f"max_model_len={self.max_model_len}: raise kv_cache_memory or lower max_model_len"
             )
         self.runner.allocate_kv_cache(num_blocks)
+        timings.mark("kv")
         self.kv = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching)
         self.lora: LoRAManager | None = None
         if config.enable_lora:
@@ -118,6 +124,8 @@ class LLMEngine:
             self.max_model_len,
             capacity / self.max_model_len,
         )
+        timings.mark("rest")
+        self.load_seconds = timings.seconds  # where the start went, by phase
 
     # -- requests ---------------------------------------------------------------------------
 

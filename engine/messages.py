@@ -90,6 +90,9 @@ class Progress:
 class Ready:
     info: EngineInfo
     stats: EngineStats
+    # Seconds per phase of the start: `process` (spawn, interpreter, imports), then the
+    # engine's own (engine.load_timings).
+    load_seconds: dict[str, float] = field(default_factory=dict)
 
 
 @dataclass(frozen=True, slots=True)

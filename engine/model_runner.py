@@ -19,12 +19,15 @@ from transformers import PretrainedConfig
 
 from engine.config import EngineConfig
 from engine.kv_cache.manager import KVCacheManager
+from engine.load_timings import LoadTimings
 from engine.lora import LoRAManager
 from engine.models.llama import (
     SUPPORTED_ARCHITECTURES,
     LlamaForCausalLM,
+    RotaryEmbedding,
     iter_safetensors,
     weight_names,
+    weights_from_checkpoint,
 )
 from engine.request import Request
 from engine.sampler import Sampler, SamplerOutput
@@ -93,8 +96,11 @@ class ModelRunner:
         max_model_len: int,
         progress: ProgressFn | None = None,
         calibration: list[list[int]] | None = None,
+        timings: LoadTimings | None = None,
     ) -> None:
-        """`calibration`: token ids to smooth int8 activations on (config.quantization)."""
+        """`calibration`: token ids to smooth int8 activations on (config.quantization);
+        `timings`: where the phases of the load are marked."""
+        timings = timings or LoadTimings()
         self.config = config
         self.block_size = config.block_size
         self.device = resolve_device(config.device)
@@ -116,18 +122,16 @@ class ModelRunner:
             getattr(hf_config, "head_dim", None)
             or hf_config.hidden_size // hf_config.num_attention_heads
         )
+        timings.mark("setup")
         # The engine's one kernel choice, handed to every module that runs a kernel.
         self.kernels = dispatch.choose(
             config.kernels, self.device, self.dtype, config.cpu_kernels, head_dim, self.block_size
         )
+        timings.mark("kernels")
         self.plan_kind = self.kernels.plan_flags()  # build_plan's kernel flags
         torch.manual_seed(config.seed)
-        with torch.device(self.device):
-            self.model = LlamaForCausalLM(hf_config, max_model_len, qkv_bias, self.kernels).to(
-                self.dtype
-            )
-        self.model.eval()
-        self.model.rotary.to(torch.float32)
+        self.model = self._build_model(hf_config, max_model_len, qkv_bias, head_dim)
+        timings.mark("model")
         total = len(names)
         done = 0
 
@@ -139,6 +143,7 @@ class ModelRunner:
 
         with torch.no_grad():
             self.model.load_weights(iter_safetensors(model_dir), on_tensor)
+        timings.mark("weights")
         attn = self.model.first_attention
         self.num_layers = len(self.model.layers)
         # A step of more tokens than this runs on prefill_threads (LARGE_STEP_TOKEN_PARAMS).
@@ -148,12 +153,35 @@ class ModelRunner:
         self.head_dim = attn.head_dim
         if config.quantization is not None:
             self._quantize(calibration or [])
+            timings.mark("quantize")
         self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
         self.lora: LoRAManager | None = None  # set by the engine when LoRA is enabled
         self.sampler = Sampler(self.device, config.seed)
         self.vocab_size = int(hf_config.vocab_size)
         if config.cpu_kernels and self.device.type == "cpu" and linear.available():
             linear.prepack(self.model)
+        timings.mark("prepack")
+
+    def _build_model(
+        self, hf_config: PretrainedConfig, max_model_len: int, qkv_bias: bool, head_dim: int
+    ) -> LlamaForCausalLM:
+        """The module tree in the compute dtype, its parameters allocated and not initialized:
+        every one is filled from the checkpoint next (load_weights checks). Built on the meta
+        device, where nothing is computed, then given storage. The rotary tables are computed
+        for real, in float32 rounded through the compute dtype, as they always were."""
+
+        def rotary() -> RotaryEmbedding:
+            with torch.device(self.device):
+                return RotaryEmbedding(hf_config, head_dim, max_model_len)
+
+        with torch.device("meta"), weights_from_checkpoint():
+            model = LlamaForCausalLM(
+                hf_config, max_model_len, qkv_bias, self.kernels, rotary=rotary()
+            )
+        model = model.to(self.dtype).to_empty(device=self.device)
+        model.tie_weights()  # to_empty gave the tied weights storage of their own
+        model.rotary = rotary().to(self.dtype).to(torch.float32)
+        return model.eval()
 
     def _quantize(self, calibration: list[list[int]]) -> None:
         """SmoothQuant on the calibration text, then int8 projections (kernels/quant.py)."""

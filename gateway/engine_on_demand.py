@@ -22,6 +22,7 @@ from typing import Any
 
 from engine.async_engine import EngineClient
 from engine.errors import EngineDead, EngineOverloaded
+from engine.load_timings import describe
 from engine.messages import EngineRequest, EngineStats
 from engine.outputs import SequenceUpdate
 from engine.request import GuidedSpec
@@ -211,7 +212,13 @@ class OnDemandEngine:
                 self.num_cold_starts += 1
                 self._last_used = time.monotonic()
                 seconds = self._last_used - held
-                logger.info("engine for %r ready in %.2f s", self.name, seconds)
+                phases = getattr(engine, "load_seconds", None)
+                logger.info(
+                    "engine for %r ready in %.2f s%s",
+                    self.name,
+                    seconds,
+                    f" ({describe(phases)})" if phases else "",
+                )
                 if self.on_cold_start is not None:
                     self.on_cold_start(seconds)
                 if self.policy.min_replicas == 0 and self._idle_watch is None:

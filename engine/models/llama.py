@@ -7,8 +7,10 @@ outside attention. q/k/v and gate/up are fused into one matmul each at load.
 
 from __future__ import annotations
 
+import contextlib
 import json
 from collections.abc import Callable, Iterator
+from contextvars import ContextVar
 from pathlib import Path
 from types import ModuleType
 from typing import Any, cast
@@ -30,6 +32,34 @@ from kernels.quant import Int8Linear
 SUPPORTED_ARCHITECTURES = {"LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM"}
 # Rope types whose frequencies do not depend on the running sequence length.
 STATIC_ROPE_TYPES = {"default", "linear", "llama3", "yarn"}
+
+
+# Parameters an engine fills from its checkpoint need no random initialization, which was
+# most of a cold start's model phase: constructors read this, in this thread (or task) only.
+_SKIP_INIT: ContextVar[bool] = ContextVar("skip_init", default=False)
+
+
+@contextlib.contextmanager
+def weights_from_checkpoint() -> Iterator[None]:
+    """Modules built here leave their parameters uninitialized: every one must then be
+    loaded (`LlamaForCausalLM.load_weights` checks that each is)."""
+    token = _SKIP_INIT.set(True)
+    try:
+        yield
+    finally:
+        _SKIP_INIT.reset(token)
+
+
+class Linear(nn.Linear):
+    def reset_parameters(self) -> None:
+        if not _SKIP_INIT.get():
+            super().reset_parameters()
+
+
+class Embedding(nn.Embedding):
+    def reset_parameters(self) -> None:
+        if not _SKIP_INIT.get():
+            super().reset_parameters()
 
 
 class RMSNorm(nn.Module):
@@ -138,8 +168,8 @@ class Attention(nn.Module):
         self.q_size = self.num_heads * self.head_dim
         self.kv_size = self.num_kv_heads * self.head_dim
         self.scale = self.head_dim**-0.5
-        self.qkv_proj = nn.Linear(config.hidden_size, self.q_size + 2 * self.kv_size, bias=bias)
-        self.o_proj = nn.Linear(self.q_size, config.hidden_size, bias=False)
+        self.qkv_proj = Linear(config.hidden_size, self.q_size + 2 * self.kv_size, bias=bias)
+        self.o_proj = Linear(self.q_size, config.hidden_size, bias=False)
         self.triton: ModuleType | None = kernels.triton
         self.native = kernels.native  # rotary and KV write in C++ (kernels/csrc/layer_ops.cpp)
 
@@ -188,8 +218,8 @@ class MLP(nn.Module):
         super().__init__()
         self.layer = layer
         self.intermediate_size = config.intermediate_size
-        self.gate_up_proj = nn.Linear(config.hidden_size, 2 * config.intermediate_size, bias=False)
-        self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
+        self.gate_up_proj = Linear(config.hidden_size, 2 * config.intermediate_size, bias=False)
+        self.down_proj = Linear(config.intermediate_size, config.hidden_size, bias=False)
         act = config.hidden_act
         self.act: Callable[[torch.Tensor], torch.Tensor] = F.silu if act == "silu" else ACT2FN[act]
 
@@ -249,25 +279,32 @@ class LlamaForCausalLM(nn.Module):
         max_model_len: int,
         qkv_bias: bool = False,
         kernels: Kernels = TORCH_KERNELS,
+        rotary: RotaryEmbedding | None = None,
     ) -> None:
         """`kernels`: which kernels the norms, rotary, KV writes and attention run
-        (kernels.dispatch.choose); the torch paths by default."""
+        (kernels.dispatch.choose); the torch paths by default. `rotary`: tables computed
+        already (a model built on the meta device cannot compute its own)."""
         super().__init__()
         self.config = config
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.embed_tokens = Embedding(config.vocab_size, config.hidden_size)
         head_dim = (
             getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
         )
-        self.rotary = RotaryEmbedding(config, head_dim, max_model_len)
+        self.rotary = rotary or RotaryEmbedding(config, head_dim, max_model_len)
         self.layers = nn.ModuleList(
             DecoderLayer(config, qkv_bias, i, kernels) for i in range(config.num_hidden_layers)
         )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, kernels)
         self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
-        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.lm_head = Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.tie_weights()
+        self.triton: ModuleType | None = kernels.triton
+
+    def tie_weights(self) -> None:
+        """The output projection is the embedding, where the config ties them (again after
+        a move that gave each its own storage, as `to_empty` does)."""
         if self.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
-        self.triton: ModuleType | None = kernels.triton
 
     def forward(
         self,

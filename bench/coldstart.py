@@ -1,0 +1,168 @@
+"""Cold start: a model's engine started from nothing, to its first token, phase by phase.
+
+    loragate-bench coldstart --model models/smollm2 [--rounds 5] [--dtype auto]
+        [--adapter DIR] [--json FILE]
+
+Each round does what the gateway does for a model that scales to zero (min_replicas 0,
+gateway/engine_on_demand.py): spawn the engine process (engine/engine_process.py), wait until
+it reports ready, send one request and wait for its first token, stop it. One untimed round
+first puts the weights in the page cache, as they are on a machine that served the model
+before. With `--adapter`, the first request names that adapter, not yet loaded: its load is
+part of the first token.
+
+Phases, median over the rounds:
+  process    spawn, the interpreter, the imports (torch, transformers, the engine)
+  tokenizer  the engine's tokenizer and config
+  setup      device, dtype, the checkpoint's tensor names
+  kernels    the C++ kernels loaded (built once per machine, then cached on disk)
+  model      the module tree allocated
+  weights    the safetensors read and copied in (and cast to the compute dtype)
+  prepack    weights repacked for the C++ linear
+  kv         the KV pool allocated
+  rest       the scheduler, the grammar cache, the log line
+  gateway    what the gateway does before it calls the engine ready: its own tokenizer, the
+             grammar cache, the pipe
+  first token  request sent to first token: the first step, and the adapter's load
+
+The weights phase is compared with `cat` on the same files (reading them from the page cache
+and nothing else), in the same run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import statistics
+import subprocess
+import time
+from pathlib import Path
+from typing import Any
+
+from rich.console import Console
+from rich.table import Table
+
+from adapters.peft import describe_base
+from adapters.registry import RegisteredLoader, inspect_adapter
+from engine.config import EngineConfig
+from engine.engine_process import EngineProcess
+from engine.lora_types import LoRARequest
+from engine.messages import EngineRequest
+from engine.request import SamplingParams
+
+PHASES = (
+    "process",
+    "tokenizer",
+    "setup",
+    "kernels",
+    "model",
+    "weights",
+    "prepack",
+    "kv",
+    "rest",
+    "gateway",
+    "first token",
+)
+PROMPT = [1, 504, 3458, 314, 260, 1458, 30]  # a few tokens: the first step, not a long prefill
+
+
+def one_cold_start(config: EngineConfig, adapter: Path | None) -> dict[str, float]:
+    """Seconds per phase of one engine started from nothing to its first token."""
+    loader = None
+    lora = None
+    if adapter is not None:
+        loader = RegisteredLoader(describe_base(config.model), config.max_lora_rank)
+        info = inspect_adapter(adapter, describe_base(config.model), config.max_lora_rank)
+        lora = LoRARequest("cold", str(adapter), info.adapter_id)
+    started = time.perf_counter()
+    process = EngineProcess(config, lora_loader=loader, restart=False)
+    process.start()
+    ready = time.perf_counter()
+    phases = dict(process.load_seconds)
+    phases["gateway"] = max(0.0, ready - started - sum(phases.values()))
+    try:
+        phases["first token"] = asyncio.run(_first_token(process, lora))
+    finally:
+        asyncio.run(process.shutdown(0))
+    return phases
+
+
+async def _first_token(process: EngineProcess, lora: LoRARequest | None) -> float:
+    params = SamplingParams(temperature=0, max_tokens=1)
+    sent = time.perf_counter()
+    async for update in process.generate(EngineRequest("cold", PROMPT, params, lora=lora)):
+        if update.new_token_ids:
+            return time.perf_counter() - sent
+    raise RuntimeError("the request ended without a token")
+
+
+def cat_seconds(model: Path) -> tuple[float, int]:
+    """Seconds `cat` takes to read the checkpoint's weights (best of three), and their bytes."""
+    files = sorted(model.glob("*.safetensors"))
+    size = sum(f.stat().st_size for f in files)
+    best = float("inf")
+    for _ in range(3):
+        start = time.perf_counter()
+        subprocess.run(["cat", *map(str, files)], stdout=subprocess.DEVNULL, check=True)
+        best = min(best, time.perf_counter() - start)
+    return best, size
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="loragate-bench coldstart", description=__doc__.split("\n")[0])
+    p.add_argument("--model", type=Path, default=Path("models/smollm2"))
+    p.add_argument("--rounds", type=int, default=5)
+    p.add_argument("--dtype", default="auto")
+    p.add_argument("--kv-cache-memory", type=int, default=256 << 20, help="bytes")
+    p.add_argument("--adapter", type=Path, default=None, help="the first request's adapter")
+    p.add_argument("--json", type=Path, default=None)
+    return p
+
+
+def measure(args: argparse.Namespace) -> dict[str, Any]:
+    config = EngineConfig(
+        model=str(args.model),
+        dtype=args.dtype,
+        kv_cache_memory=args.kv_cache_memory,
+        max_model_len=512,
+        enable_lora=args.adapter is not None,
+    )
+    console = Console(stderr=True)
+    console.print(f"cold start of {args.model}: 1 untimed round, then {args.rounds}")
+    one_cold_start(config, args.adapter)  # the page cache holds the weights from here on
+    rounds = []
+    for i in range(args.rounds):
+        rounds.append(one_cold_start(config, args.adapter))
+        total = sum(rounds[-1].values())
+        console.print(f"  round {i + 1}/{args.rounds}: {total:.2f} s to the first token")
+    cat, size = cat_seconds(args.model)
+    return {"model": str(args.model), "rounds": rounds, "cat_seconds": cat, "weights_bytes": size}
+
+
+def report(result: dict[str, Any], console: Console) -> None:
+    rounds = result["rounds"]
+    medians = {p: statistics.median(r.get(p, 0.0) for r in rounds) for p in PHASES}
+    totals = [sum(r.values()) for r in rounds]
+    total = statistics.median(totals)
+    table = Table(title=f"cold start, {result['model']}: median of {len(rounds)} rounds")
+    table.add_column("phase")
+    table.add_column("seconds", justify="right")
+    table.add_column("share", justify="right")
+    for phase in PHASES:
+        table.add_row(phase, f"{medians[phase]:.3f}", f"{medians[phase] / total:.0%}")
+    table.add_row("to the first token", f"{total:.3f}", "100%", style="bold")
+    console.print(table)
+    size, cat, weights = result["weights_bytes"], result["cat_seconds"], medians["weights"]
+    console.print(
+        f"weights: {size / 2**20:.0f} MiB in {weights:.3f} s = {size / weights / 2**30:.2f} GiB/s;"
+        f" cat {cat:.3f} s = {size / cat / 2**30:.2f} GiB/s; weights at "
+        f"{cat / weights:.0%} of cat's speed"
+    )
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = _parser().parse_args(argv)
+    result = measure(args)
+    report(result, Console())
+    if args.json is not None:
+        args.json.write_text(json.dumps(result, indent=2))

@@ -1,0 +1,42 @@
+"""`loragate-bench coldstart` at toy size on the demo model: engine processes started from
+nothing to their first token, with and without an adapter to load first; every phase is
+measured in every round, and the report has its rows."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from rich_tables import table_rows
+
+from bench.__main__ import main
+from bench.coldstart import PHASES
+
+
+@pytest.mark.parametrize("with_adapter", [False, True])
+def test_coldstart_measures_every_phase(
+    with_adapter: bool,
+    demo_model_dir: Path,
+    demo_adapters: dict[str, Path],
+    tmp_path: Path,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    out = tmp_path / "coldstart.json"
+    args = ["coldstart", "--model", str(demo_model_dir), "--rounds", "1", "--dtype", "float32"]
+    args += ["--kv-cache-memory", str(16 << 20), "--json", str(out)]
+    if with_adapter:
+        args += ["--adapter", str(demo_adapters["r8-all"])]
+    main(args)
+    result = json.loads(out.read_text())
+    (phases,) = result["rounds"]
+    engine_side = set(PHASES) - {"gateway", "first token"}
+    assert engine_side <= set(phases), phases  # the engine process reported each phase
+    assert all(seconds >= 0 for seconds in phases.values())
+    assert phases["process"] > 0 and phases["weights"] > 0 and phases["first token"] > 0
+    size = sum(f.stat().st_size for f in demo_model_dir.glob("*.safetensors"))
+    assert result["weights_bytes"] == size and result["cat_seconds"] > 0
+    printed = capsys.readouterr().out
+    rows = table_rows(printed)
+    assert [row[0] for row in rows] == [*PHASES, "to the first token"], printed
+    assert "of cat's speed" in printed
