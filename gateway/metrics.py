@@ -17,7 +17,7 @@ from prometheus_client.registry import Collector
 from engine.messages import EngineStats
 from gateway.engine_on_demand import OnDemandEngine
 from gateway.ratelimit import RateLimiter
-from gateway.served_models import ServedModels
+from gateway.served_models import ServedModel, ServedModels
 from tenants.ledger import Ledger, UsageRecord
 
 _LATENCY_BUCKETS = (
@@ -52,38 +52,31 @@ class _EngineCollector(Collector):
         self.models = models
 
     def collect(self) -> Iterator[GaugeMetricFamily | CounterMetricFamily]:
+        # One snapshot per engine per scrape, read by every series below.
+        snapshots = [(model, model.engine.stats()) for model in self.models]
         families: dict[str, GaugeMetricFamily | CounterMetricFamily] = {}
-        for model in self.models:
-            stats = model.engine.stats()
+        for model, stats in snapshots:
             for name, kind, help, value in _engine_series(stats):
                 if name not in families:
                     families[name] = kind(name, help, labels=["model_name"])
                 families[name].add_metric([model.name], value)
-            if stats.max_loras is not None:
-                info = families.get("loragate:lora_requests_info")
-                if info is None:
-                    info = families["loragate:lora_requests_info"] = GaugeMetricFamily(
-                        "loragate:lora_requests_info",
-                        "Adapters of running and waiting requests (vLLM's labels); the value "
-                        "is a timestamp.",
-                        labels=[
-                            "max_lora",
-                            "running_lora_adapters",
-                            "waiting_lora_adapters",
-                            "model_name",
-                        ],
-                    )
-                info.add_metric(
-                    [
-                        str(stats.max_loras),
-                        ",".join(stats.running_adapters),
-                        ",".join(stats.waiting_adapters),
-                        model.name,
-                    ],
-                    time.time(),
-                )
         yield from families.values()
-        yield from _scaling_series(self.models)
+        if any(stats.max_loras is not None for _, stats in snapshots):
+            yield _lora_info(snapshots)
+        yield from _scaling_series(snapshots)
+
+
+def _lora_info(snapshots: list[tuple[ServedModel, EngineStats]]) -> GaugeMetricFamily:
+    info = GaugeMetricFamily(
+        "loragate:lora_requests_info",
+        "Adapters of running and waiting requests (vLLM's labels); the value is a timestamp.",
+        labels=["max_lora", "running_lora_adapters", "waiting_lora_adapters", "model_name"],
+    )
+    for model, stats in snapshots:
+        if stats.max_loras is not None:
+            running, waiting = ",".join(stats.running_adapters), ",".join(stats.waiting_adapters)
+            info.add_metric([str(stats.max_loras), running, waiting, model.name], time.time())
+    return info
 
 
 _Kind = type[GaugeMetricFamily] | type[CounterMetricFamily]
@@ -120,7 +113,9 @@ _SPEC_DECODE_SERIES: tuple[tuple[str, str], ...] = (
 )
 
 
-def _scaling_series(models: ServedModels) -> Iterator[GaugeMetricFamily | CounterMetricFamily]:
+def _scaling_series(
+    snapshots: list[tuple[ServedModel, EngineStats]],
+) -> Iterator[GaugeMetricFamily | CounterMetricFamily]:
     """Engines on demand, by model (the issue's `model` label): what an autoscaler reads."""
     replicas = GaugeMetricFamily(
         "loragate:engine_replicas", "Engines ready to serve the model.", labels=["model"]
@@ -135,9 +130,8 @@ def _scaling_series(models: ServedModels) -> Iterator[GaugeMetricFamily | Counte
         "Requests held for the model's engine to start, or waiting in its queue.",
         labels=["model"],
     )
-    for model in models:
-        engine = model.engine
-        waiting = engine.stats().num_waiting
+    for model, stats in snapshots:
+        engine, waiting = model.engine, stats.num_waiting
         if isinstance(engine, OnDemandEngine):
             replicas.add_metric([model.name], engine.num_replicas)
             cold_starts.add_metric([model.name], engine.num_cold_starts)
