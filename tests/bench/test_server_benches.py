@@ -16,15 +16,17 @@ import httpx
 import pytest
 from rich_tables import rows_starting
 
-from adapters.peft import describe_base
-from adapters.registry import RegisteredLoader
 from bench.__main__ import main
 from bench.tool_calls import MODES
-from engine import EngineConfig, LLMEngine
-from engine.async_engine import AsyncEngine
 
 sys.path.insert(0, str(Path(__file__).parents[1] / "gateway"))  # live_server lives there
-from live_server import Server, build_test_app, live_server, register_public  # noqa: E402
+from live_server import (  # noqa: E402
+    Server,
+    build_test_app,
+    live_server,
+    lora_engine,
+    register_public,
+)
 
 ADAPTERS = ("r4-attn", "r8-all")
 
@@ -35,16 +37,7 @@ def server(
 ) -> Iterator[Server]:
     """One server for the module, as live_server's demo_server but with LoRA (serve's w3 runs
     over adapters), a hermes tool-call parser (tools) and two public adapters."""
-    config = EngineConfig(
-        model=str(demo_model_dir),
-        kv_cache_memory=64 << 20,
-        max_model_len=1024,
-        num_threads=1,
-        dtype="float32",
-    )
-    loader = RegisteredLoader(describe_base(demo_model_dir), max_lora_rank=16)
-    engine = AsyncEngine(LLMEngine(config, lora_loader=loader), max_waiting=64)
-    engine.start()
+    engine = lora_engine(demo_model_dir)
     root = tmp_path_factory.mktemp("bench-server")
     app = build_test_app(engine, "demo", root, demo_model_dir, tool_call_parser="hermes")
     try:

@@ -7,11 +7,8 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from live_server import Server, build_test_app, live_server
+from live_server import Server, build_test_app, live_server, lora_engine
 
-from adapters.peft import describe_base
-from adapters.registry import RegisteredLoader
-from engine import EngineConfig, LLMEngine
 from engine.async_engine import AsyncEngine
 
 MODEL = "demo"
@@ -20,16 +17,7 @@ MAX_ADAPTER_BYTES = 4 << 20
 
 @pytest.fixture(scope="module")
 def tenancy_engine(demo_model_dir: Path) -> Iterator[AsyncEngine]:
-    config = EngineConfig(
-        model=str(demo_model_dir),
-        kv_cache_memory=64 << 20,
-        max_model_len=1024,
-        num_threads=1,
-        dtype="float32",
-    )
-    loader = RegisteredLoader(describe_base(demo_model_dir), max_lora_rank=16)
-    engine = AsyncEngine(LLMEngine(config, lora_loader=loader), max_waiting=64)
-    engine.start()
+    engine = lora_engine(demo_model_dir)
     yield engine
     asyncio.run(engine.shutdown(0))
 

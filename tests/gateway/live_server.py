@@ -187,6 +187,30 @@ def build_test_app(
     return app
 
 
+def lora_engine(
+    model_dir: Path,
+    kv_cache_memory: int = 64 << 20,
+    max_model_len: int = 1024,
+    max_waiting: int = 64,
+) -> AsyncEngine:
+    """A started engine loop on `model_dir` with LoRA (rank up to 16, adapters from the
+    registry's loader): float32, one torch thread, a small KV pool."""
+    from adapters.registry import RegisteredLoader
+    from engine import EngineConfig, LLMEngine
+
+    config = EngineConfig(
+        model=str(model_dir),
+        kv_cache_memory=kv_cache_memory,
+        max_model_len=max_model_len,
+        num_threads=1,
+        dtype="float32",
+    )
+    loader = RegisteredLoader(describe_base(model_dir), max_lora_rank=16)
+    engine = AsyncEngine(LLMEngine(config, lora_loader=loader), max_waiting=max_waiting)
+    engine.start()
+    return engine
+
+
 @contextlib.contextmanager
 def demo_server(model_dir: Path, root: Path, **build: Any) -> Iterator[Server]:
     """A live server named `demo` on the demo model: a small KV pool, 1024-token context,

@@ -13,15 +13,10 @@ import pytest
 import schemathesis
 from hypothesis import HealthCheck, given, settings
 from hypothesis.errors import Unsatisfiable
-from live_server import ServerTenancy, build_test_app
+from live_server import ServerTenancy, build_test_app, lora_engine
 from schemathesis import Case, CheckContext, GenerationMode, Response
 from schemathesis.schemas import APIOperation, BaseSchema
 from schemathesis.specs.openapi.checks import negative_data_rejection, positive_data_acceptance
-
-from adapters.peft import describe_base
-from adapters.registry import RegisteredLoader
-from engine import EngineConfig, LLMEngine
-from engine.async_engine import AsyncEngine
 
 MODEL = "demo"
 EXAMPLES = int(os.environ.get("LORAGATE_OPENAPI_EXAMPLES", "30"))
@@ -31,16 +26,7 @@ ADMIN_PATHS = ("/admin", "/v1/load_lora_adapter", "/v1/unload_lora_adapter")
 @pytest.fixture(scope="module")
 def api(demo_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[BaseSchema]:
     # A short context bounds the work any generated request may ask for.
-    config = EngineConfig(
-        model=str(demo_model_dir),
-        kv_cache_memory=32 << 20,
-        max_model_len=64,
-        num_threads=1,
-        dtype="float32",
-    )
-    loader = RegisteredLoader(describe_base(demo_model_dir), max_lora_rank=16)
-    engine = AsyncEngine(LLMEngine(config, lora_loader=loader), max_waiting=512)
-    engine.start()
+    engine = lora_engine(demo_model_dir, 32 << 20, max_model_len=64, max_waiting=512)
     app = build_test_app(
         engine,
         MODEL,

@@ -11,12 +11,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from live_server import Server, build_test_app, live_server
-
-from adapters.peft import describe_base
-from adapters.registry import RegisteredLoader
-from engine import EngineConfig, LLMEngine
-from engine.async_engine import AsyncEngine
+from live_server import Server, build_test_app, live_server, lora_engine
 
 CONFIG = Path(__file__).with_name("schemathesis.toml")
 SCHEMATHESIS = Path(sys.executable).with_name("schemathesis")
@@ -29,16 +24,7 @@ PASSES = {
 @pytest.fixture(scope="module")
 def server(demo_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
     # A short context bounds the work any generated request may ask for.
-    config = EngineConfig(
-        model=str(demo_model_dir),
-        kv_cache_memory=32 << 20,
-        max_model_len=64,
-        num_threads=1,
-        dtype="float32",
-    )
-    loader = RegisteredLoader(describe_base(demo_model_dir), max_lora_rank=16)
-    engine = AsyncEngine(LLMEngine(config, lora_loader=loader), max_waiting=512)
-    engine.start()
+    engine = lora_engine(demo_model_dir, 32 << 20, max_model_len=64, max_waiting=512)
     app = build_test_app(
         engine,
         "demo",
