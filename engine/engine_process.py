@@ -81,7 +81,10 @@ class EngineProcess(EngineClient):
         preload: Sequence[LoRARequest] = (),
         max_waiting: int = 1024,
         restart: bool = True,
+        tokenizer: Any = None,
     ) -> None:
+        """`tokenizer`: the model's, where the caller has it loaded already (a model started
+        on demand); None: start() loads it."""
         super().__init__(max_waiting, config.max_num_seqs)
         self.config = config
         self.restart = restart
@@ -94,7 +97,7 @@ class EngineProcess(EngineClient):
         self._info: EngineInfo | None = None
         self._stats = EngineStats()
         self.load_seconds: dict[str, float] = {}  # the last start's phases (Ready)
-        self._tokenizer: Any = None
+        self._tokenizer: Any = tokenizer
         self._grammars: GrammarCache | None = None
         self._state = "stopped"
         self._started_at = 0.0
@@ -113,7 +116,10 @@ class EngineProcess(EngineClient):
             raise
         info = self._info
         assert info is not None
-        self._tokenizer = AutoTokenizer.from_pretrained(self.config.tokenizer or self.config.model)
+        if self._tokenizer is None:
+            self._tokenizer = AutoTokenizer.from_pretrained(
+                self.config.tokenizer or self.config.model
+            )
         self._grammars = grammar_cache(
             self.config, self._tokenizer, info.vocab_size, info.eos_token_ids
         )

@@ -107,9 +107,11 @@ def start_engine(
     loader: RegisteredLoader,
     preload: list[LoRARequest],
     with_progress: Callable[[Any], Any],
+    tokenizer: Any = None,
 ) -> EngineClient:
     """One model's engine, started and loaded: its own process (the default), or a loop
-    in this one. `preload`: adapters that fill its LoRA slots before the first request."""
+    in this one. `preload`: adapters that fill its LoRA slots before the first request;
+    `tokenizer`: the model's, loaded already (the engine process's side need not again)."""
     from engine import LLMEngine
     from engine.async_engine import AsyncEngine
     from engine.engine_process import EngineProcess, retain_freed_memory
@@ -123,6 +125,7 @@ def start_engine(
             preload=preload,
             max_waiting=settings.max_waiting,
             restart=settings.restart_engine,
+            tokenizer=tokenizer,
         )
         with_progress(process.start)
         return process
@@ -148,10 +151,11 @@ def model_engine(
         return start_engine(spec.settings, loader, preload, with_progress)
     # A dead engine is replaced on the model's next request, not by the process itself.
     settings = spec.settings.model_copy(update={"restart_engine": False})
+    facts = model_facts(settings.model, settings.max_model_len)
     return OnDemandEngine(
         spec.name,
-        lambda: start_engine(settings, loader, preload, _without_progress),
-        model_facts(settings.model, settings.max_model_len),
+        lambda: start_engine(settings, loader, preload, _without_progress, facts.tokenizer),
+        facts,
         ScalePolicy(
             min_replicas=0,
             idle_timeout=spec.entry.idle_timeout,
