@@ -20,8 +20,8 @@ Phases, median over the rounds:
   prepack    weights repacked for the C++ linear
   kv         the KV pool allocated
   rest       the scheduler, the grammar cache, the log line
-  gateway    what the gateway does before it calls the engine ready: its own tokenizer, the
-             grammar cache, the pipe
+  gateway    what the gateway does before it calls the engine ready: the grammar cache, the
+             pipe (it read the model's tokenizer when it started)
   first token  request sent to first token: the first step, and the adapter's load
 
 The weights phase is compared with `cat` on the same files (reading them from the page cache
@@ -41,6 +41,7 @@ from typing import Any
 
 from rich.console import Console
 from rich.table import Table
+from transformers import AutoTokenizer
 
 from adapters.peft import describe_base
 from adapters.registry import RegisteredLoader, inspect_adapter
@@ -74,8 +75,10 @@ def one_cold_start(config: EngineConfig, adapter: Path | None) -> dict[str, floa
         loader = RegisteredLoader(describe_base(config.model), config.max_lora_rank)
         info = inspect_adapter(adapter, describe_base(config.model), config.max_lora_rank)
         lora = LoRARequest("cold", str(adapter), info.adapter_id)
+    # The gateway read the tokenizer when it started (model_facts) and hands it over.
+    tokenizer = AutoTokenizer.from_pretrained(config.model)
     started = time.perf_counter()
-    process = EngineProcess(config, lora_loader=loader, restart=False)
+    process = EngineProcess(config, lora_loader=loader, restart=False, tokenizer=tokenizer)
     process.start()
     ready = time.perf_counter()
     phases = dict(process.load_seconds)
