@@ -10,6 +10,8 @@ import json
 from typing import Any
 from urllib.parse import unquote
 
+from engine.guided.schema_refs import follow_pointer
+
 COMPACT = (",", ":")  # the separators of every document fed to a backend
 _NO_VALUE = object()
 _FORMATS = {
@@ -186,16 +188,10 @@ def _ref_target(root: Any, ref: str) -> Any:
         # An external target is not here to read: documents are built as for any value,
         # and the validator, which cannot resolve it either, leaves them unlabelled.
         return {}
-    node = root
-    for token in [t for t in unquote(ref[1:]).split("/") if t]:
-        token = token.replace("~1", "/").replace("~0", "~")
-        if isinstance(node, dict) and token in node:
-            node = node[token]
-        elif isinstance(node, list) and token.isdigit() and int(token) < len(node):
-            node = node[int(token)]
-        else:
-            return {}
-    return node
+    try:
+        return follow_pointer(root, [t for t in unquote(ref[1:]).split("/") if t])
+    except LookupError:
+        return {}
 
 
 def _mutations(doc: Any, path: str = "") -> list[tuple[str, Any]]:

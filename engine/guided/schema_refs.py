@@ -3,7 +3,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import Any
 from urllib.parse import unquote
 
@@ -41,16 +41,10 @@ class References:
         return {"$ref": f"#/$defs/{name}"}
 
     def resolve(self, target_ptr: str, ptr: str) -> Any:
-        node: Any = self.root
-        for token in target_ptr.split("/")[1:]:
-            token = token.replace("~1", "/").replace("~0", "~")
-            if isinstance(node, dict) and token in node:
-                node = node[token]
-            elif isinstance(node, list) and token.isdigit() and int(token) < len(node):
-                node = node[int(token)]
-            else:
-                raise UnsupportedSchema(ptr, "$ref", f"cannot resolve '#{target_ptr}'")
-        return node
+        try:
+            return follow_pointer(self.root, target_ptr.split("/")[1:])
+        except LookupError:
+            raise UnsupportedSchema(ptr, "$ref", f"cannot resolve '#{target_ptr}'") from None
 
     def deref(self, schema: Schema) -> Schema:
         """The schema a bare generated reference stands for (one built already)."""
@@ -61,3 +55,18 @@ class References:
                 return schema  # still being built: a recursive reference, left as it is
             schema, seen = target, seen + 1
         return schema
+
+
+def follow_pointer(root: Any, tokens: Iterable[str]) -> Any:
+    """The node a JSON pointer's tokens (escaped as in the pointer: ~1, ~0) lead to from
+    `root`. Raises LookupError where they lead nowhere."""
+    node = root
+    for escaped in tokens:
+        token = escaped.replace("~1", "/").replace("~0", "~")
+        if isinstance(node, dict) and token in node:
+            node = node[token]
+        elif isinstance(node, list) and token.isdigit() and int(token) < len(node):
+            node = node[int(token)]
+        else:
+            raise LookupError(escaped)
+    return node
