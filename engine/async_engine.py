@@ -31,7 +31,8 @@ from typing import Any
 from engine.errors import EngineDead, EngineOverloaded, StepFailed
 from engine.guided import GuidedSpec
 from engine.llm_engine import LLMEngine
-from engine.messages import Abort, EngineRequest, EngineStats, Inbound, UnloadLoRA
+from engine.lora_types import LoRARequest
+from engine.messages import Abort, EngineRequest, EngineStats, Inbound, LoadLoRA, UnloadLoRA
 from engine.outputs import SequenceUpdate
 
 logger = logging.getLogger(__name__)
@@ -62,6 +63,7 @@ def engine_stats(engine: LLMEngine) -> EngineStats:
         stats.running_adapters = sorted({r.lora.name for r in running if r.lora})
         stats.waiting_adapters = sorted({r.lora.name for r in waiting if r.lora})
         stats.lora_slots_used = len(lora.slot_of)
+        stats.resident_adapter_ids = sorted(lora.slot_of)
         stats.lora_disk_loads = lora.num_disk_loads
     return stats
 
@@ -141,6 +143,10 @@ class EngineClient(ABC):
     @abstractmethod
     def vocab_size(self) -> int: ...
 
+    @property
+    @abstractmethod
+    def eos_token_ids(self) -> tuple[int, ...]: ...
+
     @abstractmethod
     async def compile_grammar(self, spec: GuidedSpec) -> None:
         """Compile (or find cached) a request's grammar; raises GuidedSpecError."""
@@ -197,6 +203,10 @@ class EngineClient(ABC):
         """Free an adapter's slot and CPU copy (on the loop, which owns them), at once or
         when its running requests finish."""
         self._submit(UnloadLoRA(adapter_id))
+
+    def load_lora(self, lora: LoRARequest) -> None:
+        """Put an adapter in a slot before a request needs it (a free or idle slot)."""
+        self._submit(LoadLoRA(lora))
 
     # -- results, from the loop's side ------------------------------------------------------------
 
@@ -273,6 +283,10 @@ class AsyncEngine(EngineClient):
     def vocab_size(self) -> int:
         return self.engine.vocab_size
 
+    @property
+    def eos_token_ids(self) -> tuple[int, ...]:
+        return tuple(sorted(self.engine.eos_token_ids))
+
     async def compile_grammar(self, spec: GuidedSpec) -> None:
         await self.engine.grammars.compile(spec)
 
@@ -343,6 +357,12 @@ def apply_message(
     elif isinstance(message, UnloadLoRA):
         if engine.lora is not None:
             engine.lora.unload(message.adapter_id)
+    elif isinstance(message, LoadLoRA):
+        if engine.lora is not None:
+            try:
+                engine.lora.load_now(message.lora)
+            except Exception:  # noqa: BLE001 - a request naming it fails with the reason
+                logger.exception("adapter %s did not load", message.lora.adapter_id)
     else:
         engine.abort(message.request_id)  # a no-op for a request that has finished
 

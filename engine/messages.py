@@ -2,8 +2,11 @@
 that reach the step loop (a thread's queue or the engine process's pipe), and what the engine
 process sends back. Over the pipe each is pickled as it is.
 
-    gateway ── EngineRequest | Abort | UnloadLoRA ──▶ step loop
+    gateway ── EngineRequest | Abort | UnloadLoRA | LoadLoRA ──▶ step loop
             ◀── Progress… Ready | Fatal, then StepResult | Refused | Failed … Stopped ──
+
+A warm spare says `SpareReady` once it has imported what an engine needs; a `StartEngine` then
+makes it one, and from there its pipe carries the same.
 """
 
 from __future__ import annotations
@@ -11,7 +14,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from engine.lora_types import LoRARequest
+from engine.config import EngineConfig
+from engine.lora_types import LoRALoader, LoRARequest
 from engine.outputs import SequenceUpdate
 from engine.request import SamplingParams
 
@@ -44,7 +48,32 @@ class UnloadLoRA:
     adapter_id: str
 
 
-Inbound = EngineRequest | Abort | UnloadLoRA
+@dataclass(frozen=True, slots=True)
+class LoadLoRA:
+    """Put an adapter in a slot ahead of its requests (`loragate engine`'s load route)."""
+
+    lora: LoRARequest
+
+
+Inbound = EngineRequest | Abort | UnloadLoRA | LoadLoRA
+
+
+# -- to a warm spare (engine/warm_spare.py) --------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class StartEngine:
+    """Become this engine: what a fresh engine process gets as its arguments (run_engine's)."""
+
+    config: EngineConfig
+    lora_loader: LoRALoader | None
+    preload: tuple[LoRARequest, ...]
+    handed_at: float  # time.time() when the gateway handed it over: the `process` phase's start
+
+
+@dataclass(frozen=True, slots=True)
+class SpareReady:
+    """A spare has imported what an engine needs and waits for its StartEngine."""
 
 
 # -- out: what the engine reports -------------------------------------------------------------
@@ -66,6 +95,7 @@ class EngineStats:
     running_adapters: list[str] = field(default_factory=list)
     waiting_adapters: list[str] = field(default_factory=list)
     lora_slots_used: int = 0
+    resident_adapter_ids: list[str] = field(default_factory=list)  # in a slot now (routing)
     lora_disk_loads: int = 0
 
 
@@ -90,8 +120,9 @@ class Progress:
 class Ready:
     info: EngineInfo
     stats: EngineStats
-    # Seconds per phase of the start: `process` (spawn, interpreter, imports), then the
-    # engine's own (engine.load_timings).
+    # Seconds per phase of the start: `process` (spawn, interpreter, imports; in a warm
+    # spare, the handover: its StartEngine sent and read), then the engine's own
+    # (engine.load_timings).
     load_seconds: dict[str, float] = field(default_factory=dict)
 
 

@@ -149,12 +149,29 @@ def _serve(settings: object) -> None:
     run_server(settings, _with_load_progress)
 
 
+def _engine(settings: object) -> None:
+    from gateway.remote.engine_command import run_engine_server
+    from gateway.settings import Settings
+
+    assert isinstance(settings, Settings)
+    run_engine_server(settings, _with_load_progress)
+
+
 def main() -> None:
-    """The console script: the commands above, `serve` (built from the settings) and the
-    operators' commands."""
+    """The console script: the commands above, `serve` and `engine` (built from the settings)
+    and the operators' commands."""
     from gateway.admin_cli import register
-    from gateway.serve_flags import add_serve_command
+    from gateway.models_file import ENGINE_KNOBS
+    from gateway.remote.engine_command import ENGINE_COMMAND_FIELDS
+    from gateway.serve_flags import add_serve_command, add_settings_command
 
     add_serve_command(app, _serve)
+    add_settings_command(
+        app,
+        "engine",
+        [*ENGINE_COMMAND_FIELDS, *ENGINE_KNOBS],
+        _engine,
+        "Serve one model's engine to gateways over the network (no tenancy: a gateway's).",
+    )
     register(app)
     app()

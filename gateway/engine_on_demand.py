@@ -45,18 +45,23 @@ class ModelFacts:
     tokenizer: Any
     vocab_size: int
     max_model_len: int
+    eos_token_ids: tuple[int, ...] = ()
 
 
 def model_facts(model: str, max_model_len: int | None) -> ModelFacts:
-    """A model directory's tokenizer, vocabulary and context length, as its engine will
-    have them (engine.llm_engine reads the same)."""
+    """A model directory's tokenizer, vocabulary, context length and end-of-sequence tokens, as
+    its engine will have them (engine.llm_engine reads the same)."""
     from transformers import AutoConfig, AutoTokenizer
 
+    from engine.models.llama import eos_token_ids
+
     config = AutoConfig.from_pretrained(model)
+    tokenizer = AutoTokenizer.from_pretrained(model)
     return ModelFacts(
-        AutoTokenizer.from_pretrained(model),
+        tokenizer,
         int(config.vocab_size),
         max_model_len or int(config.max_position_embeddings),
+        tuple(sorted(eos_token_ids(config, tokenizer, model))),
     )
 
 
@@ -74,8 +79,10 @@ class OnDemandEngine:
         facts: ModelFacts,
         policy: ScalePolicy,
         on_cold_start: Callable[[float], None] | None = None,
+        max_num_seqs: int = 256,
     ) -> None:
         self.name = name
+        self.max_num_seqs = max_num_seqs  # what one engine runs at once (a pool reads it)
         self._start_engine = start
         self.facts = facts
         self.policy = policy

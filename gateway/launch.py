@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import os
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -14,56 +13,13 @@ import typer
 
 from adapters.peft import describe_base
 from adapters.peft_config import AdapterError
-from adapters.registry import RegisteredLoader
-from engine.async_engine import EngineClient
-from engine.config import EngineConfig
 from engine.lora_types import LoRARequest
-from engine.spec_decode import SpeculativeConfig
-from gateway.engine_on_demand import OnDemandEngine, ScalePolicy, model_facts
-from gateway.models_file import ServedModelSpec, served_models
+from gateway.model_engines import model_engine
+from gateway.models_file import served_models
 from gateway.served_models import ModelEngine
-from gateway.settings import Settings, SettingsError, parse_bytes
+from gateway.settings import Settings, SettingsError
 from gateway.tenancy import DemoKey, Tenancy, open_tenancy, prepare
 from tenants.adapter_rows import AdapterExists
-
-
-def engine_config(settings: Settings) -> EngineConfig:
-    # With the engine in its own process, decode steps leave one core to the HTTP side
-    # (vLLM-CPU reserves one the same way); prefills, which the streams wait on, take all.
-    cores = len(os.sched_getaffinity(0))
-    threads = (max(1, cores - 1), cores) if settings.engine_process else (None, None)
-    s = settings
-    return EngineConfig(
-        model=s.model,
-        dtype=s.dtype,
-        quantization=s.quantization,
-        speculative_config=(
-            None if s.speculative_config is None else SpeculativeConfig.parse(s.speculative_config)
-        ),
-        device=s.device,
-        max_model_len=s.max_model_len,
-        block_size=s.block_size,
-        kv_cache_memory=parse_bytes(s.kv_cache_memory) if s.kv_cache_memory else None,
-        memory_utilization=s.memory_utilization,
-        max_num_seqs=s.max_num_seqs,
-        max_num_batched_tokens=s.max_num_batched_tokens,
-        enable_prefix_caching=s.enable_prefix_caching,
-        enable_chunked_prefill=s.enable_chunked_prefill,
-        seed=s.seed,
-        num_threads=s.num_threads or threads[0],
-        prefill_threads=s.prefill_threads or threads[1],
-        cpu_kernels=s.cpu_kernels,
-        kernels=s.kernels,
-        enable_lora=s.enable_lora,
-        max_loras=s.max_loras,
-        max_lora_rank=s.max_lora_rank,
-        max_cpu_loras=s.max_cpu_loras,
-        scheduling_policy=s.scheduling_policy,
-        guided_compile_timeout=s.guided_compile_timeout,
-        guided_cache_size=s.guided_cache_size,
-        guided_max_schema_bytes=s.guided_max_schema_bytes,
-        guided_max_schema_depth=s.guided_max_schema_depth,
-    )
 
 
 def lora_modules(settings: Settings) -> list[tuple[str, Path]]:
@@ -100,73 +56,6 @@ async def _start_up(
         return demo, preload
     finally:
         await tenancy.db.close()  # its connections belong to this loop, not uvicorn's
-
-
-def start_engine(
-    settings: Settings,
-    loader: RegisteredLoader,
-    preload: list[LoRARequest],
-    with_progress: Callable[[Any], Any],
-    tokenizer: Any = None,
-) -> EngineClient:
-    """One model's engine, started and loaded: its own process (the default), or a loop
-    in this one. `preload`: adapters that fill its LoRA slots before the first request;
-    `tokenizer`: the model's, loaded already (the engine process's side need not again)."""
-    from engine import LLMEngine
-    from engine.async_engine import AsyncEngine
-    from engine.engine_process import EngineProcess, retain_freed_memory
-
-    config = engine_config(settings)
-    preload = preload[: settings.max_loras] if settings.enable_lora else []
-    if settings.engine_process:
-        process = EngineProcess(
-            config,
-            lora_loader=loader,
-            preload=preload,
-            max_waiting=settings.max_waiting,
-            restart=settings.restart_engine,
-            tokenizer=tokenizer,
-        )
-        with_progress(process.start)
-        return process
-    retain_freed_memory()
-    core = with_progress(lambda progress: LLMEngine(config, progress, loader))
-    if core.lora is not None:
-        for lora in preload:
-            core.lora.load_now(lora)
-    engine = AsyncEngine(core, max_waiting=settings.max_waiting)
-    engine.start()
-    return engine
-
-
-def model_engine(
-    spec: ServedModelSpec,
-    loader: RegisteredLoader,
-    preload: list[LoRARequest],
-    with_progress: Callable[[Any], Any],
-) -> ModelEngine:
-    """A model's engine as its entry asks: started now (min_replicas 1), or on its first
-    request, stopped after idle_timeout (min_replicas 0: gateway.engine_on_demand)."""
-    if spec.entry.min_replicas > 0:
-        return start_engine(spec.settings, loader, preload, with_progress)
-    # A dead engine is replaced on the model's next request, not by the process itself.
-    settings = spec.settings.model_copy(update={"restart_engine": False})
-    facts = model_facts(settings.model, settings.max_model_len)
-    return OnDemandEngine(
-        spec.name,
-        lambda: start_engine(settings, loader, preload, _without_progress, facts.tokenizer),
-        facts,
-        ScalePolicy(
-            min_replicas=0,
-            idle_timeout=spec.entry.idle_timeout,
-            max_pending=settings.max_pending_per_model,
-            cold_start_timeout=settings.cold_start_timeout,
-        ),
-    )
-
-
-def _without_progress(load: Callable[[Any], Any]) -> Any:
-    return load(None)
 
 
 def run_server(settings: Settings, with_progress: Callable[[Any], Any]) -> None:

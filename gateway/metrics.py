@@ -131,15 +131,12 @@ def _scaling_series(
         labels=["model"],
     )
     for model, stats in snapshots:
+        # Engines on demand and pools count their replicas; any other engine is one.
         engine, waiting = model.engine, stats.num_waiting
-        if isinstance(engine, OnDemandEngine):
-            replicas.add_metric([model.name], engine.num_replicas)
-            cold_starts.add_metric([model.name], engine.num_cold_starts)
-            pending.add_metric([model.name], engine.num_held + waiting)
-        else:
-            replicas.add_metric([model.name], int(engine.health == "ok"))
-            cold_starts.add_metric([model.name], 0)
-            pending.add_metric([model.name], waiting)
+        ready = getattr(engine, "num_replicas", None)
+        replicas.add_metric([model.name], int(engine.health == "ok") if ready is None else ready)
+        cold_starts.add_metric([model.name], getattr(engine, "num_cold_starts", 0))
+        pending.add_metric([model.name], getattr(engine, "num_held", 0) + waiting)
     yield from (replicas, cold_starts, pending)
 
 
@@ -226,8 +223,10 @@ class Metrics:
             registry=r,
         )
         for model in models:
-            if isinstance(model.engine, OnDemandEngine):
-                model.engine.on_cold_start = self.cold_start.labels(model.name).observe
+            # A pool's replicas (gateway.remote.replica_pool) each start on demand.
+            for engine in getattr(model.engine, "replicas", [model.engine]):
+                if isinstance(engine, OnDemandEngine):
+                    engine.on_cold_start = self.cold_start.labels(model.name).observe
         self.ttft = Histogram(
             "loragate:time_to_first_token_seconds",
             "Time to first token.",

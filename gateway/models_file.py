@@ -85,6 +85,9 @@ class ModelEntry(BaseModel):
             raise ValueError(
                 f"min_replicas ({self.min_replicas}) is above max_replicas ({self.max_replicas})"
             )
+        for url in self.urls:
+            if not re.fullmatch(r"https?://[^/\s]+/?", url):
+                raise ValueError(f"urls: {url!r} is not an engine's http(s)://host:port")
         unknown = sorted(set(self.engine) - set(ENGINE_KNOBS))
         if unknown:
             raise ValueError(
@@ -146,7 +149,7 @@ def check_memory(specs: list[ServedModelSpec], path: Path, available: int | None
     lines, total = [], 0
     for spec in specs:
         s = spec.settings
-        if s.device == "cuda":
+        if s.device == "cuda" or spec.entry.urls:  # engines elsewhere use none of this memory
             continue
         kv = parse_bytes(s.kv_cache_memory) if s.kv_cache_memory else CPU_DEFAULT_KV_CACHE_MEMORY
         weights = sum(f.stat().st_size for f in spec.entry.path.glob("*.safetensors"))
@@ -194,13 +197,6 @@ def read_models_file(path: Path) -> list[ModelEntry]:
             raise SettingsError(
                 f"{path}: models[{index}].path: {entry.path} is not a Hugging Face model "
                 "directory (no config.json)"
-            )
-        if entry.max_replicas > 1 or entry.urls:
-            # Replicas and remote engines come with the serverless work in progress (issue
-            # 26); until then a file cannot ask for them.
-            raise SettingsError(
-                f"{path}: models[{index}]: max_replicas above 1 and urls are not served yet: "
-                "one local engine per model"
             )
     return models
 

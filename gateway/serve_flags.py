@@ -8,7 +8,7 @@ from __future__ import annotations
 import inspect
 import types
 import typing
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Annotated, Any, get_args, get_origin
 
@@ -24,6 +24,8 @@ HELP: dict[str, str] = {
     "(docs: Several models). Default: --model alone.",
     "max_pending_per_model": "Requests held for a model whose engine is starting (503 past).",
     "cold_start_timeout": "Seconds a request waits for its model's engine to start (503 past).",
+    "engine_token": "The token between gateways and `loragate engine`s: engines take tenant "
+    "context only with it (a secret of 32 bytes or more). Default: none (engines on loopback).",
     "max_model_len": "Prompt + output tokens per sequence. Default: the model's.",
     "block_size": "Tokens per KV block.",
     "kv_cache_memory": "KV pool size (512MiB, 4GiB). Default: 2GiB on CPU, profiled on CUDA.",
@@ -99,10 +101,27 @@ HELP: dict[str, str] = {
 
 
 def add_serve_command(app: typer.Typer, run: Callable[[Settings], None]) -> None:
-    """Register `serve` on the app: every Settings field in HELP as a flag; `run(settings)`
-    serves. Its signature is built from the fields, for typer to read."""
+    """Register `serve` on the app: every Settings field in HELP as a flag."""
+    add_settings_command(
+        app,
+        "serve",
+        list(HELP),
+        run,
+        "Serve the OpenAI-compatible API and the admin REST over the engine.",
+    )
 
-    def serve(ctx: typer.Context, **values: Any) -> None:
+
+def add_settings_command(
+    app: typer.Typer,
+    name: str,
+    fields: Sequence[str],
+    run: Callable[[Settings], None],
+    doc: str,
+) -> None:
+    """Register a command whose flags are these Settings fields; `run(settings)` runs it. Its
+    signature is built from the fields, for typer to read."""
+
+    def command(ctx: typer.Context, **values: Any) -> None:
         given = {k: v for k, v in values.items() if v is not None and v != []}
         # vLLM's form `--lora-modules a=path b=path` leaves the later pairs as extra args.
         modules = list(given.pop("lora_modules", [])) + list(ctx.args)
@@ -119,16 +138,17 @@ def add_serve_command(app: typer.Typer, run: Callable[[Settings], None]) -> None
     params = [
         inspect.Parameter("ctx", inspect.Parameter.POSITIONAL_OR_KEYWORD, annotation=typer.Context)
     ]
-    for name in HELP:
+    for field in fields:
         params.append(
             inspect.Parameter(
-                name, inspect.Parameter.KEYWORD_ONLY, default=None, annotation=_option(name)
+                field, inspect.Parameter.KEYWORD_ONLY, default=None, annotation=_option(field)
             )
         )
-    serve.__signature__ = inspect.Signature(params)  # type: ignore[attr-defined]
-    serve.__annotations__ = {p.name: p.annotation for p in params}
-    serve.__doc__ = "Serve the OpenAI-compatible API and the admin REST over the engine."
-    app.command("serve", context_settings={"allow_extra_args": True})(serve)
+    command.__signature__ = inspect.Signature(params)  # type: ignore[attr-defined]
+    command.__annotations__ = {p.name: p.annotation for p in params}
+    command.__doc__ = doc
+    extra_args = "lora_modules" in fields
+    app.command(name, context_settings={"allow_extra_args": extra_args})(command)
 
 
 def reference_rows() -> list[tuple[str, str, str, str]]:

@@ -52,6 +52,9 @@ class Settings(BaseSettings):
     # Models that scale to zero (min_replicas 0): requests held while their engine starts.
     max_pending_per_model: int = Field(default=256, ge=1)
     cold_start_timeout: float = Field(default=60.0, gt=0.0)
+    # Between a gateway and its `loragate engine`s: the engines trust tenant context (salt,
+    # fairness key, adapter) only from a holder of this token.
+    engine_token: SecretStr | None = None
     max_model_len: int | None = None
     block_size: int = 16
     kv_cache_memory: str | None = None
@@ -186,6 +189,16 @@ class Settings(BaseSettings):
                 "--enable-auto-tool-choice needs --tool-call-parser (hermes, llama3_json or "
                 "mistral): the format the model writes its calls in"
             )
+
+    def check_engine_token(self) -> None:
+        """`loragate engine` without a token trusts whoever connects: loopback only."""
+        if self.engine_token is None and not _is_loopback(self.host):
+            raise SettingsError(
+                f"an engine without --engine-token trusts every caller: it binds only a "
+                f"loopback address, not {self.host}"
+            )
+        if self.engine_token is not None:
+            check_secret(self.engine_token.get_secret_value(), "--engine-token")
 
     def check_no_auth(self) -> None:
         if not self.auth and not _is_loopback(self.host):

@@ -1,0 +1,68 @@
+"""`loragate engine`: start one engine from Settings and serve it (gateway.remote.engine_server)
+until SIGTERM, then drain it."""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import typer
+
+from gateway.settings import Settings, SettingsError
+
+# The flags `loragate engine` takes: the model, its engine's knobs, LoRA, where it listens.
+ENGINE_COMMAND_FIELDS = (
+    "model",
+    "served_model_name",
+    "engine_token",
+    "adapter_store",
+    "enable_lora",
+    "max_lora_rank",
+    "host",
+    "port",
+    "shutdown_grace",
+)
+
+
+def run_engine_server(settings: Settings, with_progress: Callable[[Any], Any]) -> None:
+    import uvicorn
+
+    from adapters.peft import describe_base
+    from adapters.registry import RegisteredLoader
+    from adapters.store import AdapterStore
+    from gateway.model_engines import start_engine
+    from gateway.remote.engine_server import EngineService, build_engine_app
+
+    try:
+        settings.check_engine_token()
+    except SettingsError as exc:
+        raise typer.BadParameter(str(exc)) from exc
+    name = settings.served_model_name or Path(settings.model).resolve().name
+    loader = RegisteredLoader(describe_base(settings.model), settings.max_lora_rank)
+    engine = start_engine(settings, loader, [], with_progress)
+    token = settings.engine_token
+    service = EngineService(
+        name,
+        engine,
+        store=AdapterStore(settings.adapter_store) if settings.enable_lora else None,
+        token=None if token is None else token.get_secret_value(),
+        block_size=settings.block_size,
+    )
+    app = build_engine_app(service)
+
+    @contextlib.asynccontextmanager
+    async def lifespan(_: object):  # type: ignore[no-untyped-def]
+        yield
+        await engine.shutdown(settings.shutdown_grace)
+
+    app.router.lifespan_context = lifespan
+    typer.echo(f"engine {name!r} on ws://{settings.host}:{settings.port}/internal/v1/engine")
+    uvicorn.run(
+        app,
+        host=settings.host,
+        port=settings.port,
+        log_level="info",
+        timeout_graceful_shutdown=int(settings.shutdown_grace),
+    )

@@ -1,0 +1,175 @@
+"""A model served by several engines: `loragate engine`s named in the models file's `urls`, or
+local engines up to `max_replicas`, behind the gateway's one engine interface.
+
+Each request goes where gateway.remote.routing says, from what the pool knows now: each
+replica's health, its load (the larger of what the pool has in flight there and what the
+engine last reported, which counts other gateways' requests too; at most STATE_INTERVAL old),
+and the adapters in its slots. A replica that fails leaves the rotation at once (its health
+says so) and returns when it answers again. A request a replica refused before its first token
+(dead, or its queue full) goes to the next one; one that had started ends with the 503 its
+engine's death raised, and its usage row holds what it produced.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator, Sequence
+from typing import Any
+
+from engine.errors import EngineDead, EngineOverloaded
+from engine.messages import EngineRequest, EngineStats
+from engine.outputs import SequenceUpdate
+from engine.request import GuidedSpec
+from gateway.remote.routing import ReplicaView, choose, prefix_key
+from gateway.served_models import ModelEngine
+
+
+class ReplicaPool:
+    """One model's replicas, each a ModelEngine (a RemoteEngine, or an engine on demand)."""
+
+    def __init__(
+        self, name: str, replicas: Sequence[ModelEngine], names: Sequence[str], block_size: int
+    ) -> None:
+        if not replicas:
+            raise ValueError("a pool has at least one replica")
+        self.name = name
+        self.replicas = list(replicas)
+        self.names = list(names)
+        self.block_size = block_size
+        self.in_flight = [0] * len(replicas)
+        self.routed = [0] * len(replicas)  # requests sent to each, for tests and benchmarks
+
+    # -- what the gateway reads --------------------------------------------------------------
+
+    @property
+    def tokenizer(self) -> Any:
+        return self.replicas[0].tokenizer
+
+    @property
+    def vocab_size(self) -> int:
+        return self.replicas[0].vocab_size
+
+    @property
+    def max_model_len(self) -> int:
+        return self.replicas[0].max_model_len
+
+    @property
+    def health(self) -> str:
+        """ok while any replica serves; else the first one's state."""
+        states = [r.health for r in self.replicas]
+        return "ok" if "ok" in states else states[0]
+
+    @property
+    def num_replicas(self) -> int:
+        return sum(_replicas_of(r) for r in self.replicas)
+
+    @property
+    def num_cold_starts(self) -> int:
+        return sum(int(getattr(r, "num_cold_starts", 0)) for r in self.replicas)
+
+    @property
+    def num_held(self) -> int:
+        return sum(int(getattr(r, "num_held", 0)) for r in self.replicas)
+
+    def stats(self) -> EngineStats:
+        """The pool as one engine: counts summed, KV usage averaged, adapters joined."""
+        each = [r.stats() for r in self.replicas]
+        total = EngineStats()
+        for field in (
+            "num_running",
+            "num_waiting",
+            "prefix_cache_queries",
+            "prefix_cache_hits",
+            "num_preemptions",
+            "num_failed_requests",
+            "lora_slots_used",
+            "lora_disk_loads",
+        ):
+            setattr(total, field, sum(getattr(s, field) for s in each))
+        total.kv_cache_usage = sum(s.kv_cache_usage for s in each) / len(each)
+        loras = [s.max_loras for s in each if s.max_loras is not None]
+        total.max_loras = sum(loras) if loras else None
+        total.running_adapters = sorted({a for s in each for a in s.running_adapters})
+        total.waiting_adapters = sorted({a for s in each for a in s.waiting_adapters})
+        total.resident_adapter_ids = sorted({a for s in each for a in s.resident_adapter_ids})
+        drafts = [s.spec_decode for s in each if s.spec_decode is not None]
+        if drafts:
+            total.spec_decode = tuple(sum(d[i] for d in drafts) for i in range(3))  # type: ignore[assignment]
+        return total
+
+    # -- requests ------------------------------------------------------------------------------
+
+    async def generate(self, request: EngineRequest) -> AsyncIterator[SequenceUpdate]:
+        key = self._prefix_key(request)
+        adapter = request.lora.adapter_id if request.lora is not None else None
+        tried: set[int] = set()
+        while True:
+            index = self._choose(adapter, key, tried)
+            if index is None:
+                raise EngineDead(f"no replica of {self.name!r} is serving")
+            tried.add(index)
+            self.in_flight[index] += 1
+            self.routed[index] += 1
+            started = False
+            try:
+                async for update in self.replicas[index].generate(request):
+                    started = True
+                    yield update
+                return
+            except (EngineDead, EngineOverloaded):
+                if started or len(tried) == len(self.replicas):
+                    raise
+            finally:
+                self.in_flight[index] -= 1
+
+    async def compile_grammar(self, spec: GuidedSpec) -> None:
+        # Grammars compile on the gateway's side of every replica alike: one compiles.
+        await self.replicas[0].compile_grammar(spec)
+
+    def unload_lora(self, adapter_id: str) -> None:
+        for replica in self.replicas:
+            replica.unload_lora(adapter_id)
+
+    async def shutdown(self, grace_period: float = 10.0) -> None:
+        await asyncio.gather(*(r.shutdown(grace_period) for r in self.replicas))
+
+    # -- routing -------------------------------------------------------------------------------
+
+    def views(self) -> list[ReplicaView]:
+        views = []
+        for i, replica in enumerate(self.replicas):
+            stats = replica.stats()
+            cold = _replicas_of(replica) == 0 and hasattr(replica, "num_cold_starts")
+            views.append(
+                ReplicaView(
+                    name=self.names[i],
+                    healthy=replica.health == "ok",
+                    load=max(self.in_flight[i], stats.num_running + stats.num_waiting),
+                    resident=frozenset(stats.resident_adapter_ids),
+                    cold=cold,
+                    capacity=int(getattr(replica, "max_num_seqs", 0) or 1 << 30),
+                )
+            )
+        return views
+
+    def _choose(self, adapter: str | None, key: bytes | None, tried: set[int]) -> int | None:
+        views = self.views()
+        views = [v if i not in tried else _out_of_rotation(v) for i, v in enumerate(views)]
+        return choose(views, adapter, key)
+
+    def _prefix_key(self, request: EngineRequest) -> bytes | None:
+        prompt = request.prompt
+        if isinstance(prompt, str) or len(prompt) < self.block_size:
+            return None  # no full block: nothing cached to be near
+        adapter = request.lora.adapter_id if request.lora is not None else None
+        return prefix_key(request.cache_salt, adapter, prompt[: self.block_size])
+
+
+def _replicas_of(replica: ModelEngine) -> int:
+    """Engines ready in a replica: an engine on demand says; any other is one while ok."""
+    count = getattr(replica, "num_replicas", None)
+    return int(count) if count is not None else int(replica.health == "ok")
+
+
+def _out_of_rotation(view: ReplicaView) -> ReplicaView:
+    return ReplicaView(view.name, False, view.load, view.resident, view.cold, view.capacity)
