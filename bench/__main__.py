@@ -24,6 +24,8 @@ BENCHMARKS: dict[str, tuple[str, str]] = {
     "kernels": ("bench.kernels", "the triton kernels on a GPU (--toy: the CPU interpreter)"),
     "fairness": ("bench.fairness", "a tenant flooding at 10x another's rate; weighted shares"),
     "coldstart": ("bench.coldstart", "a model's engine from nothing to its first token, by phase"),
+    "routing": ("bench.routing", "affinity routing against round-robin over two engines"),
+    "remote-hop": ("bench.remote_hop", "W1 through `loragate engine` against the engine beside it"),
 }
 
 

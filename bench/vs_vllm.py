@@ -18,37 +18,20 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import signal
 import statistics
 import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 from typing import Any
 
-import httpx
 from rich.console import Console
 from rich.table import Table
 
+from bench.servers import stop, wait_ready
 from kernels import cpu_features
 
 PEERS = Path(__file__).resolve().parents[1].parent / "shared" / "peers"
-READY_TIMEOUT_S = 600.0
-
-
-def _wait_ready(url: str, proc: subprocess.Popen[bytes], log: Path) -> None:
-    deadline = time.monotonic() + READY_TIMEOUT_S
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"server exited ({proc.returncode}); log: {log}")
-        try:
-            if httpx.get(f"{url}/v1/models", timeout=2).status_code == 200:
-                return
-        except httpx.HTTPError:
-            pass
-        time.sleep(1)
-    raise RuntimeError(f"server not ready after {READY_TIMEOUT_S:.0f} s; log: {log}")
 
 
 def _start(side: str, args: argparse.Namespace, name: str, log: Path) -> subprocess.Popen[bytes]:
@@ -74,16 +57,6 @@ def _start(side: str, args: argparse.Namespace, name: str, log: Path) -> subproc
     return subprocess.Popen(
         cmd, stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True
     )
-
-
-def _stop(proc: subprocess.Popen[bytes]) -> None:
-    if proc.poll() is None:
-        os.killpg(proc.pid, signal.SIGTERM)
-        try:
-            proc.wait(60)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
 
 
 def _bench(
@@ -136,7 +109,7 @@ def run(args: argparse.Namespace, console: Console) -> dict[str, dict[str, list[
             console.print(f"round {round_ + 1}/{args.rounds}: starting {side} (log {log})")
             proc = _start(side, args, name, log)
             try:
-                _wait_ready(f"http://127.0.0.1:{args.port}", proc, log)
+                wait_ready(f"http://127.0.0.1:{args.port}", proc, log)
                 for i, workload in enumerate(args.workloads):
                     row = _bench(args, side, name, workload, seed=1000 * (round_ + 1) + i)
                     rows[workload][side].append(row)
@@ -146,7 +119,7 @@ def run(args: argparse.Namespace, console: Console) -> dict[str, dict[str, list[
                         f"ITL p50 {row['itl_p50_s'] * 1e3:.1f} ms, failed {row['failed']}"
                     )
             finally:
-                _stop(proc)
+                stop(proc)
     return rows
 
 

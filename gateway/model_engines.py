@@ -124,7 +124,7 @@ def model_engine(
     if len(replicas) == 1:
         return replicas[0]
     names = [f"{spec.name}/{i}" for i in range(len(replicas))]
-    return ReplicaPool(spec.name, replicas, names, settings.block_size)
+    return ReplicaPool(spec.name, replicas, names, settings.block_size, settings.routing)
 
 
 def _on_demand(
@@ -177,7 +177,8 @@ def remote_pool(spec: ServedModelSpec) -> ReplicaPool:
     deadline = time.monotonic() + CONNECT_TIMEOUT
     while time.monotonic() < deadline and not all(r.is_alive for r in replicas):
         time.sleep(0.05)
-    return ReplicaPool(spec.name, replicas, spec.entry.urls, settings.block_size)
+    urls = spec.entry.urls
+    return ReplicaPool(spec.name, replicas, urls, settings.block_size, settings.routing)
 
 
 def _without_progress(load: Callable[[Any], Any]) -> Any:

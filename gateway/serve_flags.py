@@ -26,6 +26,8 @@ HELP: dict[str, str] = {
     "cold_start_timeout": "Seconds a request waits for its model's engine to start (503 past).",
     "engine_token": "The token between gateways and `loragate engine`s: engines take tenant "
     "context only with it (a secret of 32 bytes or more). Default: none (engines on loopback).",
+    "routing": "How a model's replicas share its requests: affinity (the replica holding the "
+    "adapter, else the prompt's first block, under a load bound), least_loaded or round_robin.",
     "max_model_len": "Prompt + output tokens per sequence. Default: the model's.",
     "block_size": "Tokens per KV block.",
     "kv_cache_memory": "KV pool size (512MiB, 4GiB). Default: 2GiB on CPU, profiled on CUDA.",

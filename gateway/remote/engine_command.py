@@ -39,6 +39,10 @@ def run_engine_server(settings: Settings, with_progress: Callable[[Any], Any]) -
         settings.check_engine_token()
     except SettingsError as exc:
         raise typer.BadParameter(str(exc)) from exc
+    if "engine_process" not in settings.model_fields_set:
+        # Its HTTP side carries one message per step (no SSE, no tokenizing): the loop runs
+        # in this process unless told otherwise, a hop fewer (bench remote-hop measures it).
+        settings = settings.model_copy(update={"engine_process": False})
     name = settings.served_model_name or Path(settings.model).resolve().name
     loader = RegisteredLoader(describe_base(settings.model), settings.max_lora_rank)
     engine = start_engine(settings, loader, [], with_progress)

@@ -23,16 +23,27 @@ from engine.request import GuidedSpec
 from gateway.remote.routing import ReplicaView, choose, prefix_key
 from gateway.served_models import ModelEngine
 
+POLICIES = ("affinity", "least_loaded", "round_robin")
+
 
 class ReplicaPool:
     """One model's replicas, each a ModelEngine (a RemoteEngine, or an engine on demand)."""
 
     def __init__(
-        self, name: str, replicas: Sequence[ModelEngine], names: Sequence[str], block_size: int
+        self,
+        name: str,
+        replicas: Sequence[ModelEngine],
+        names: Sequence[str],
+        block_size: int,
+        policy: str = "affinity",
     ) -> None:
         if not replicas:
             raise ValueError("a pool has at least one replica")
+        if policy not in POLICIES:
+            raise ValueError(f"routing is one of {', '.join(POLICIES)}, not {policy!r}")
         self.name = name
+        self.policy = policy
+        self._turn = 0  # round_robin's next replica
         self.replicas = list(replicas)
         self.names = list(names)
         self.block_size = block_size
@@ -153,9 +164,16 @@ class ReplicaPool:
         return views
 
     def _choose(self, adapter: str | None, key: bytes | None, tried: set[int]) -> int | None:
-        views = self.views()
-        views = [v if i not in tried else _out_of_rotation(v) for i, v in enumerate(views)]
-        return choose(views, adapter, key)
+        views = [v if i not in tried else _out_of_rotation(v) for i, v in enumerate(self.views())]
+        if self.policy == "affinity":
+            return choose(views, adapter, key)
+        if self.policy == "least_loaded":
+            return choose(views, None, None)
+        for _ in range(len(views)):  # round_robin: the next healthy one
+            index, self._turn = self._turn, (self._turn + 1) % len(views)
+            if views[index].healthy:
+                return index
+        return None
 
     def _prefix_key(self, request: EngineRequest) -> bytes | None:
         prompt = request.prompt

@@ -87,8 +87,8 @@ models:
         ("models:\n  - {{name: a, path: /nonexistent}}", "models[0].path: /nonexistent is not"),
         ("models: [unclosed", "not YAML"),
         (
-            "models:\n  - {{name: a, path: {demo}, max_replicas: 2}}",
-            "max_replicas above 1 and urls are not served yet",
+            "models:\n  - {{name: a, path: {demo}, urls: [ftp://engine:8100]}}",
+            "models[0]: urls: 'ftp://engine:8100' is not an engine's http(s)://host:port",
         ),
     ],
 )

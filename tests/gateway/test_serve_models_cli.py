@@ -11,6 +11,7 @@ import signal
 import subprocess
 import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import httpx
@@ -137,3 +138,56 @@ def test_a_bad_models_file_stops_the_server_with_one_line(tmp_path: Path) -> Non
     )
     assert done.returncode != 0
     assert "models[0].path: /nonexistent is not a Hugging Face model directory" in done.stderr
+
+
+def test_a_second_local_replica_starts_when_the_first_is_full_and_stops_when_idle(
+    demo_model_dir: Path, tmp_path: Path
+) -> None:
+    """max_replicas 2: one engine while it has room; a second starts when requests fill the
+    first's max_num_seqs, and stops again after idle_timeout."""
+    path = tmp_path / "models.yaml"
+    path.write_text(
+        f"""models:
+  - name: demo
+    path: {demo_model_dir}
+    min_replicas: 1
+    max_replicas: 2
+    idle_timeout: 2
+    engine: {{kv_cache_memory: 64MiB, max_model_len: 256, max_num_seqs: 2}}
+"""
+    )
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    log_path = tmp_path / "serve.log"
+    command = [LORAGATE_CLI, "serve", "--models-config", str(path), "--port", str(port)]
+    with log_path.open("wb") as log:
+        server = subprocess.Popen(
+            command + ["--no-auth"],
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+            env=os.environ | {"PYTHONUNBUFFERED": "1", "COLUMNS": "400"},
+            cwd=tmp_path,
+        )
+    try:
+        _wait(lambda: _get(f"{url}/health") == 200, "/health")
+        assert len(_engine_processes(server.pid)) == 1
+        body = {"model": "demo", "prompt": "Hello", "max_tokens": 120, "temperature": 0}
+        body |= {"ignore_eos": True}
+        with ThreadPoolExecutor(6) as pool:
+            answers = list(
+                pool.map(
+                    lambda _: httpx.post(f"{url}/v1/completions", json=body, timeout=120),
+                    range(6),
+                )
+            )
+        assert [a.status_code for a in answers] == [200] * 6, [a.text for a in answers]
+        assert len({a.json()["choices"][0]["text"] for a in answers}) == 1  # same weights
+        metrics = httpx.get(f"{url}/metrics").text
+        assert 'loragate:engine_cold_starts_total{model="demo"} 2.0' in metrics  # 1 + the second
+        _wait(lambda: len(_engine_processes(server.pid)) == 1, "the idle replica to stop", 30)
+        metrics = httpx.get(f"{url}/metrics").text
+        assert 'loragate:engine_replicas{model="demo"} 1.0' in metrics
+    finally:
+        os.killpg(server.pid, signal.SIGTERM)
+        server.wait(60)
