@@ -23,6 +23,7 @@ ENGINE_COMMAND_FIELDS = (
     "host",
     "port",
     "shutdown_grace",
+    "max_body_bytes",
 )
 
 
@@ -33,7 +34,8 @@ def run_engine_server(settings: Settings, with_progress: Callable[[Any], Any]) -
     from adapters.registry import RegisteredLoader
     from adapters.store import AdapterStore
     from gateway.model_engines import start_engine
-    from gateway.remote.engine_server import EngineService, build_engine_app
+    from gateway.remote.engine_app import build_engine_app
+    from gateway.remote.engine_server import EngineService
 
     try:
         settings.check_engine_token()
@@ -54,7 +56,7 @@ def run_engine_server(settings: Settings, with_progress: Callable[[Any], Any]) -
         token=None if token is None else token.get_secret_value(),
         block_size=settings.block_size,
     )
-    app = build_engine_app(service)
+    app = build_engine_app(service, settings.max_body_bytes)
 
     @contextlib.asynccontextmanager
     async def lifespan(_: object):  # type: ignore[no-untyped-def]

@@ -25,7 +25,7 @@ import logging
 import time
 from typing import Any
 
-from fastapi import APIRouter, FastAPI, Request, WebSocket, WebSocketDisconnect
+from fastapi import APIRouter, Request, WebSocket, WebSocketDisconnect
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
@@ -34,15 +34,12 @@ from engine.async_engine import EngineClient
 from engine.errors import RequestRefused
 from engine.lora_types import LoRARequest
 from engine.messages import EngineRequest
-from gateway.metrics import Metrics
 from gateway.remote.wire import (
     decode_request,
     encode_error,
     encode_stats,
     encode_update,
 )
-from gateway.request_limits import RequestLimits
-from gateway.served_models import ServedModels
 
 logger = logging.getLogger(__name__)
 
@@ -186,15 +183,15 @@ class _Connection:
 def _internal(request: Request) -> EngineService:
     service: EngineService = request.app.state.service
     if not service.authorized(request.headers.get("authorization")):
-        raise _Unauthorized
+        raise Unauthorized
     return service
 
 
-class _Unauthorized(Exception):
+class Unauthorized(Exception):
     pass
 
 
-def _unauthorized() -> JSONResponse:
+def unauthorized() -> JSONResponse:
     return JSONResponse(
         {
             "error": {
@@ -267,17 +264,3 @@ def _error(status: int, message: str, code: str) -> JSONResponse:
     kind = "not_found_error" if status == 404 else "invalid_request_error"
     body = {"error": {"message": message, "type": kind, "param": None, "code": code}}
     return JSONResponse(body, status_code=status)
-
-
-def build_engine_app(service: EngineService) -> FastAPI:
-    app = FastAPI(title="loragate engine", docs_url=None, redoc_url=None, openapi_url=None)
-    app.state.service = service
-    models = ServedModels({service.name: service.engine}, RequestLimits())
-    app.state.metrics = Metrics(models, 0)
-    app.include_router(router)
-
-    @app.exception_handler(_Unauthorized)
-    async def on_unauthorized(_: Request, __: _Unauthorized) -> JSONResponse:
-        return _unauthorized()
-
-    return app

@@ -168,7 +168,14 @@ class RemoteEngine(EngineClient):
                     logger.info("connected to engine %s (%s)", self.url, self.hello["model"])
                     delay, down_logged = RECONNECT_DELAY_MIN, False
                     self._read(socket)
-            except (OSError, TimeoutError, InvalidHandshake, InvalidURI, WireError) as exc:
+            except (
+                OSError,
+                TimeoutError,
+                InvalidHandshake,
+                InvalidURI,
+                ConnectionClosed,
+                WireError,
+            ) as exc:
                 if not down_logged:
                     logger.warning("engine %s unreachable (%s); retrying", self.url, exc)
                     down_logged = True
