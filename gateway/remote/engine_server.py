@@ -87,7 +87,7 @@ class EngineService:
         }
 
     def state(self) -> dict[str, Any]:
-        return encode_stats(self.engine.stats())
+        return encode_stats(self.engine.stats()) | {"health": self.engine.health}
 
 
 class _Connection:

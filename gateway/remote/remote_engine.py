@@ -10,6 +10,7 @@ that stopped answering without closing (a machine gone) within PING_INTERVAL + P
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 import threading
@@ -80,6 +81,7 @@ class RemoteEngine(EngineClient):
         self._connected = threading.Event()
         self._thread: threading.Thread | None = None
         self._stats = EngineStats()
+        self._engine_health = "ok"
         self.state_at = 0.0  # time.monotonic() of the last state the engine sent
         self.hello: dict[str, Any] = {}
 
@@ -102,7 +104,8 @@ class RemoteEngine(EngineClient):
     def health(self) -> str:
         if self._stopping.is_set():
             return "stopping"
-        return "ok" if self._socket is not None else "restarting"
+        # Connected: the engine's own word (its loop may be restarting behind the socket).
+        return self._engine_health if self._socket is not None else "restarting"
 
     async def shutdown(self, grace_period: float = 10.0) -> None:
         await self._drain_pending(grace_period)
@@ -110,7 +113,7 @@ class RemoteEngine(EngineClient):
         if socket is not None:
             socket.close()
         if self._thread is not None:
-            self._thread.join(2.0)
+            await asyncio.to_thread(self._thread.join, 2.0)
 
     # -- what the gateway reads --------------------------------------------------------------
 
@@ -244,6 +247,7 @@ class RemoteEngine(EngineClient):
                     self._refuse(request_id, decode_error([kind, text]))
                 state = message.get("state")
                 if state is not None:
+                    self._engine_health = str(state.pop("health", "ok"))
                     self._stats = decode_stats(state)
                     self.state_at = time.monotonic()
         except (ConnectionClosed, OSError, ValueError, WireError) as exc:
