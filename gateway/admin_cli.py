@@ -96,11 +96,22 @@ def tenants_create(
     monthly_token_quota: Annotated[
         int | None, typer.Option(min=0, help="Tokens per calendar month (UTC).")
     ] = None,
+    allowed_model: Annotated[
+        list[str] | None,
+        typer.Option(help="A base model it may use (repeat for more). Default: every model."),
+    ] = None,
     database_url: DatabaseURL = None,
 ) -> None:
     """Create a tenant; prints its id. A limit not given is the server's default
     (LORAGATE_DEFAULT_RPM_LIMIT, ...), else unlimited."""
+    import re
+
+    from gateway.models_file import MODEL_NAME_PATTERN
     from tenants.tenants import TenantExists, create_tenant
+
+    for model in allowed_model or ():
+        if not re.fullmatch(MODEL_NAME_PATTERN, model):
+            raise typer.BadParameter(f"{model!r} is not a model name", param_hint="--allowed-model")
 
     settings = _settings(database_url)
     limits = {
@@ -116,7 +127,12 @@ def tenants_create(
 
     async def work(session):  # type: ignore[no-untyped-def]
         tenant = await create_tenant(
-            session, name=name, weight=weight, cache_group=cache_group, **limits
+            session,
+            name=name,
+            weight=weight,
+            cache_group=cache_group,
+            allowed_models=list(dict.fromkeys(allowed_model)) if allowed_model else None,
+            **limits,
         )
         return tenant.id
 

@@ -93,10 +93,11 @@ def test_engine_death_restart_and_orderly_shutdown(demo_model_dir: Path, tmp_pat
         admin = {"Authorization": f"Bearer {token}"}
         tenants = httpx.get(f"{url}/admin/tenants", headers=admin)
         assert tenants.status_code == 200 and tenants.json()["data"][0]["name"] == "demo"
-        loragate("tenants", "create", "cli-made", "--rpm-limit", "30")
+        loragate("tenants", "create", "cli-made", "--rpm-limit", "30", "--allowed-model", MODEL)
         assert "cli-made" in loragate("tenants", "list")
         made = httpx.get(f"{url}/admin/tenants", headers=admin).json()["data"][-1]
         assert made["name"] == "cli-made" and made["rpm_limit"] == 30
+        assert made["allowed_models"] == [MODEL]
         cli_key = {"Authorization": f"Bearer {loragate('keys', 'create', 'cli-made')}"}
         resp = httpx.post(f"{url}/v1/completions", json=body, headers=cli_key, timeout=60)
         assert resp.status_code == 200
