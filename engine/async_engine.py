@@ -64,6 +64,7 @@ def engine_stats(engine: LLMEngine) -> EngineStats:
         stats.waiting_adapters = sorted({r.lora.name for r in waiting if r.lora})
         stats.lora_slots_used = len(lora.slot_of)
         stats.resident_adapter_ids = sorted(lora.slot_of)
+        stats.cached_adapter_ids = sorted(lora.cpu_cache)
         stats.lora_disk_loads = lora.num_disk_loads
     return stats
 

@@ -96,6 +96,7 @@ class EngineStats:
     waiting_adapters: list[str] = field(default_factory=list)
     lora_slots_used: int = 0
     resident_adapter_ids: list[str] = field(default_factory=list)  # in a slot now (routing)
+    cached_adapter_ids: list[str] = field(default_factory=list)  # in CPU memory, read from disk
     lora_disk_loads: int = 0
 
 

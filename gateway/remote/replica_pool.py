@@ -103,6 +103,7 @@ class ReplicaPool:
         total.running_adapters = sorted({a for s in each for a in s.running_adapters})
         total.waiting_adapters = sorted({a for s in each for a in s.waiting_adapters})
         total.resident_adapter_ids = sorted({a for s in each for a in s.resident_adapter_ids})
+        total.cached_adapter_ids = sorted({a for s in each for a in s.cached_adapter_ids})
         drafts = [s.spec_decode for s in each if s.spec_decode is not None]
         if drafts:
             total.spec_decode = tuple(sum(d[i] for d in drafts) for i in range(3))  # type: ignore[assignment]
@@ -156,7 +157,8 @@ class ReplicaPool:
                     name=self.names[i],
                     healthy=replica.health == "ok",
                     load=max(self.in_flight[i], stats.num_running + stats.num_waiting),
-                    resident=frozenset(stats.resident_adapter_ids),
+                    # In a slot, or in CPU memory: a slot's load from there is a copy.
+                    resident=frozenset(stats.resident_adapter_ids + stats.cached_adapter_ids),
                     cold=cold,
                     capacity=int(getattr(replica, "max_num_seqs", 0) or 1 << 30),
                 )

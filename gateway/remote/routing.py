@@ -27,7 +27,7 @@ class ReplicaView:
     name: str  # stable across restarts: its URL, or its index in the local pool
     healthy: bool
     load: int  # requests running and waiting there
-    resident: frozenset[str] = field(default_factory=frozenset)  # adapter ids in its slots
+    resident: frozenset[str] = field(default_factory=frozenset)  # adapter ids it holds loaded
     cold: bool = False  # a local replica not started: it serves only when the rest are full
     capacity: int = 1  # sequences it runs at once (its max_num_seqs)
 
