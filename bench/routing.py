@@ -2,10 +2,12 @@
 round-robin, with one engine alone as the hit-rate reference, in one run.
 
     loragate-bench routing --model models/demo [--tenants 8] [--adapters-per-tenant 4]
-        [--system-tokens 512] [--num-prompts 256] [--concurrency 16] [--output-len 16]
+        [--system-tokens 512] [--num-prompts 512] [--concurrency 16] [--output-len 16]
+        [--rounds 3]
 
-Each setup starts fresh (empty caches): `loragate engine` replicas of the model sharing one
-adapter store, and a gateway whose models file lists them (`--routing` as the setup says).
+Every round runs each setup (each first in turn), starting it fresh (empty caches): `loragate
+engine` replicas of the model sharing one adapter store (one core each, as if each were a
+machine), and a gateway whose models file lists them (`--routing` as the setup says).
 Through the admin REST it makes the tenants, each with its own API key and its own adapters
 (same names, different weights: tenant-scoped), then streams /v1/completions: each request a
 random tenant and one of its adapters, the tenant's own system prompt (token ids) and a random
@@ -23,6 +25,7 @@ import argparse
 import asyncio
 import json
 import re
+import statistics
 import tempfile
 import time
 from pathlib import Path
@@ -154,35 +157,35 @@ def run_setup(
             stop(process)
 
 
-def report(rows: dict[str, dict[str, Any]], console: Console) -> None:
-    table = Table(title="routing across two `loragate engine` replicas")
-    for column in (
-        "setup",
-        "hit rate",
-        "adapter loads",
-        "output tok/s",
-        "TTFT p50",
-        "TTFT p95",
-        "ok/failed",
-    ):
+def report(runs: dict[str, list[dict[str, Any]]], console: Console) -> None:
+    """Each setup's runs and medians; the ratios are of medians."""
+    table = Table(title="routing across two `loragate engine` replicas (medians; runs)")
+    for column in ("setup", "hit rate", "adapter loads", "output tok/s", "TTFT p50", "TTFT p95"):
         table.add_column(column, justify="right")
-    for row in rows.values():
+    medians: dict[str, dict[str, float]] = {}
+    for name, rows in runs.items():
+        median = {
+            key: statistics.median(r[key] for r in rows)
+            for key in ("hit_rate", "adapter_loads", "output_tok_s", "ttft_p50_s", "ttft_p95_s")
+        }
+        medians[name] = median
+        each = " ".join(f"{r['output_tok_s']:.0f}" for r in rows)
         table.add_row(
-            row["setup"],
-            f"{row['hit_rate']:.1%}",
-            f"{row['adapter_loads']:.0f}",
-            f"{row['output_tok_s']:,.0f}",
-            f"{row['ttft_p50_s'] * 1e3:.0f} ms",
-            f"{row['ttft_p95_s'] * 1e3:.0f} ms",
-            f"{row['completed']}/{row['failed']}",
+            name,
+            f"{median['hit_rate']:.1%}",
+            f"{median['adapter_loads']:.0f}",
+            f"{median['output_tok_s']:,.0f} ({each})",
+            f"{median['ttft_p50_s'] * 1e3:.0f} ms",
+            f"{median['ttft_p95_s'] * 1e3:.0f} ms",
         )
     console.print(table)
-    affinity, rr, single = rows["affinity"], rows["round_robin"], rows["single"]
+    affinity, rr, single = medians["affinity"], medians["round_robin"], medians["single"]
     hit_ratio = affinity["hit_rate"] / max(single["hit_rate"], 1e-9)
     speed_ratio = affinity["output_tok_s"] / rr["output_tok_s"]
+    failed = sum(r["failed"] for rows in runs.values() for r in rows)
     console.print(
         f"affinity hit rate / one engine's: {hit_ratio:.3f}; "
-        f"affinity / round-robin output tok/s: {speed_ratio:.3f}x"
+        f"affinity / round-robin output tok/s: {speed_ratio:.3f}x; failed requests: {failed}"
     )
 
 
@@ -192,10 +195,11 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--tenants", type=int, default=8)
     p.add_argument("--adapters-per-tenant", type=int, default=4)
     p.add_argument("--system-tokens", type=int, default=512)
-    p.add_argument("--num-prompts", type=int, default=256)
+    p.add_argument("--num-prompts", type=int, default=512)
     p.add_argument("--concurrency", type=int, default=16)
     p.add_argument("--output-len", type=int, default=16)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--port", type=int, default=8040, help="the gateway's; engines' follow it")
     p.add_argument(
         "--adapter-dir", type=Path, default=Path(tempfile.gettempdir()) / "routing-adapters"
@@ -207,14 +211,19 @@ def main(argv: list[str] | None = None) -> None:
     adapters = build_adapters(
         Path(args.model), args.adapter_dir, args.tenants * args.adapters_per_tenant
     )
-    rows = {}
-    for name, replicas, policy in SETUPS:
-        rows[name] = run_setup(name, replicas, policy, args, adapters)
-        row = rows[name]
-        console.print(f"{name}: {row['output_tok_s']:,.0f} tok/s, hit rate {row['hit_rate']:.1%}")
-    report(rows, console)
+    runs: dict[str, list[dict[str, Any]]] = {name: [] for name, _, _ in SETUPS}
+    for round_index in range(args.rounds):
+        shift = round_index % len(SETUPS)  # each setup first in turn
+        for name, replicas, policy in SETUPS[shift:] + SETUPS[:shift]:
+            row = run_setup(name, replicas, policy, args, adapters)
+            runs[name].append(row)
+            console.print(
+                f"round {round_index + 1} {name}: {row['output_tok_s']:,.0f} tok/s, "
+                f"hit rate {row['hit_rate']:.1%}"
+            )
+    report(runs, console)
     if args.json is not None:
-        args.json.write_text(json.dumps(rows, indent=2))
+        args.json.write_text(json.dumps(runs, indent=2))
 
 
 if __name__ == "__main__":

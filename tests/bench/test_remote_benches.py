@@ -40,11 +40,11 @@ def test_routing_runs_every_setup(
         "routing", "--model", str(demo_model_dir), "--tenants", "2", "--adapters-per-tenant", "1",
         "--system-tokens", "32", "--num-prompts", "6", "--concurrency", "2", "--output-len", "2",
         "--port", str(free_port()), "--adapter-dir", str(tmp_path / "adapters"),
-        "--json", str(out),
+        "--rounds", "1", "--json", str(out),
     ])  # fmt: skip
-    rows = json.loads(out.read_text())
-    assert set(rows) == {"single", "round_robin", "affinity"}
-    for row in rows.values():
+    runs = json.loads(out.read_text())
+    assert set(runs) == {"single", "round_robin", "affinity"}
+    for (row,) in runs.values():
         assert (row["completed"], row["failed"]) == (6, 0), row["errors"]
         assert 0 < row["hit_rate"] < 1  # a tenant's later requests find its prefix
         assert row["adapter_loads"] >= 2  # each tenant's adapter, loaded somewhere
