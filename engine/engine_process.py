@@ -17,6 +17,10 @@ says "restarting", and the supervisor starts a new engine process with back-off
 (`restart=False`: it stays dead). The engine process ignores SIGINT and SIGTERM:
 a signal to the whole process group (Ctrl-C, a container stop) reaches the gateway,
 which drains and stops it in order.
+
+The engine process's side is engine/engine_main.py. With a `SparePool` (engine/warm_spare.py)
+an engine starts in a spare spawned ahead, torch already imported, handed its arguments
+over its pipe (`StartEngine`); with none ready, in a process spawned then.
 """
 
 from __future__ import annotations
@@ -25,28 +29,22 @@ import asyncio
 import contextlib
 import logging
 import multiprocessing as mp
-import os
-import pickle
-import signal
 import threading
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from multiprocessing.connection import Connection
+from multiprocessing.process import BaseProcess
 from typing import Any
 
 from transformers import AutoTokenizer
 
-from engine.async_engine import (
-    EngineClient,
-    apply_message,
-    contained_step,
-    engine_stats,
-    finished_parents,
-)
+from engine.async_engine import EngineClient
 from engine.config import EngineConfig
-from engine.errors import EngineDead, RequestRefused, StepFailed
+from engine.engine_main import retain_freed_memory as retain_freed_memory  # gateway/launch.py's
+from engine.engine_main import run_engine, start_process
+from engine.errors import EngineDead, StepFailed
 from engine.guided import GrammarCache, GuidedSpec
-from engine.llm_engine import LLMEngine, grammar_cache
+from engine.llm_engine import grammar_cache
 from engine.lora_types import LoRALoader, LoRARequest
 from engine.messages import (
     EngineInfo,
@@ -59,14 +57,14 @@ from engine.messages import (
     Progress,
     Ready,
     Refused,
+    StartEngine,
     StepResult,
     Stopped,
 )
+from engine.warm_spare import SparePool
 
 logger = logging.getLogger(__name__)
 
-# Seconds between stats snapshots sent with step results (and one whenever the engine idles).
-STATS_INTERVAL = 0.05
 # Restarting a dead engine: the wait doubles after each death or failed start, from MIN up to
 # MAX, and falls back to MIN once an engine has run for RESET seconds.
 RESTART_DELAY_MIN, RESTART_DELAY_MAX, RESTART_DELAY_RESET = 1.0, 30.0, 60.0
@@ -82,14 +80,17 @@ class EngineProcess(EngineClient):
         max_waiting: int = 1024,
         restart: bool = True,
         tokenizer: Any = None,
+        spares: SparePool | None = None,
     ) -> None:
         """`tokenizer`: the model's, where the caller has it loaded already (a model started
-        on demand); None: start() loads it."""
+        on demand); None: start() loads it. `spares`: warm processes to start in (torch
+        already imported); without one ready, or without a pool, a process is spawned."""
         super().__init__(max_waiting, config.max_num_seqs)
         self.config = config
         self.restart = restart
         self._lora_loader = lora_loader
         self._preload = list(preload)
+        self._spares = spares
         self._process: Any = None
         self._conn: Connection | None = None
         self._send_lock = threading.Lock()
@@ -130,17 +131,7 @@ class EngineProcess(EngineClient):
         self._supervisor.start()
 
     def _spawn(self, progress: Callable[[int, int], None] | None) -> None:
-        context = mp.get_context("spawn")  # fork would copy this process's torch threads
-        conn, child = context.Pipe()
-        process = context.Process(
-            target=run_engine,
-            args=(child, self.config, self._lora_loader, self._preload, time.time()),
-            name="loragate-engine",
-            daemon=True,
-        )
-        with _environ(**_omp_wait_settings()):
-            process.start()
-        child.close()
+        process, conn = self._start_process()
         while True:
             try:
                 message: Outbound = conn.recv()
@@ -161,6 +152,30 @@ class EngineProcess(EngineClient):
                 self._conn.close()  # a dead engine's end of the pipe
             self._process, self._conn = process, conn
         self._started_at = time.monotonic()
+
+    def _start_process(self) -> tuple[BaseProcess, Connection]:
+        """A warm spare handed this engine's start arguments or, with none ready, a process
+        spawned now; either runs run_engine with them."""
+        spare = self._spares.take() if self._spares is not None else None
+        if spare is not None:
+            process, conn = spare
+            handed = StartEngine(self.config, self._lora_loader, tuple(self._preload), time.time())
+            try:
+                conn.send(handed)
+                return process, conn
+            except OSError:  # it died since the pool saw it alive
+                conn.close()
+        context = mp.get_context("spawn")  # fork would copy this process's torch threads
+        conn, child = context.Pipe()
+        process = context.Process(
+            target=run_engine,
+            args=(child, self.config, self._lora_loader, self._preload, time.time()),
+            name="loragate-engine",
+            daemon=True,
+        )
+        start_process(process)
+        child.close()
+        return process, conn
 
     @property
     def is_alive(self) -> bool:
@@ -205,6 +220,11 @@ class EngineProcess(EngineClient):
     def vocab_size(self) -> int:
         assert self._info is not None, "start() first"
         return self._info.vocab_size
+
+    @property
+    def eos_token_ids(self) -> tuple[int, ...]:
+        assert self._info is not None, "start() first"
+        return self._info.eos_token_ids
 
     async def compile_grammar(self, spec: GuidedSpec) -> None:
         assert self._grammars is not None, "start() first"
@@ -289,141 +309,3 @@ class EngineProcess(EngineClient):
                     return True
         except (EOFError, OSError):
             return False
-
-
-# How long an OpenMP thread spins for more work before it sleeps (libgomp, torch's OpenMP on
-# Linux): about 0.2 ms. A decode step is a few hundred parallel regions microseconds apart;
-# a thread that sleeps between them (OMP_WAIT_POLICY=PASSIVE) is woken for each, and the
-# wake-ups (an interrupt between cores, dearer in a VM) cost SmolLM2's two-thread decode
-# step more than the second core gives (27 ms, as on one thread, against 19). A thread that
-# never sleeps takes the core that the HTTP side and its clients need between steps.
-OMP_SPIN_COUNT = "10000"
-
-
-def _omp_wait_settings() -> dict[str, str]:
-    """OpenMP reads these when the child loads torch; a setting of the user's is kept."""
-    if "OMP_WAIT_POLICY" in os.environ or "GOMP_SPINCOUNT" in os.environ:
-        return {}
-    return {"GOMP_SPINCOUNT": OMP_SPIN_COUNT}
-
-
-@contextlib.contextmanager
-def _environ(**values: str) -> Iterator[None]:
-    saved = {name: os.environ.get(name) for name in values}
-    os.environ.update(values)
-    try:
-        yield
-    finally:
-        for name, value in saved.items():
-            if value is None:
-                os.environ.pop(name, None)
-            else:
-                os.environ[name] = value
-
-
-# -- the engine process ---------------------------------------------------------------------
-
-
-def run_engine(
-    conn: Connection,
-    config: EngineConfig,
-    lora_loader: LoRALoader | None,
-    preload: Sequence[LoRARequest],
-    spawned_at: float = 0.0,
-) -> None:
-    """The engine process's main: load, report ready, then step until told to stop.
-    `spawned_at`: when the gateway spawned it (time.time()), to time the process's start."""
-    entered = time.time()
-    logging.basicConfig(level=logging.INFO, format="%(levelname)s [engine] %(message)s")
-    # The gateway process decides when this one stops (it sends None, or its pipe closes).
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
-    signal.signal(signal.SIGTERM, signal.SIG_IGN)
-    retain_freed_memory()
-    try:
-        engine = LLMEngine(
-            config, lambda done, total: conn.send(Progress(done, total)), lora_loader
-        )
-        if engine.lora is not None:
-            for lora in preload[: config.max_loras]:
-                engine.lora.load_now(lora)
-    except Exception as exc:  # noqa: BLE001 - reported to the gateway, which exits
-        conn.send(Fatal(f"{type(exc).__name__}: {exc}"))
-        return
-    info = EngineInfo(engine.max_model_len, engine.vocab_size, tuple(sorted(engine.eos_token_ids)))
-    load_seconds = {"process": max(0.0, entered - spawned_at)} if spawned_at else {}
-    conn.send(Ready(info, engine_stats(engine), load_seconds | engine.load_seconds))
-    with contextlib.suppress(EOFError, OSError, KeyboardInterrupt):  # the gateway is gone
-        _EngineLoop(engine, conn).run()
-
-
-def retain_freed_memory() -> None:
-    """Keep freed heap memory in the process instead of returning it to the kernel.
-
-    glibc serves allocations from 128 KiB up (adaptively, up to 32 MiB) with fresh
-    mmaps and gives them back when freed, so every prefill's activations fault in new
-    zeroed pages, which costs as much as the arithmetic on a small model (more in a VM).
-    Serving everything up to 32 MiB from the heap, and never trimming it, makes a
-    step's buffers the previous step's, already faulted in. (vLLM-CPU asks for tcmalloc
-    preloaded for the same reason.)
-    """
-    import ctypes
-    import ctypes.util
-
-    m_trim_threshold, m_mmap_threshold = -1, -3
-    try:
-        libc = ctypes.CDLL(ctypes.util.find_library("c"))
-        libc.mallopt(m_mmap_threshold, 32 << 20)
-        libc.mallopt(m_trim_threshold, 1 << 30)
-    except (OSError, AttributeError):  # not glibc: nothing to tune
-        pass
-
-
-class _EngineLoop:
-    def __init__(self, engine: LLMEngine, conn: Connection) -> None:
-        self.engine = engine
-        self.conn = conn
-        self.last_stats = 0.0
-
-    def run(self) -> None:
-        engine, conn = self.engine, self.conn
-        while True:
-            busy = engine.has_unfinished_requests()
-            if conn.poll(0 if busy else 0.5):
-                if not self._drain():
-                    for request_id in list(engine.parents):
-                        engine.abort(request_id)
-                    conn.send(Stopped())
-                    return
-                if not engine.has_unfinished_requests():
-                    self._send_step([], force_stats=True)  # aborts: the gateway sees them gone
-            if not engine.has_unfinished_requests():
-                continue
-            updates, failure = contained_step(engine)
-            if failure is not None:
-                conn.send(Failed(*failure))
-                continue
-            self._send_step(updates, force_stats=not engine.has_unfinished_requests())
-
-    def _drain(self) -> bool:
-        """Apply every queued message; False when told to stop."""
-        while self.conn.poll(0):
-            message = self.conn.recv()
-            if message is None:
-                return False
-            apply_message(self.engine, message, self._refuse)
-        return True
-
-    def _refuse(self, request_id: str, error: BaseException) -> None:
-        try:
-            pickle.dumps(error)
-        except Exception:  # noqa: BLE001 - an exception that cannot cross: keep its message
-            error = RequestRefused(str(error))
-        self.conn.send(Refused(request_id, error))
-
-    def _send_step(self, updates: list[Any], force_stats: bool) -> None:
-        now = time.monotonic()
-        stats = None
-        if force_stats or now - self.last_stats >= STATS_INTERVAL:
-            stats, self.last_stats = engine_stats(self.engine), now
-        if updates or stats is not None:
-            self.conn.send(StepResult(updates, finished_parents(self.engine, updates), stats))

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from engine import LLM, SamplingParams
+from engine import LLM, EngineConfig, SamplingParams
 from engine.errors import (
     ContextLengthExceeded,
     EngineDead,
@@ -27,6 +27,8 @@ from engine.messages import (
     Progress,
     Ready,
     Refused,
+    SpareReady,
+    StartEngine,
     StepResult,
     Stopped,
     UnloadLoRA,
@@ -60,6 +62,13 @@ def _crossed(message: object) -> object:
         StepResult([SequenceUpdate("r-1", 0, [5], "x", None, 3, 0)], ["r-1"], None),
         Failed(["r-1", "r-2"], "engine step failed: RuntimeError: boom"),
         Stopped(),
+        SpareReady(),
+        StartEngine(
+            EngineConfig(model="models/demo", max_loras=2),
+            None,
+            (LoRARequest("mine", "/adapters/mine", "ab" * 32),),
+            1_700_000_000.5,
+        ),
     ],
 )
 def test_each_message_crosses_the_pipe_whole(message: object) -> None:

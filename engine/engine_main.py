@@ -1,0 +1,178 @@
+"""The engine process's side of engine/engine_process.py: its main (`run_engine`: load, report
+ready, then the step loop over the pipe) and the environment it is started with. A fresh
+process runs it as its target; a warm spare (engine/warm_spare.py) runs it when handed its
+start arguments.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import pickle
+import signal
+import threading
+import time
+from collections.abc import Iterator, Sequence
+from multiprocessing.connection import Connection
+from multiprocessing.process import BaseProcess
+from typing import Any
+
+from engine.async_engine import apply_message, contained_step, engine_stats, finished_parents
+from engine.config import EngineConfig
+from engine.errors import RequestRefused
+from engine.llm_engine import LLMEngine
+from engine.lora_types import LoRALoader, LoRARequest
+from engine.messages import EngineInfo, Failed, Fatal, Progress, Ready, Refused, StepResult, Stopped
+
+# Seconds between stats snapshots sent with step results (and one whenever the engine idles).
+STATS_INTERVAL = 0.05
+
+# How long an OpenMP thread spins for more work before it sleeps (libgomp, torch's OpenMP on
+# Linux): about 0.2 ms. A decode step is a few hundred parallel regions microseconds apart;
+# a thread that sleeps between them (OMP_WAIT_POLICY=PASSIVE) is woken for each, and the
+# wake-ups (an interrupt between cores, dearer in a VM) cost SmolLM2's two-thread decode
+# step more than the second core gives (27 ms, as on one thread, against 19). A thread that
+# never sleeps takes the core that the HTTP side and its clients need between steps.
+OMP_SPIN_COUNT = "10000"
+
+
+def _omp_wait_settings() -> dict[str, str]:
+    """OpenMP reads these when the child loads torch; a setting of the user's is kept."""
+    if "OMP_WAIT_POLICY" in os.environ or "GOMP_SPINCOUNT" in os.environ:
+        return {}
+    return {"GOMP_SPINCOUNT": OMP_SPIN_COUNT}
+
+
+# os.environ is the whole process's: one start at a time (the spare pool's refill and an
+# engine's restart may each start a process).
+_environ_lock = threading.Lock()
+
+
+def start_process(process: BaseProcess) -> None:
+    """Start a spawned engine (or spare) process with the environment its OpenMP reads when
+    it imports torch."""
+    with _environ_lock, _environ(**_omp_wait_settings()):
+        process.start()
+
+
+@contextlib.contextmanager
+def _environ(**values: str) -> Iterator[None]:
+    saved = {name: os.environ.get(name) for name in values}
+    os.environ.update(values)
+    try:
+        yield
+    finally:
+        for name, value in saved.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
+
+
+# -- the engine process's main ---------------------------------------------------------------
+
+
+def run_engine(
+    conn: Connection,
+    config: EngineConfig,
+    lora_loader: LoRALoader | None,
+    preload: Sequence[LoRARequest],
+    spawned_at: float = 0.0,
+) -> None:
+    """The engine process's main: load, report ready, then step until told to stop.
+    `spawned_at`: when the gateway spawned it (time.time()), to time the process's start."""
+    entered = time.time()
+    logging.basicConfig(level=logging.INFO, format="%(levelname)s [engine] %(message)s")
+    # The gateway process decides when this one stops (it sends None, or its pipe closes).
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    retain_freed_memory()
+    try:
+        engine = LLMEngine(
+            config, lambda done, total: conn.send(Progress(done, total)), lora_loader
+        )
+        if engine.lora is not None:
+            for lora in preload[: config.max_loras]:
+                engine.lora.load_now(lora)
+    except Exception as exc:  # noqa: BLE001 - reported to the gateway, which exits
+        conn.send(Fatal(f"{type(exc).__name__}: {exc}"))
+        return
+    info = EngineInfo(engine.max_model_len, engine.vocab_size, tuple(sorted(engine.eos_token_ids)))
+    load_seconds = {"process": max(0.0, entered - spawned_at)} if spawned_at else {}
+    conn.send(Ready(info, engine_stats(engine), load_seconds | engine.load_seconds))
+    with contextlib.suppress(EOFError, OSError, KeyboardInterrupt):  # the gateway is gone
+        _EngineLoop(engine, conn).run()
+
+
+def retain_freed_memory() -> None:
+    """Keep freed heap memory in the process instead of returning it to the kernel.
+
+    glibc serves allocations from 128 KiB up (adaptively, up to 32 MiB) with fresh
+    mmaps and gives them back when freed, so every prefill's activations fault in new
+    zeroed pages, which costs as much as the arithmetic on a small model (more in a VM).
+    Serving everything up to 32 MiB from the heap, and never trimming it, makes a
+    step's buffers the previous step's, already faulted in. (vLLM-CPU asks for tcmalloc
+    preloaded for the same reason.)
+    """
+    import ctypes
+    import ctypes.util
+
+    m_trim_threshold, m_mmap_threshold = -1, -3
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c"))
+        libc.mallopt(m_mmap_threshold, 32 << 20)
+        libc.mallopt(m_trim_threshold, 1 << 30)
+    except (OSError, AttributeError):  # not glibc: nothing to tune
+        pass
+
+
+class _EngineLoop:
+    def __init__(self, engine: LLMEngine, conn: Connection) -> None:
+        self.engine = engine
+        self.conn = conn
+        self.last_stats = 0.0
+
+    def run(self) -> None:
+        engine, conn = self.engine, self.conn
+        while True:
+            busy = engine.has_unfinished_requests()
+            if conn.poll(0 if busy else 0.5):
+                if not self._drain():
+                    for request_id in list(engine.parents):
+                        engine.abort(request_id)
+                    conn.send(Stopped())
+                    return
+                if not engine.has_unfinished_requests():
+                    self._send_step([], force_stats=True)  # aborts: the gateway sees them gone
+            if not engine.has_unfinished_requests():
+                continue
+            updates, failure = contained_step(engine)
+            if failure is not None:
+                conn.send(Failed(*failure))
+                continue
+            self._send_step(updates, force_stats=not engine.has_unfinished_requests())
+
+    def _drain(self) -> bool:
+        """Apply every queued message; False when told to stop."""
+        while self.conn.poll(0):
+            message = self.conn.recv()
+            if message is None:
+                return False
+            apply_message(self.engine, message, self._refuse)
+        return True
+
+    def _refuse(self, request_id: str, error: BaseException) -> None:
+        try:
+            pickle.dumps(error)
+        except Exception:  # noqa: BLE001 - an exception that cannot cross: keep its message
+            error = RequestRefused(str(error))
+        self.conn.send(Refused(request_id, error))
+
+    def _send_step(self, updates: list[Any], force_stats: bool) -> None:
+        now = time.monotonic()
+        stats = None
+        if force_stats or now - self.last_stats >= STATS_INTERVAL:
+            stats, self.last_stats = engine_stats(self.engine), now
+        if updates or stats is not None:
+            self.conn.send(StepResult(updates, finished_parents(self.engine, updates), stats))
