@@ -24,6 +24,8 @@ HELP: dict[str, str] = {
     "(docs: Several models). Default: --model alone.",
     "max_pending_per_model": "Requests held for a model whose engine is starting (503 past).",
     "cold_start_timeout": "Seconds a request waits for its model's engine to start (503 past).",
+    "spare_engines": "Engine processes kept started ahead, torch imported, for models that "
+    "start on demand (0: none).",
     "engine_token": "The token between gateways and `loragate engine`s: engines take tenant "
     "context only with it (a secret of 32 bytes or more). Default: none (engines on loopback).",
     "routing": "How a model's replicas share its requests: affinity (the replica holding the "

@@ -52,6 +52,8 @@ class Settings(BaseSettings):
     # Models that scale to zero (min_replicas 0): requests held while their engine starts.
     max_pending_per_model: int = Field(default=256, ge=1)
     cold_start_timeout: float = Field(default=60.0, gt=0.0)
+    # Engine processes started ahead, torch imported, for those models (engine/warm_spare.py).
+    spare_engines: int = Field(default=1, ge=0)
     # Between a gateway and its `loragate engine`s: the engines trust tenant context (salt,
     # fairness key, adapter) only from a holder of this token.
     engine_token: SecretStr | None = None
