@@ -1,17 +1,21 @@
 """Cold start: a model's engine started from nothing, to its first token, phase by phase.
 
     loragate-bench coldstart --model models/smollm2 [--rounds 5] [--dtype auto]
-        [--adapter DIR] [--json FILE]
+        [--adapter DIR] [--spare] [--json FILE]
 
 Each round does what the gateway does for a model that scales to zero (min_replicas 0,
 gateway/engine_on_demand.py): spawn the engine process (engine/engine_process.py), wait until
 it reports ready, send one request and wait for its first token, stop it. One untimed round
 first puts the weights in the page cache, as they are on a machine that served the model
 before. With `--adapter`, the first request names that adapter, not yet loaded: its load is
-part of the first token.
+part of the first token. With `--spare`, each round is run twice: as above, then in a warm
+spare (engine/warm_spare.py) the gateway started ahead, ready before the round begins, as in
+a gateway that has run a while; the pool starts its next spare during the timed part, as
+the gateway's does.
 
 Phases, median over the rounds:
-  process    spawn, the interpreter, the imports (torch, transformers, the engine)
+  process    spawn, the interpreter, the imports (torch, transformers, the engine); in a
+             spare, the handover (its start arguments sent and read)
   tokenizer  the engine's tokenizer and config
   setup      device, dtype, the checkpoint's tensor names
   kernels    the C++ kernels loaded (built once per machine, then cached on disk)
@@ -50,6 +54,7 @@ from engine.engine_process import EngineProcess
 from engine.lora_types import LoRARequest
 from engine.messages import EngineRequest
 from engine.request import SamplingParams
+from engine.warm_spare import SparePool
 
 PHASES = (
     "process",
@@ -65,10 +70,14 @@ PHASES = (
     "first token",
 )
 PROMPT = [1, 504, 3458, 314, 260, 1458, 30]  # a few tokens: the first step, not a long prefill
+SPARE_READY_TIMEOUT = 300.0  # seconds for a spare to import torch (the first one may build kernels)
 
 
-def one_cold_start(config: EngineConfig, adapter: Path | None) -> dict[str, float]:
-    """Seconds per phase of one engine started from nothing to its first token."""
+def one_cold_start(
+    config: EngineConfig, adapter: Path | None, spares: SparePool | None = None
+) -> dict[str, float]:
+    """Seconds per phase of one engine started from nothing (or in a spare of `spares`) to its
+    first token."""
     loader = None
     lora = None
     if adapter is not None:
@@ -78,7 +87,9 @@ def one_cold_start(config: EngineConfig, adapter: Path | None) -> dict[str, floa
     # The gateway read the tokenizer when it started (model_facts) and hands it over.
     tokenizer = AutoTokenizer.from_pretrained(config.model)
     started = time.perf_counter()
-    process = EngineProcess(config, lora_loader=loader, restart=False, tokenizer=tokenizer)
+    process = EngineProcess(
+        config, lora_loader=loader, restart=False, tokenizer=tokenizer, spares=spares
+    )
     process.start()
     ready = time.perf_counter()
     phases = dict(process.load_seconds)
@@ -118,6 +129,9 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--dtype", default="auto")
     p.add_argument("--kv-cache-memory", type=int, default=256 << 20, help="bytes")
     p.add_argument("--adapter", type=Path, default=None, help="the first request's adapter")
+    p.add_argument(
+        "--spare", action="store_true", help="each round also in a warm spare engine process"
+    )
     p.add_argument("--json", type=Path, default=None)
     return p
 
@@ -132,35 +146,85 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
     )
     console = Console(stderr=True)
     console.print(f"cold start of {args.model}: 1 untimed round, then {args.rounds}")
-    one_cold_start(config, args.adapter)  # the page cache holds the weights from here on
-    rounds = []
-    for i in range(args.rounds):
-        rounds.append(one_cold_start(config, args.adapter))
-        total = sum(rounds[-1].values())
-        console.print(f"  round {i + 1}/{args.rounds}: {total:.2f} s to the first token")
+    pool = SparePool(1) if args.spare else None
+    if pool is not None:
+        pool.start()
+    result: dict[str, Any] = {"model": str(args.model)}
+    try:
+        one_cold_start(config, args.adapter)  # the page cache holds the weights from here on
+        rounds, spare_rounds = [], []
+        for i in range(args.rounds):
+            _spare_ready(pool)  # no spare starting beside the fresh round
+            rounds.append(one_cold_start(config, args.adapter))
+            line = f"  round {i + 1}/{args.rounds}: {sum(rounds[-1].values()):.2f} s"
+            if pool is not None:
+                _spare_ready(pool)
+                result.setdefault("spare_rss_bytes", spare_rss(pool))
+                spare_rounds.append(one_cold_start(config, args.adapter, pool))
+                line += f", {sum(spare_rounds[-1].values()):.2f} s in a spare"
+            console.print(line + " to the first token")
+    finally:
+        if pool is not None:
+            pool.close()
     cat, size = cat_seconds(args.model)
-    return {"model": str(args.model), "rounds": rounds, "cat_seconds": cat, "weights_bytes": size}
+    result |= {"rounds": rounds, "cat_seconds": cat, "weights_bytes": size}
+    if pool is not None:
+        result["spare_rounds"] = spare_rounds
+    return result
+
+
+def _spare_ready(pool: SparePool | None) -> None:
+    if pool is not None and not pool.wait_ready(SPARE_READY_TIMEOUT):
+        raise RuntimeError("no spare engine process became ready")
+
+
+def spare_rss(pool: SparePool) -> int:
+    """Bytes a ready spare holds in memory (its resident set, from /proc)."""
+    (pid, *_) = pool.ready_pids()
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) * 1024
+    raise RuntimeError(f"no VmRSS in /proc/{pid}/status")
 
 
 def report(result: dict[str, Any], console: Console) -> None:
-    rounds = result["rounds"]
-    medians = {p: statistics.median(r.get(p, 0.0) for r in rounds) for p in PHASES}
-    totals = [sum(r.values()) for r in rounds]
-    total = statistics.median(totals)
-    table = Table(title=f"cold start, {result['model']}: median of {len(rounds)} rounds")
+    columns = {"fresh" if "spare_rounds" in result else "seconds": result["rounds"]}
+    if "spare_rounds" in result:
+        columns["in a spare"] = result["spare_rounds"]
+    medians = {
+        name: {p: statistics.median(r.get(p, 0.0) for r in rounds) for p in PHASES}
+        for name, rounds in columns.items()
+    }
+    totals = {
+        name: statistics.median(sum(r.values()) for r in rounds) for name, rounds in columns.items()
+    }
+    table = Table(title=f"cold start, {result['model']}: median of {len(result['rounds'])} rounds")
     table.add_column("phase")
-    table.add_column("seconds", justify="right")
-    table.add_column("share", justify="right")
+    for name in columns:
+        table.add_column(name, justify="right")
+        table.add_column("share", justify="right")
     for phase in PHASES:
-        table.add_row(phase, f"{medians[phase]:.3f}", f"{medians[phase] / total:.0%}")
-    table.add_row("to the first token", f"{total:.3f}", "100%", style="bold")
+        cells = []
+        for name in columns:
+            cells += [f"{medians[name][phase]:.3f}", f"{medians[name][phase] / totals[name]:.0%}"]
+        table.add_row(phase, *cells)
+    totals_cells = [cell for name in columns for cell in (f"{totals[name]:.3f}", "100%")]
+    table.add_row("to the first token", *totals_cells, style="bold")
     console.print(table)
-    size, cat, weights = result["weights_bytes"], result["cat_seconds"], medians["weights"]
+    size, cat = result["weights_bytes"], result["cat_seconds"]
+    weights = statistics.median(r["weights"] for r in result["rounds"])
     console.print(
         f"weights: {size / 2**20:.0f} MiB in {weights:.3f} s = {size / weights / 2**30:.2f} GiB/s;"
         f" cat {cat:.3f} s = {size / cat / 2**30:.2f} GiB/s; weights at "
         f"{cat / weights:.0%} of cat's speed"
     )
+    if "spare_rounds" in result:
+        fresh, spare = totals["fresh"], totals["in a spare"]
+        console.print(
+            f"in a warm spare: {spare:.3f} s to the first token against {fresh:.3f} s "
+            f"({fresh / spare:.1f}x faster); a ready spare holds "
+            f"{result['spare_rss_bytes'] / 2**20:.0f} MiB (RSS)"
+        )
 
 
 def main(argv: list[str] | None = None) -> None:

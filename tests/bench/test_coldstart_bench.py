@@ -1,6 +1,6 @@
 """`loragate-bench coldstart` at toy size on the demo model: engine processes started from
-nothing to their first token, with and without an adapter to load first; every phase is
-measured in every round, and the report has its rows."""
+nothing to their first token, with and without an adapter to load first, and in a warm spare
+(`--spare`); every phase is measured in every round, and the report has its rows."""
 
 from __future__ import annotations
 
@@ -40,3 +40,23 @@ def test_coldstart_measures_every_phase(
     rows = table_rows(printed)
     assert [row[0] for row in rows] == [*PHASES, "to the first token"], printed
     assert "of cat's speed" in printed
+
+
+def test_coldstart_with_a_warm_spare(
+    demo_model_dir: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """`--spare`: each round also in a spare started ahead; both columns, and the spare's
+    resident memory."""
+    out = tmp_path / "coldstart.json"
+    args = ["coldstart", "--model", str(demo_model_dir), "--rounds", "1", "--dtype", "float32"]
+    main([*args, "--kv-cache-memory", str(16 << 20), "--spare", "--json", str(out)])
+    result = json.loads(out.read_text())
+    (fresh,) = result["rounds"]
+    (spare,) = result["spare_rounds"]
+    assert set(spare) == set(fresh) and all(seconds >= 0 for seconds in spare.values())
+    assert result["spare_rss_bytes"] > 0
+    printed = capsys.readouterr().out
+    rows = table_rows(printed)
+    assert [row[0] for row in rows] == [*PHASES, "to the first token"], printed
+    assert all(len(row) == 5 for row in rows)  # the phase, then seconds and share for each
+    assert "in a warm spare" in printed and "of cat's speed" in printed
