@@ -3,7 +3,7 @@ round-robin, with one engine alone as the hit-rate reference, in one run.
 
     loragate-bench routing --model models/demo [--tenants 8] [--adapters-per-tenant 4]
         [--system-tokens 512] [--num-prompts 512] [--concurrency 16] [--output-len 16]
-        [--rounds 3]
+        [--rounds 3] [--kv-cache-memory 512MiB]
 
 Every round runs each setup (each first in turn), starting it fresh (empty caches): `loragate
 engine` replicas of the model sharing one adapter store (one core each, as if each were a
@@ -123,7 +123,7 @@ def run_setup(
             # One core per replica, as if each were a machine of its own.
             command = [
                 LORAGATE_CLI, "engine", "--model", args.model, "--port", str(args.port + 1 + i),
-                "--adapter-store", str(store), "--kv-cache-memory", "512MiB",
+                "--adapter-store", str(store), "--kv-cache-memory", args.kv_cache_memory,
                 "--num-threads", "1", "--prefill-threads", "1",
             ]  # fmt: skip
             processes.append(spawn(command, work / f"engine{i}.log"))
@@ -200,6 +200,12 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--output-len", type=int, default=16)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--rounds", type=int, default=3)
+    p.add_argument(
+        "--kv-cache-memory",
+        default="512MiB",
+        help="each engine's KV pool: below the tenants' prefixes together, a replica holds "
+        "only part of the working set (the case affinity is for)",
+    )
     p.add_argument("--port", type=int, default=8040, help="the gateway's; engines' follow it")
     p.add_argument(
         "--adapter-dir", type=Path, default=Path(tempfile.gettempdir()) / "routing-adapters"

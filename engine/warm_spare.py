@@ -132,6 +132,7 @@ class SparePool:
                 if spare is not None:
                     self._ready.append(spare)
                     self._changed.notify_all()
+                    logger.info("a spare engine process (pid %s) is ready", spare[0].pid)
                     delay = RETRY_DELAY_MIN
                     continue
                 logger.warning("a spare engine process died while starting; next in %.0f s", delay)

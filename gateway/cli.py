@@ -120,12 +120,9 @@ _T = TypeVar("_T")
 
 def _with_load_progress(build: Callable[[Callable[[int, int], None]], _T]) -> _T:
     """Run `build(progress)` under a progress bar fed with (tensors loaded, total)."""
-    import logging
-
-    from rich.logging import RichHandler
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-    logging.basicConfig(level=logging.INFO, format="%(message)s", handlers=[RichHandler()])
+    _log_to_console()
     with Progress(
         TextColumn("loading weights"),
         BarColumn(),
@@ -141,11 +138,21 @@ def _with_load_progress(build: Callable[[Callable[[int, int], None]], _T]) -> _T
         return build(progress)
 
 
+def _log_to_console() -> None:
+    """INFO and up to the console (idempotent): engines started, spares ready, links."""
+    import logging
+
+    from rich.logging import RichHandler
+
+    logging.basicConfig(level=logging.INFO, format="%(message)s", handlers=[RichHandler()])
+
+
 def _serve(settings: object) -> None:
     from gateway.launch import run_server
     from gateway.settings import Settings
 
     assert isinstance(settings, Settings)
+    _log_to_console()  # a server whose models all start on demand loads nothing with progress
     run_server(settings, _with_load_progress)
 
 
@@ -154,6 +161,7 @@ def _engine(settings: object) -> None:
     from gateway.settings import Settings
 
     assert isinstance(settings, Settings)
+    _log_to_console()
     run_engine_server(settings, _with_load_progress)
 
 

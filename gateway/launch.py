@@ -14,7 +14,7 @@ import typer
 from adapters.peft import describe_base
 from adapters.peft_config import AdapterError
 from engine.lora_types import LoRARequest
-from gateway.model_engines import model_engine
+from gateway.model_engines import model_engine, spare_pool
 from gateway.models_file import served_models
 from gateway.served_models import ModelEngine
 from gateway.settings import Settings, SettingsError
@@ -74,6 +74,7 @@ def run_server(settings: Settings, with_progress: Callable[[Any], Any]) -> None:
         raise typer.BadParameter(str(exc)) from exc
     demo, preload = asyncio.run(_start_up(tenancy, settings, modules))
     engines: dict[str, ModelEngine] = {}
+    spares = spare_pool(specs, settings.spare_engines)
     for spec in specs:
         if spec.entry.min_replicas == 0:
             typer.echo(f"{spec.name!r} scales to zero: its engine starts on its first request")
@@ -84,7 +85,10 @@ def run_server(settings: Settings, with_progress: Callable[[Any], Any]) -> None:
             tenancy.catalog.loader(spec.name),
             preload if spec is first else [],
             with_progress,
+            spares,
         )
+    if spares is not None:
+        spares.start()  # the engines that start with the server have loaded
     app = build_app(
         engines,
         tenancy,
@@ -101,6 +105,8 @@ def run_server(settings: Settings, with_progress: Callable[[Any], Any]) -> None:
         await tenancy.start()  # in uvicorn's loop, which the tenancy's connections belong to
         yield
         await asyncio.gather(*(e.shutdown(settings.shutdown_grace) for e in engines.values()))
+        if spares is not None:
+            await asyncio.to_thread(spares.close)  # up to seconds per spare
         await tenancy.close()
 
     app.router.lifespan_context = lifespan

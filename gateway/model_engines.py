@@ -15,6 +15,7 @@ from engine.async_engine import EngineClient
 from engine.config import EngineConfig
 from engine.lora_types import LoRARequest
 from engine.spec_decode import SpeculativeConfig
+from engine.warm_spare import SparePool
 from gateway.engine_on_demand import ModelFacts, OnDemandEngine, ScalePolicy, model_facts
 from gateway.models_file import ServedModelSpec
 from gateway.remote.remote_engine import CONNECT_TIMEOUT, RemoteEngine
@@ -68,10 +69,12 @@ def start_engine(
     preload: list[LoRARequest],
     with_progress: Callable[[Any], Any],
     tokenizer: Any = None,
+    spares: SparePool | None = None,
 ) -> EngineClient:
     """One model's engine, started and loaded: its own process (the default), or a loop
     in this one. `preload`: adapters that fill its LoRA slots before the first request;
-    `tokenizer`: the model's, loaded already (the engine process's side need not again)."""
+    `tokenizer`: the model's, loaded already (the engine process's side need not again);
+    `spares`: warm processes to start it in (engine.warm_spare)."""
     from engine import LLMEngine
     from engine.async_engine import AsyncEngine
     from engine.engine_process import EngineProcess, retain_freed_memory
@@ -86,6 +89,7 @@ def start_engine(
             max_waiting=settings.max_waiting,
             restart=settings.restart_engine,
             tokenizer=tokenizer,
+            spares=spares,
         )
         with_progress(process.start)
         return process
@@ -104,6 +108,7 @@ def model_engine(
     loader: RegisteredLoader,
     preload: list[LoRARequest],
     with_progress: Callable[[Any], Any],
+    spares: SparePool | None = None,
 ) -> ModelEngine:
     """A model's engine as its entry asks: the engines at its urls; else one local engine,
     started now (min_replicas 1) or on its first request and stopped after idle_timeout
@@ -117,7 +122,7 @@ def model_engine(
     replicas = []
     for index in range(entry.max_replicas):
         always_on = index < entry.min_replicas
-        replica = _on_demand(spec, index, always_on, loader, preload, facts)
+        replica = _on_demand(spec, index, always_on, loader, preload, facts, spares)
         if always_on:
             replica.start_now()
         replicas.append(replica)
@@ -134,6 +139,7 @@ def _on_demand(
     loader: RegisteredLoader,
     preload: list[LoRARequest],
     facts: ModelFacts,
+    spares: SparePool | None,
 ) -> OnDemandEngine:
     # A replica on demand is replaced on the model's next request, not by its process.
     restart = always_on and spec.settings.restart_engine
@@ -141,7 +147,7 @@ def _on_demand(
     name = spec.name if spec.entry.max_replicas == 1 else f"{spec.name}/{index}"
     return OnDemandEngine(
         name,
-        lambda: start_engine(settings, loader, preload, _without_progress, facts.tokenizer),
+        lambda: start_engine(settings, loader, preload, _without_progress, facts.tokenizer, spares),
         facts,
         ScalePolicy(
             min_replicas=int(always_on),
@@ -151,6 +157,20 @@ def _on_demand(
         ),
         max_num_seqs=settings.max_num_seqs,
     )
+
+
+def spare_pool(specs: list[ServedModelSpec], size: int) -> SparePool | None:
+    """Warm spares (not started: start() once the engines that start with the server have
+    loaded, or a spare's imports slow theirs) where a model's engine processes start on demand
+    (a replica above min_replicas); None where every engine starts with the server, runs in
+    this process or lives elsewhere."""
+    on_demand = any(
+        s.entry.max_replicas > s.entry.min_replicas
+        and not s.entry.urls
+        and s.settings.engine_process
+        for s in specs
+    )
+    return SparePool(size) if size > 0 and on_demand else None
 
 
 def remote_pool(spec: ServedModelSpec) -> ReplicaPool:

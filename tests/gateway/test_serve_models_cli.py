@@ -76,6 +76,8 @@ def test_a_model_that_scales_to_zero_has_an_engine_process_only_while_called(
         str(_models_file(tmp_path, demo_model_dir)),
         "--port",
         str(port),
+        "--spare-engines",  # counted below as engines are: test_a_cold_start_takes_a_warm_spare
+        "0",
     ]
     with log_path.open("wb") as log:
         server = subprocess.Popen(
@@ -160,6 +162,7 @@ def test_a_second_local_replica_starts_when_the_first_is_full_and_stops_when_idl
     url = f"http://127.0.0.1:{port}"
     log_path = tmp_path / "serve.log"
     command = [LORAGATE_CLI, "serve", "--models-config", str(path), "--port", str(port)]
+    command += ["--spare-engines", "0"]
     with log_path.open("wb") as log:
         server = subprocess.Popen(
             command + ["--no-auth"],
@@ -188,6 +191,51 @@ def test_a_second_local_replica_starts_when_the_first_is_full_and_stops_when_idl
         _wait(lambda: len(_engine_processes(server.pid)) == 1, "the idle replica to stop", 30)
         metrics = httpx.get(f"{url}/metrics").text
         assert 'loragate:engine_replicas{model="demo"} 1.0' in metrics
+    finally:
+        os.killpg(server.pid, signal.SIGTERM)
+        server.wait(60)
+
+
+def test_a_cold_start_takes_a_warm_spare(demo_model_dir: Path, tmp_path: Path) -> None:
+    """With --spare-engines 1 a process with torch imported waits before any request; the
+    first request to a model scaled to zero runs its engine in that process (no new one is
+    spawned for it), and the spare's place is taken by another one later."""
+    path = tmp_path / "models.yaml"
+    path.write_text(
+        f"""models:
+  - name: lazy
+    path: {demo_model_dir}
+    min_replicas: 0
+    engine: {{kv_cache_memory: 64MiB, max_model_len: 256}}
+"""
+    )
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    log_path = tmp_path / "serve.log"
+    command = [LORAGATE_CLI, "serve", "--models-config", str(path), "--port", str(port)]
+    with log_path.open("wb") as log:
+        server = subprocess.Popen(
+            command + ["--no-auth", "--spare-engines", "1"],
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+            env=os.environ | {"PYTHONUNBUFFERED": "1", "COLUMNS": "400"},
+            cwd=tmp_path,
+        )
+    ready = re.compile(r"a spare engine process \(pid (\d+)\) is ready")
+    try:
+        _wait(lambda: ready.search(log_path.read_text()), "a ready spare", 120)
+        match = ready.search(log_path.read_text())
+        assert match is not None
+        spare = int(match.group(1))
+        assert _engine_processes(server.pid) == [spare]  # the spare alone: no engine yet
+        body = {"model": "lazy", "prompt": "Hello", "max_tokens": 4, "temperature": 0}
+        resp = httpx.post(f"{url}/v1/completions", json=body, timeout=120)
+        assert resp.status_code == 200, resp.text
+        # The engine runs in the spare (a new spare starts only seconds after the take).
+        assert _engine_processes(server.pid) == [spare]
+        _wait(lambda: len(ready.findall(log_path.read_text())) == 2, "the next spare", 120)
+        assert len(_engine_processes(server.pid)) == 2
     finally:
         os.killpg(server.pid, signal.SIGTERM)
         server.wait(60)
