@@ -64,10 +64,12 @@ def engine_counter(url: str, name: str) -> float:
 
 def make_tenants(url: str, args: argparse.Namespace, adapters: list[Path]) -> list[str]:
     """Tenants with a key each and `adapters_per_tenant` adapters named a0, a1, ...; their keys."""
+    from pydantic import SecretStr
+
     from gateway.admin_auth import mint_admin_token
     from gateway.settings import Settings
 
-    token = mint_admin_token(Settings(secret_key=SECRET), 3600)
+    token = mint_admin_token(Settings(secret_key=SecretStr(SECRET)), 3600)
     keys = []
     with httpx.Client(base_url=url, headers={"Authorization": f"Bearer {token}"}) as admin:
         for t in range(args.tenants):
