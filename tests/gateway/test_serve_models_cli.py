@@ -31,6 +31,19 @@ def _engine_processes(server_pid: int) -> list[int]:
     return [int(pid) for pid in children if "spawn_main" in _read(Path(f"/proc/{pid}/cmdline"))]
 
 
+def _serve(command: list[str], log_path: Path, cwd: Path) -> subprocess.Popen[bytes]:
+    """`loragate serve` in a process group of its own, its output (unwrapped) in `log_path`."""
+    with log_path.open("wb") as log:
+        return subprocess.Popen(
+            command,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+            env=os.environ | {"PYTHONUNBUFFERED": "1", "COLUMNS": "400"},
+            cwd=cwd,
+        )
+
+
 def _read(path: Path) -> str:
     try:
         return path.read_text(errors="replace")
@@ -79,15 +92,7 @@ def test_a_model_that_scales_to_zero_has_an_engine_process_only_while_called(
         "--spare-engines",  # counted below as engines are: test_a_cold_start_takes_a_warm_spare
         "0",
     ]
-    with log_path.open("wb") as log:
-        server = subprocess.Popen(
-            command,
-            stdout=log,
-            stderr=subprocess.STDOUT,
-            start_new_session=True,
-            env=os.environ | {"PYTHONUNBUFFERED": "1", "COLUMNS": "400"},
-            cwd=tmp_path,
-        )
+    server = _serve(command, log_path, tmp_path)
     try:
         _wait(lambda: b"serving" in log_path.read_bytes(), "the server")
         _wait(lambda: _get(f"{url}/health") == 200, "/health")
@@ -163,15 +168,7 @@ def test_a_second_local_replica_starts_when_the_first_is_full_and_stops_when_idl
     log_path = tmp_path / "serve.log"
     command = [LORAGATE_CLI, "serve", "--models-config", str(path), "--port", str(port)]
     command += ["--spare-engines", "0"]
-    with log_path.open("wb") as log:
-        server = subprocess.Popen(
-            command + ["--no-auth"],
-            stdout=log,
-            stderr=subprocess.STDOUT,
-            start_new_session=True,
-            env=os.environ | {"PYTHONUNBUFFERED": "1", "COLUMNS": "400"},
-            cwd=tmp_path,
-        )
+    server = _serve(command + ["--no-auth"], log_path, tmp_path)
     try:
         _wait(lambda: _get(f"{url}/health") == 200, "/health")
         assert len(_engine_processes(server.pid)) == 1
@@ -213,15 +210,7 @@ def test_a_cold_start_takes_a_warm_spare(demo_model_dir: Path, tmp_path: Path) -
     url = f"http://127.0.0.1:{port}"
     log_path = tmp_path / "serve.log"
     command = [LORAGATE_CLI, "serve", "--models-config", str(path), "--port", str(port)]
-    with log_path.open("wb") as log:
-        server = subprocess.Popen(
-            command + ["--no-auth", "--spare-engines", "1"],
-            stdout=log,
-            stderr=subprocess.STDOUT,
-            start_new_session=True,
-            env=os.environ | {"PYTHONUNBUFFERED": "1", "COLUMNS": "400"},
-            cwd=tmp_path,
-        )
+    server = _serve(command + ["--no-auth", "--spare-engines", "1"], log_path, tmp_path)
     ready = re.compile(r"a spare engine process \(pid (\d+)\) is ready")
     try:
         _wait(lambda: ready.search(log_path.read_text()), "a ready spare", 120)
