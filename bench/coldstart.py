@@ -54,7 +54,8 @@ from engine.engine_process import EngineProcess
 from engine.lora_types import LoRARequest
 from engine.messages import EngineRequest
 from engine.request import SamplingParams
-from engine.warm_spare import SparePool
+from engine.warm_spare import SparePool, start_heap_bytes
+from gateway.settings import parse_bytes
 
 PHASES = (
     "process",
@@ -132,6 +133,11 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--spare", action="store_true", help="each round also in a warm spare engine process"
     )
+    p.add_argument(
+        "--spare-memory",
+        default="auto",
+        help="heap the spare faults in ahead: auto (as the gateway sizes it), a size, or 0",
+    )
     p.add_argument("--json", type=Path, default=None)
     return p
 
@@ -146,10 +152,18 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
     )
     console = Console(stderr=True)
     console.print(f"cold start of {args.model}: 1 untimed round, then {args.rounds}")
-    pool = SparePool(1) if args.spare else None
+    result: dict[str, Any] = {"model": str(args.model)}
+    pool = None
+    if args.spare:
+        heap_bytes = (
+            start_heap_bytes(config)
+            if args.spare_memory == "auto"
+            else parse_bytes(args.spare_memory)
+        )
+        pool = SparePool(1, heap_bytes, [config])
+        result["spare_heap_bytes"] = heap_bytes
     if pool is not None:
         pool.start()
-    result: dict[str, Any] = {"model": str(args.model)}
     try:
         one_cold_start(config, args.adapter)  # the page cache holds the weights from here on
         rounds, spare_rounds = [], []
@@ -212,18 +226,22 @@ def report(result: dict[str, Any], console: Console) -> None:
     table.add_row("to the first token", *totals_cells, style="bold")
     console.print(table)
     size, cat = result["weights_bytes"], result["cat_seconds"]
-    weights = statistics.median(r["weights"] for r in result["rounds"])
     console.print(
-        f"weights: {size / 2**20:.0f} MiB in {weights:.3f} s = {size / weights / 2**30:.2f} GiB/s;"
-        f" cat {cat:.3f} s = {size / cat / 2**30:.2f} GiB/s; weights at "
-        f"{cat / weights:.0%} of cat's speed"
+        f"cat reads the {size / 2**20:.0f} MiB of weights at {size / cat / 2**30:.2f} GiB/s"
     )
+    for name in columns:
+        weights = medians[name]["weights"]
+        console.print(
+            f"weights, {name}: {weights:.3f} s = {size / weights / 2**30:.2f} GiB/s, "
+            f"{cat / weights:.0%} of cat's speed"
+        )
     if "spare_rounds" in result:
         fresh, spare = totals["fresh"], totals["in a spare"]
         console.print(
             f"in a warm spare: {spare:.3f} s to the first token against {fresh:.3f} s "
             f"({fresh / spare:.1f}x faster); a ready spare holds "
-            f"{result['spare_rss_bytes'] / 2**20:.0f} MiB (RSS)"
+            f"{result['spare_rss_bytes'] / 2**20:.0f} MiB (RSS), "
+            f"{result['spare_heap_bytes'] / 2**20:.0f} MiB of it heap faulted in ahead"
         )
 
 

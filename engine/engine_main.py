@@ -21,6 +21,7 @@ from typing import Any
 from engine.async_engine import apply_message, contained_step, engine_stats, finished_parents
 from engine.config import EngineConfig
 from engine.errors import RequestRefused
+from engine.heap import retain_freed_memory
 from engine.llm_engine import LLMEngine
 from engine.lora_types import LoRALoader, LoRARequest
 from engine.messages import EngineInfo, Failed, Fatal, Progress, Ready, Refused, StepResult, Stopped
@@ -79,9 +80,11 @@ def run_engine(
     lora_loader: LoRALoader | None,
     preload: Sequence[LoRARequest],
     spawned_at: float = 0.0,
+    tokenizer: Any = None,
 ) -> None:
     """The engine process's main: load, report ready, then step until told to stop.
-    `spawned_at`: when the gateway spawned it (time.time()), to time the process's start."""
+    `spawned_at`: when the gateway spawned it (time.time()), to time the process's start;
+    `tokenizer`: the model's, loaded ahead (a warm spare's)."""
     entered = time.time()
     logging.basicConfig(level=logging.INFO, format="%(levelname)s [engine] %(message)s")
     # The gateway process decides when this one stops (it sends None, or its pipe closes).
@@ -90,7 +93,7 @@ def run_engine(
     retain_freed_memory()
     try:
         engine = LLMEngine(
-            config, lambda done, total: conn.send(Progress(done, total)), lora_loader
+            config, lambda done, total: conn.send(Progress(done, total)), lora_loader, tokenizer
         )
         if engine.lora is not None:
             for lora in preload[: config.max_loras]:
@@ -103,28 +106,6 @@ def run_engine(
     conn.send(Ready(info, engine_stats(engine), load_seconds | engine.load_seconds))
     with contextlib.suppress(EOFError, OSError, KeyboardInterrupt):  # the gateway is gone
         _EngineLoop(engine, conn).run()
-
-
-def retain_freed_memory() -> None:
-    """Keep freed heap memory in the process instead of returning it to the kernel.
-
-    glibc serves allocations from 128 KiB up (adaptively, up to 32 MiB) with fresh
-    mmaps and gives them back when freed, so every prefill's activations fault in new
-    zeroed pages, which costs as much as the arithmetic on a small model (more in a VM).
-    Serving everything up to 32 MiB from the heap, and never trimming it, makes a
-    step's buffers the previous step's, already faulted in. (vLLM-CPU asks for tcmalloc
-    preloaded for the same reason.)
-    """
-    import ctypes
-    import ctypes.util
-
-    m_trim_threshold, m_mmap_threshold = -1, -3
-    try:
-        libc = ctypes.CDLL(ctypes.util.find_library("c"))
-        libc.mallopt(m_mmap_threshold, 32 << 20)
-        libc.mallopt(m_trim_threshold, 1 << 30)
-    except (OSError, AttributeError):  # not glibc: nothing to tune
-        pass
 
 
 class _EngineLoop:

@@ -40,7 +40,6 @@ from transformers import AutoTokenizer
 
 from engine.async_engine import EngineClient
 from engine.config import EngineConfig
-from engine.engine_main import retain_freed_memory as retain_freed_memory  # gateway/launch.py's
 from engine.engine_main import run_engine, start_process
 from engine.errors import EngineDead, StepFailed
 from engine.guided import GrammarCache, GuidedSpec

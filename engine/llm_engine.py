@@ -52,10 +52,14 @@ class LLMEngine:
         config: EngineConfig,
         progress: ProgressFn | None = None,
         lora_loader: LoRALoader | None = None,
+        tokenizer: Any = None,
     ) -> None:
+        """`tokenizer`: the model's, loaded already (a warm spare's), else loaded here."""
         self.config = config
         timings = LoadTimings()
-        self.tokenizer = AutoTokenizer.from_pretrained(config.tokenizer or config.model)
+        if tokenizer is None:
+            tokenizer = AutoTokenizer.from_pretrained(config.tokenizer or config.model)
+        self.tokenizer = tokenizer
         hf_config = AutoConfig.from_pretrained(config.model)
         self.hf_config = hf_config
         self.max_model_len = config.max_model_len or int(hf_config.max_position_embeddings)

@@ -17,6 +17,7 @@ import numpy as np
 import torch
 from transformers import PretrainedConfig
 
+from engine import heap
 from engine.config import EngineConfig
 from engine.kv_cache.manager import KVCacheManager
 from engine.load_timings import LoadTimings
@@ -260,7 +261,12 @@ class ModelRunner:
     def allocate_kv_cache(self, num_blocks: int) -> None:
         shape = (self.num_kv_heads, num_blocks, self.block_size, self.head_dim)
         # Zeroed, not empty: padded attention reads stale slots with weight 0,
-        # and 0 * NaN garbage would still be NaN.
+        # and 0 * NaN garbage would still be NaN. On the CPU, zeroed by the kernel as each
+        # page is first written (engine.heap): a start writes none of the pool.
+        if self.device.type == "cpu":
+            flat = heap.lazily_zeroed([shape] * (2 * self.num_layers), self.dtype)
+            self.kv_caches = list(zip(flat[0::2], flat[1::2], strict=True))
+            return
         self.kv_caches = [
             (
                 torch.zeros(shape, dtype=self.dtype, device=self.device),

@@ -15,18 +15,33 @@ import contextlib
 import os
 import signal
 import threading
+from collections.abc import Sequence
 from multiprocessing.connection import Connection
+from typing import Any
 
 
-def run_spare(conn: Connection) -> None:
-    """Warm up, say SpareReady, and wait for a StartEngine (then be that engine, as
-    engine_main.run_engine) or for the pipe to close (then exit)."""
+def run_spare(
+    conn: Connection,
+    heap_bytes: int = 0,
+    tokenizers: Sequence[str] = (),
+    checkpoints: Sequence[str] = (),
+) -> None:
+    """Warm up, load the `tokenizers` and map the `checkpoints` (directories) of the models it
+    may become, fault in `heap_bytes` of heap, say SpareReady, and wait for a StartEngine (then
+    be that engine, as engine_main.run_engine) or for the pipe to close (then exit)."""
     # The gateway decides when this process stops: its pipe closes, or it is killed.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
-    warm = threading.Thread(target=_warm_up, name="spare-imports")
+    loaded: dict[str, Any] = {}
+    warm = threading.Thread(
+        target=_warm_up, args=(tokenizers, checkpoints, loaded), name="spare-imports"
+    )
     warm.start()
     warm.join()
+    from engine import heap
+
+    # On this thread, the engine's: glibc gives each thread its own heap.
+    heap.prefault(heap_bytes)
 
     from engine.engine_main import run_engine
     from engine.messages import SpareReady, StartEngine
@@ -37,10 +52,12 @@ def run_spare(conn: Connection) -> None:
     except (EOFError, OSError):
         return  # the pool closed, or the gateway is gone
     if isinstance(start, StartEngine):
-        run_engine(conn, start.config, start.lora_loader, start.preload, start.handed_at)
+        config = start.config
+        tokenizer = loaded.get(config.tokenizer or config.model)
+        run_engine(conn, config, start.lora_loader, start.preload, start.handed_at, tokenizer)
 
 
-def _warm_up() -> None:
+def _warm_up(tokenizers: Sequence[str], checkpoints: Sequence[str], loaded: dict[str, Any]) -> None:
     _lower_priority()
     import torch
 
@@ -55,6 +72,19 @@ def _warm_up() -> None:
     # The C++ kernels depend on the machine, not the model, and run on the CPU only.
     if not torch.cuda.is_available():
         native.load()
+    # A model's tokenizer takes a fifth of a second to load (transformers parses its JSON in
+    # Python), as long as the rest of a spare's cold start, and a checkpoint's first read a
+    # fault per few pages: the candidates' ahead, by path (engine.checkpoint_map).
+    from transformers import AutoTokenizer
+
+    from engine import checkpoint_map
+
+    for path in tokenizers:
+        with contextlib.suppress(Exception):  # the engine loads it, or says what is wrong
+            loaded[path] = AutoTokenizer.from_pretrained(path)
+    for path in checkpoints:
+        with contextlib.suppress(Exception):
+            checkpoint_map.premap(path)
 
 
 def _lower_priority() -> None:

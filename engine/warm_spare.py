@@ -25,9 +25,15 @@ import multiprocessing as mp
 import threading
 import time
 from collections import deque
+from collections.abc import Sequence
 from multiprocessing.connection import Connection
 from multiprocessing.process import BaseProcess
+from pathlib import Path
 
+import torch
+
+from engine import heap
+from engine.config import EngineConfig
 from engine.engine_main import start_process
 from engine.messages import SpareReady
 from engine.spare_main import run_spare
@@ -50,8 +56,20 @@ Spare = tuple[BaseProcess, Connection]
 class SparePool:
     """`size` spare engine processes kept ready; thread-safe."""
 
-    def __init__(self, size: int, refill_delay: float = REFILL_DELAY) -> None:
+    def __init__(
+        self,
+        size: int,
+        heap_bytes: int = 0,
+        models: Sequence[EngineConfig] = (),
+        refill_delay: float = REFILL_DELAY,
+    ) -> None:
+        """`heap_bytes`: memory each spare faults in while it waits (engine.heap.prefault;
+        start_heap_bytes() says what a model's start writes); `models`: the engines a spare
+        may become, whose tokenizers each loads and whose checkpoints each maps ahead."""
         self.size = size
+        self.heap_bytes = heap_bytes
+        self.tokenizers = tuple(dict.fromkeys(m.tokenizer or m.model for m in models))
+        self.checkpoints = tuple(dict.fromkeys(m.model for m in models))
         self.refill_delay = refill_delay
         self._taken_at = float("-inf")  # time.monotonic() of the last take
         self._ready: deque[Spare] = deque()
@@ -157,7 +175,10 @@ class SparePool:
         context = mp.get_context("spawn")  # as an engine process: no copy of this one's threads
         conn, child = context.Pipe()
         process = context.Process(
-            target=run_spare, args=(child,), name="loragate-spare", daemon=True
+            target=run_spare,
+            args=(child, self.heap_bytes, self.tokenizers, self.checkpoints),
+            name="loragate-spare",
+            daemon=True,
         )
         with self._changed:
             if self._closed:
@@ -174,3 +195,20 @@ class SparePool:
             process.join(STOP_GRACE)
             return None
         return process, conn
+
+
+def start_heap_bytes(config: EngineConfig) -> int:
+    """Heap an engine of `config` writes as it starts, besides its KV pool (mapped, written as
+    it fills): its weights in the compute dtype, then as many again for their packed copies
+    (kernels.linear.prepack; the plain ones are freed after); at most what a heap keeps freed
+    (engine.heap.TRIM_THRESHOLD). An estimate from the checkpoint's header and config: nothing
+    is loaded."""
+    from transformers import AutoConfig
+
+    from engine.model_runner import resolve_device, resolve_dtype
+    from engine.models.llama import parameter_count
+
+    hf_config = AutoConfig.from_pretrained(config.model)
+    dtype = resolve_dtype(config.dtype, hf_config, resolve_device(config.device))
+    itemsize = torch.empty(0, dtype=dtype).element_size()
+    return min(2 * parameter_count(Path(config.model)) * itemsize, heap.TRIM_THRESHOLD)

@@ -74,7 +74,7 @@ def run_server(settings: Settings, with_progress: Callable[[Any], Any]) -> None:
         raise typer.BadParameter(str(exc)) from exc
     demo, preload = asyncio.run(_start_up(tenancy, settings, modules))
     engines: dict[str, ModelEngine] = {}
-    spares = spare_pool(specs, settings.spare_engines)
+    spares = spare_pool(specs, settings.spare_engines, settings.spare_engine_memory)
     for spec in specs:
         if spec.entry.min_replicas == 0:
             typer.echo(f"{spec.name!r} scales to zero: its engine starts on its first request")

@@ -15,7 +15,7 @@ from engine.async_engine import EngineClient
 from engine.config import EngineConfig
 from engine.lora_types import LoRARequest
 from engine.spec_decode import SpeculativeConfig
-from engine.warm_spare import SparePool
+from engine.warm_spare import SparePool, start_heap_bytes
 from gateway.engine_on_demand import ModelFacts, OnDemandEngine, ScalePolicy, model_facts
 from gateway.models_file import ServedModelSpec
 from gateway.remote.remote_engine import CONNECT_TIMEOUT, RemoteEngine
@@ -77,7 +77,8 @@ def start_engine(
     `spares`: warm processes to start it in (engine.warm_spare)."""
     from engine import LLMEngine
     from engine.async_engine import AsyncEngine
-    from engine.engine_process import EngineProcess, retain_freed_memory
+    from engine.engine_process import EngineProcess
+    from engine.heap import retain_freed_memory
 
     config = engine_config(settings)
     preload = preload[: settings.max_loras] if settings.enable_lora else []
@@ -159,18 +160,27 @@ def _on_demand(
     )
 
 
-def spare_pool(specs: list[ServedModelSpec], size: int) -> SparePool | None:
+def spare_pool(specs: list[ServedModelSpec], size: int, memory: str = "auto") -> SparePool | None:
     """Warm spares (not started: start() once the engines that start with the server have
     loaded, or a spare's imports slow theirs) where a model's engine processes start on demand
     (a replica above min_replicas); None where every engine starts with the server, runs in
-    this process or lives elsewhere."""
-    on_demand = any(
-        s.entry.max_replicas > s.entry.min_replicas
+    this process or lives elsewhere. `memory`: the heap each faults in ahead (a size, or auto:
+    what the largest of those models writes as it starts, up to engine.heap's cap)."""
+    on_demand = [
+        s
+        for s in specs
+        if s.entry.max_replicas > s.entry.min_replicas
         and not s.entry.urls
         and s.settings.engine_process
-        for s in specs
-    )
-    return SparePool(size) if size > 0 and on_demand else None
+    ]
+    if size <= 0 or not on_demand:
+        return None
+    configs = [engine_config(s.settings) for s in on_demand]
+    if memory == "auto":
+        heap_bytes = max(start_heap_bytes(config) for config in configs)
+    else:
+        heap_bytes = parse_bytes(memory)
+    return SparePool(size, heap_bytes, configs)
 
 
 def remote_pool(spec: ServedModelSpec) -> ReplicaPool:

@@ -26,6 +26,9 @@ HELP: dict[str, str] = {
     "cold_start_timeout": "Seconds a request waits for its model's engine to start (503 past).",
     "spare_engines": "Engine processes kept started ahead, torch imported, for models that "
     "start on demand (0: none).",
+    "spare_engine_memory": "Memory a spare faults in ahead, so that the model it becomes loads "
+    "into pages already there: auto (what the largest such model writes at its start, up to "
+    "1GiB), a size (512MiB) or 0.",
     "engine_token": "The token between gateways and `loragate engine`s: engines take tenant "
     "context only with it (a secret of 32 bytes or more). Default: none (engines on loopback).",
     "routing": "How a model's replicas share its requests: affinity (the replica holding the "

@@ -54,6 +54,10 @@ class Settings(BaseSettings):
     cold_start_timeout: float = Field(default=60.0, gt=0.0)
     # Engine processes started ahead, torch imported, for those models (engine/warm_spare.py).
     spare_engines: int = Field(default=1, ge=0)
+    # Heap a spare faults in while it waits, so the model it becomes loads into memory already
+    # there (engine/heap.py): "auto" (what the largest of those models writes at its start,
+    # up to 1GiB), a size (512MiB) or 0.
+    spare_engine_memory: str = "auto"
     # Between a gateway and its `loragate engine`s: the engines trust tenant context (salt,
     # fairness key, adapter) only from a holder of this token.
     engine_token: SecretStr | None = None
@@ -144,6 +148,13 @@ class Settings(BaseSettings):
     def _split_modules(cls, value: object) -> object:
         # vLLM's form in one environment variable: "a=path b=path".
         return value.split() if isinstance(value, str) else value
+
+    @field_validator("spare_engine_memory")
+    @classmethod
+    def _check_spare_memory(cls, value: str) -> str:
+        if value != "auto" and parse_bytes(value) < 0:  # a ValueError names a bad size
+            raise ValueError("spare_engine_memory: a size (512MiB), 0 or auto")
+        return value
 
     @field_validator("speculative_config")
     @classmethod

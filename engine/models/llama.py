@@ -8,7 +8,7 @@ outside attention. q/k/v and gate/up are fused into one matmul each at load.
 from __future__ import annotations
 
 import contextlib
-import json
+import math
 from collections.abc import Callable, Iterator
 from contextvars import ContextVar
 from pathlib import Path
@@ -23,6 +23,8 @@ from transformers import PretrainedConfig
 from transformers.activations import ACT2FN
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
+from engine import checkpoint_map
+from engine.checkpoint_map import safetensors_files
 from engine.lora import LoRAStep
 from engine.lora_types import DOWN, GATE_UP, O_PROJ, QKV
 from kernels.attention import AttentionPlan, paged_attention, write_kv
@@ -397,30 +399,33 @@ class LlamaForCausalLM(nn.Module):
         return shards > 0 and all(f"{name}#{i}" in filled for i in range(shards))
 
 
-def _safetensors_files(model_dir: Path) -> list[Path]:
-    index = model_dir / "model.safetensors.index.json"
-    if index.exists():
-        names = sorted(set(json.loads(index.read_text())["weight_map"].values()))
-        return [model_dir / name for name in names]
-    files = sorted(model_dir.glob("*.safetensors"))
-    if not files:
-        raise FileNotFoundError(
-            f"no *.safetensors weights in {model_dir} (pickled .bin is refused)"
-        )
-    return files
-
-
 def weight_names(model_dir: Path) -> list[str]:
     names: list[str] = []
-    for file in _safetensors_files(model_dir):
+    for file in safetensors_files(model_dir):
         with safe_open(str(file), framework="pt") as f:
             names.extend(f.keys())
     return names
 
 
+def parameter_count(model_dir: Path) -> int:
+    """Elements in a checkpoint, from its headers (nothing read but them)."""
+    count = 0
+    for file in safetensors_files(model_dir):
+        with safe_open(str(file), framework="pt") as f:
+            for key in f.keys():  # noqa: SIM118 - safe_open is not a mapping
+                count += math.prod(f.get_slice(key).get_shape())
+    return count
+
+
 def iter_safetensors(model_dir: Path) -> Iterator[tuple[str, torch.Tensor]]:
-    """Yield every tensor of a single-file or sharded safetensors checkpoint."""
-    for file in _safetensors_files(model_dir):
+    """Yield every tensor of a single-file or sharded safetensors checkpoint: from its mapping
+    made ahead (engine.checkpoint_map), else read now."""
+    mapped = checkpoint_map.take(model_dir)
+    if mapped is not None:
+        for tensors in mapped:
+            yield from tensors.items()
+        return
+    for file in safetensors_files(model_dir):
         with safe_open(str(file), framework="pt") as f:
             for key in f.keys():  # noqa: SIM118 - safe_open is not a mapping
                 yield key, f.get_tensor(key)

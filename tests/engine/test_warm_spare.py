@@ -41,8 +41,10 @@ def _config(model_dir: Path) -> EngineConfig:
 
 
 @pytest.fixture(scope="module")
-def pool() -> Iterator[SparePool]:
-    pool = SparePool(1)
+def pool(demo_model_dir: Path) -> Iterator[SparePool]:
+    # As the gateway makes them: heap faulted in ahead, the model's tokenizer loaded and its
+    # checkpoint mapped.
+    pool = SparePool(1, heap_bytes=64 << 20, models=[_config(demo_model_dir)])
     pool.start()
     assert pool.wait_ready(READY)
     yield pool

@@ -1,4 +1,4 @@
-"""adapters.safetensors_view against the reference implementation (the safetensors package):
+"""engine.safetensors_view against the reference implementation (the safetensors package):
 the same tensors from the same files, views rather than copies, and a refusal wherever the
 reference refuses."""
 
@@ -12,7 +12,7 @@ import pytest
 import safetensors.torch
 import torch
 
-from adapters.safetensors_view import SafetensorsError, load_views
+from engine.safetensors_view import SafetensorsError, load_views
 
 
 def _buffer(data: bytes) -> torch.Tensor:
