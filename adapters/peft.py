@@ -36,8 +36,8 @@ import torch
 from adapters.peft_config import CONFIG_FILE as CONFIG_FILE
 from adapters.peft_config import AdapterError as AdapterError
 from adapters.peft_config import LoraConfig, parse_config, short
-from engine.safetensors_view import SafetensorsError, load_views
 from engine.lora_types import LORA_TARGETS, LoRAWeights
+from engine.safetensors_view import SafetensorsError, load_views
 
 WEIGHTS_FILE = "adapter_model.safetensors"
 PICKLE_FILE = "adapter_model.bin"
