@@ -26,7 +26,7 @@ from pathlib import Path
 from adapters.peft import BaseModelInfo
 from adapters.peft_config import AdapterError
 from adapters.registry import AdapterInfo, RegisteredLoader, inspect_adapter
-from adapters.store import AdapterStore
+from adapters.store import AdapterStorage
 from engine.lora_types import LoRARequest
 from tenants.adapter_rows import (
     AdapterExists,
@@ -83,7 +83,7 @@ class AdapterCatalog:
     def __init__(
         self,
         db: Database,
-        store: AdapterStore,
+        store: AdapterStorage,
         bases: dict[str, BaseModelInfo],
         max_lora_rank: int,
         ttl: float = 10.0,

@@ -21,6 +21,7 @@ from typing import Annotated, Literal
 from pydantic import Field, SecretStr, field_validator
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
+from adapters.store import store_directory
 from engine.spec_decode import SpeculativeConfig
 
 PLACEHOLDER_SECRETS = {"changeme", "change-me", "secret", "password", "default", "test"}
@@ -148,6 +149,12 @@ class Settings(BaseSettings):
     def _split_modules(cls, value: object) -> object:
         # vLLM's form in one environment variable: "a=path b=path".
         return value.split() if isinstance(value, str) else value
+
+    @field_validator("adapter_store", mode="before")
+    @classmethod
+    def _check_adapter_store(cls, value: object) -> object:
+        # Before the Path, which would fold "s3://b" into "s3:/b", a directory named "s3:".
+        return store_directory(value) if isinstance(value, str) else value
 
     @field_validator("spare_engine_memory")
     @classmethod

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from datetime import datetime
 
 from adapters.peft import BaseModelInfo
-from adapters.store import AdapterStore
+from adapters.store import open_adapter_store
 from gateway.adapter_catalog import AdapterCatalog
 from gateway.admin_auth import AdminAuth
 from gateway.auth import RequestTenant, TenantAuth, request_tenant
@@ -83,7 +83,7 @@ def open_tenancy(settings: Settings, bases: dict[str, BaseModelInfo]) -> Tenancy
     db = Database(settings.database_url)
     catalog = AdapterCatalog(
         db,
-        AdapterStore(settings.adapter_store),
+        open_adapter_store(settings.adapter_store),
         bases,
         settings.max_lora_rank,
         ttl=settings.tenant_cache_ttl,

@@ -32,7 +32,7 @@ def run_engine_server(settings: Settings, with_progress: Callable[[Any], Any]) -
 
     from adapters.peft import describe_base
     from adapters.registry import RegisteredLoader
-    from adapters.store import AdapterStore
+    from adapters.store import open_adapter_store
     from gateway.model_engines import start_engine
     from gateway.remote.engine_app import build_engine_app
     from gateway.remote.engine_server import EngineService
@@ -52,7 +52,7 @@ def run_engine_server(settings: Settings, with_progress: Callable[[Any], Any]) -
     service = EngineService(
         name,
         engine,
-        store=AdapterStore(settings.adapter_store) if settings.enable_lora else None,
+        store=open_adapter_store(settings.adapter_store) if settings.enable_lora else None,
         token=None if token is None else token.get_secret_value(),
         block_size=settings.block_size,
     )

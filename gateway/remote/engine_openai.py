@@ -121,7 +121,7 @@ def _check_adapter(service: EngineService, adapter: str) -> None:
         raise APIError(400, "this engine serves no adapters (--enable-lora)", param=ADAPTER)
     if not _SHA256.fullmatch(adapter):
         raise APIError(400, f"{ADAPTER} is an adapter's sha256", param=ADAPTER)
-    if not service.store.path(adapter).is_dir():
+    if not service.store.contains(adapter):
         raise APIError(
             404,
             f"adapter {adapter} is not in this engine's adapter store",

@@ -29,7 +29,7 @@ from fastapi import APIRouter, Request, WebSocket, WebSocketDisconnect
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
-from adapters.store import AdapterStore
+from adapters.store import AdapterStorage
 from engine.async_engine import EngineClient
 from engine.errors import RequestRefused
 from engine.lora_types import LoRARequest
@@ -58,7 +58,7 @@ class EngineService:
         name: str,
         engine: EngineClient,
         *,
-        store: AdapterStore | None,
+        store: AdapterStorage | None,
         token: str | None,
         block_size: int,
     ) -> None:
@@ -231,12 +231,12 @@ async def load_adapter(request: Request, sha256: str) -> JSONResponse:
     if service.store is None:
         return _error(400, "this engine serves no adapters (--enable-lora)", "lora_disabled")
     try:
-        path = service.store.path(sha256)
+        stored = service.store.contains(sha256)
     except ValueError:
         return _error(400, "an adapter is named by the sha256 of its files", "invalid_value")
-    if not path.is_dir():
+    if not stored:
         return _error(404, f"adapter {sha256} is not in the adapter store", "adapter_not_found")
-    service.engine.load_lora(LoRARequest(sha256[:12], str(path), sha256))
+    service.engine.load_lora(LoRARequest(sha256[:12], str(service.store.path(sha256)), sha256))
     return JSONResponse({"adapter_id": sha256, "status": "loading"}, status_code=202)
 
 

@@ -16,7 +16,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-from adapters.store import AdapterStore
+from adapters.store import AdapterStorage
 from engine.errors import (
     ContextLengthExceeded,
     EngineDead,
@@ -66,7 +66,7 @@ def encode_request(request: EngineRequest) -> dict[str, Any]:
     }
 
 
-def decode_request(data: dict[str, Any], store: AdapterStore | None) -> EngineRequest:
+def decode_request(data: dict[str, Any], store: AdapterStorage | None) -> EngineRequest:
     """An EngineRequest from the wire; its adapter's path is the engine's own store's.
     Raises RequestRefused for a request that does not decode."""
     try:

@@ -13,7 +13,7 @@ from second_base import WIDE, retarget, wide_adapter, wide_base, wide_model_dir
 
 from adapters.peft import BaseModelInfo, adapter_identity, describe_base
 from adapters.peft_config import AdapterError
-from adapters.store import AdapterStore
+from adapters.store import LocalAdapterStore
 from gateway.adapter_catalog import AdapterCatalog, AmbiguousAdapter, InvalidBaseModel
 from tenants.adapter_rows import AdapterExists, list_adapters
 from tenants.db import Database, upgrade
@@ -43,7 +43,7 @@ def demo_base(demo_model_dir: Path) -> BaseModelInfo:
 
 
 def _catalog(db: Database, root: Path, bases: dict[str, BaseModelInfo]) -> AdapterCatalog:
-    return AdapterCatalog(db, AdapterStore(root / "store"), bases, max_lora_rank=16)
+    return AdapterCatalog(db, LocalAdapterStore(root / "store"), bases, max_lora_rank=16)
 
 
 async def _tenant(db: Database, name: str) -> str:

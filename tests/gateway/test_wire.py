@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from adapters.store import AdapterStore
+from adapters.store import LocalAdapterStore
 from engine.errors import ContextLengthExceeded, EngineOverloaded, RequestRefused, StepFailed
 from engine.lora_types import LoRARequest
 from engine.messages import EngineRequest, EngineStats
@@ -54,7 +54,7 @@ def test_a_request_round_trips_with_the_engine_store_path(tmp_path: Path) -> Non
         fairness_key="ten_1",
         fairness_weight=2.0,
     )
-    store = AdapterStore(tmp_path / "store")
+    store = LocalAdapterStore(tmp_path / "store")
     back = decode_request(_over_the_wire(encode_request(request)), store)  # type: ignore[arg-type]
     assert back.params == params
     assert back.lora == LoRARequest("sql", str(store.path(SHA)), SHA)
@@ -78,7 +78,7 @@ def test_a_request_round_trips_with_the_engine_store_path(tmp_path: Path) -> Non
 def test_a_request_that_does_not_decode_is_refused(tmp_path: Path, change: dict) -> None:
     good = encode_request(EngineRequest("r", [1, 2], SamplingParams()))
     with pytest.raises(RequestRefused):
-        decode_request(good | change, AdapterStore(tmp_path))
+        decode_request(good | change, LocalAdapterStore(tmp_path))
 
 
 def test_an_adapter_for_an_engine_without_lora_is_refused() -> None:
