@@ -19,7 +19,7 @@ from engine.warm_spare import SparePool, start_heap_bytes
 from gateway.engine_on_demand import ModelFacts, OnDemandEngine, ScalePolicy, model_facts
 from gateway.models_file import ServedModelSpec
 from gateway.remote.remote_engine import CONNECT_TIMEOUT, RemoteEngine
-from gateway.remote.replica_pool import ReplicaPool
+from gateway.remote.replica_pool import HoldPolicy, ReplicaPool
 from gateway.served_models import ModelEngine
 from gateway.settings import Settings, parse_bytes
 
@@ -204,11 +204,17 @@ def remote_pool(spec: ServedModelSpec) -> ReplicaPool:
     ]
     for replica in replicas:
         replica.start(wait=0)
-    deadline = time.monotonic() + CONNECT_TIMEOUT
+    # Engines scaled to zero need not answer at start; others get a moment to.
+    deadline = time.monotonic() + (CONNECT_TIMEOUT if spec.entry.min_replicas else 0.0)
     while time.monotonic() < deadline and not all(r.is_alive for r in replicas):
         time.sleep(0.05)
+    hold = HoldPolicy(
+        max_pending=settings.max_pending_per_model,
+        timeout=settings.cold_start_timeout,
+        scale_to_zero=spec.entry.min_replicas == 0,
+    )
     urls = spec.entry.urls
-    return ReplicaPool(spec.name, replicas, urls, settings.block_size, settings.routing)
+    return ReplicaPool(spec.name, replicas, urls, settings.block_size, settings.routing, hold)
 
 
 def _without_progress(load: Callable[[Any], Any]) -> Any:

@@ -8,12 +8,20 @@ and the adapters in its slots. A replica that fails leaves the rotation at once 
 says so) and returns when it answers again. A request a replica refused before its first token
 (dead, or its queue full) goes to the next one; one that had started ends with the 503 its
 engine's death raised, and its usage row holds what it produced.
+
+When no replica is up (engines elsewhere scaled to zero, as KEDA does on Kubernetes, or all
+restarting), a pool given a HoldPolicy holds requests as a model starting on demand does:
+at most `max_pending`, each for at most `timeout` seconds, then a 503 with Retry-After. They
+count in `num_held`, hence in `loragate:model_pending_requests`: the signal that wakes the
+engines from zero, since an engine that is not running exports nothing.
 """
 
 from __future__ import annotations
 
 import asyncio
+import time
 from collections.abc import AsyncIterator, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 from engine.errors import EngineDead, EngineOverloaded
@@ -24,6 +32,16 @@ from gateway.remote.routing import ReplicaView, choose, prefix_key
 from gateway.served_models import ModelEngine
 
 POLICIES = ("affinity", "least_loaded", "round_robin")
+HOLD_POLL = 0.05  # seconds between looks for a replica come up (their links run on threads)
+
+
+@dataclass(frozen=True, slots=True)
+class HoldPolicy:
+    """Requests held while no replica is up."""
+
+    max_pending: int = 256
+    timeout: float = 60.0  # seconds
+    scale_to_zero: bool = False  # no replica up is a state, not a failure (health stays ok)
 
 
 class ReplicaPool:
@@ -36,6 +54,7 @@ class ReplicaPool:
         names: Sequence[str],
         block_size: int,
         policy: str = "affinity",
+        hold: HoldPolicy | None = None,
     ) -> None:
         if not replicas:
             raise ValueError("a pool has at least one replica")
@@ -49,6 +68,8 @@ class ReplicaPool:
         self.block_size = block_size
         self.in_flight = [0] * len(replicas)
         self.routed = [0] * len(replicas)  # requests sent to each, for tests and benchmarks
+        self.hold = hold
+        self._held = 0  # requests waiting for any replica to come up
 
     # -- what the gateway reads --------------------------------------------------------------
 
@@ -66,9 +87,11 @@ class ReplicaPool:
 
     @property
     def health(self) -> str:
-        """ok while any replica serves; else the first one's state."""
+        """ok while any replica serves (or may all be down: scaled to zero); else the first
+        one's state."""
         states = [r.health for r in self.replicas]
-        return "ok" if "ok" in states else states[0]
+        scaled_to_zero = self.hold is not None and self.hold.scale_to_zero
+        return "ok" if "ok" in states or scaled_to_zero else states[0]
 
     @property
     def num_replicas(self) -> int:
@@ -80,7 +103,7 @@ class ReplicaPool:
 
     @property
     def num_held(self) -> int:
-        return sum(int(getattr(r, "num_held", 0)) for r in self.replicas)
+        return self._held + sum(int(getattr(r, "num_held", 0)) for r in self.replicas)
 
     def stats(self) -> EngineStats:
         """The pool as one engine: counts summed, KV usage averaged, adapters joined."""
@@ -95,8 +118,10 @@ class ReplicaPool:
             "num_failed_requests",
             "lora_slots_used",
             "lora_disk_loads",
+            "num_kv_blocks",
         ):
             setattr(total, field, sum(getattr(s, field) for s in each))
+        total.block_size = max(s.block_size for s in each)  # one model: one block size
         total.kv_cache_usage = sum(s.kv_cache_usage for s in each) / len(each)
         loras = [s.max_loras for s in each if s.max_loras is not None]
         total.max_loras = sum(loras) if loras else None
@@ -117,6 +142,9 @@ class ReplicaPool:
         tried: set[int] = set()
         while True:
             index = self._choose(adapter, key, tried)
+            if index is None and not tried and self.hold is not None:
+                await self._wait_for_a_replica(self.hold)
+                index = self._choose(adapter, key, tried)
             if index is None:
                 raise EngineDead(f"no replica of {self.name!r} is serving")
             tried.add(index)
@@ -133,6 +161,23 @@ class ReplicaPool:
                     raise
             finally:
                 self.in_flight[index] -= 1
+
+    async def _wait_for_a_replica(self, hold: HoldPolicy) -> None:
+        if self._held >= hold.max_pending:
+            raise EngineOverloaded(
+                f"no replica of {self.name!r} is up and {self._held} requests wait for one"
+            )
+        self._held += 1
+        deadline = time.monotonic() + hold.timeout
+        try:
+            while not any(r.health == "ok" for r in self.replicas):
+                if time.monotonic() >= deadline:
+                    raise EngineOverloaded(
+                        f"no replica of {self.name!r} came up within {hold.timeout:g} s"
+                    )
+                await asyncio.sleep(HOLD_POLL)
+        finally:
+            self._held -= 1
 
     async def compile_grammar(self, spec: GuidedSpec) -> None:
         # Grammars compile on the gateway's side of every replica alike: one compiles.
