@@ -51,6 +51,8 @@ def engine_stats(engine: LLMEngine) -> EngineStats:
         prefix_cache_hits=engine.kv.num_hit_tokens,
         num_preemptions=scheduler.num_preemptions,
         num_failed_requests=engine.num_failed_requests,
+        block_size=engine.kv.block_size,
+        num_kv_blocks=engine.kv.pool.num_blocks,
     )
     if engine.speculative is not None:
         stats.spec_decode = (

@@ -90,6 +90,10 @@ class EngineStats:
     prefix_cache_hits: int = 0
     num_preemptions: int = 0
     num_failed_requests: int = 0  # sequences that alone failed an engine step
+    # The KV pool's shape (vLLM's cache_config_info: block_size, num_gpu_blocks, on CPU too);
+    # 0 while there is no engine to ask.
+    block_size: int = 0
+    num_kv_blocks: int = 0
     spec_decode: tuple[int, int, int] | None = None  # drafts, draft tokens, accepted; None: off
     max_loras: int | None = None  # None: LoRA disabled
     running_adapters: list[str] = field(default_factory=list)

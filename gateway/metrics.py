@@ -63,6 +63,8 @@ class _EngineCollector(Collector):
         yield from families.values()
         if any(stats.max_loras is not None for _, stats in snapshots):
             yield _lora_info(snapshots)
+        if any(stats.num_kv_blocks for _, stats in snapshots):
+            yield _cache_config_info(snapshots)
         yield from _scaling_series(snapshots)
 
 
@@ -76,6 +78,20 @@ def _lora_info(snapshots: list[tuple[ServedModel, EngineStats]]) -> GaugeMetricF
         if stats.max_loras is not None:
             running, waiting = ",".join(stats.running_adapters), ",".join(stats.waiting_adapters)
             info.add_metric([str(stats.max_loras), running, waiting, model.name], time.time())
+    return info
+
+
+def _cache_config_info(snapshots: list[tuple[ServedModel, EngineStats]]) -> GaugeMetricFamily:
+    """vLLM's info gauge (value 1): what an endpoint picker reads of the KV pool's shape. The
+    engine's block count is `num_gpu_blocks`, as vLLM names it, whatever the device."""
+    info = GaugeMetricFamily(
+        "loragate:cache_config_info",
+        "The KV cache's configuration (vLLM's labels); the value is 1.",
+        labels=["block_size", "num_gpu_blocks", "model_name"],
+    )
+    for model, stats in snapshots:
+        if stats.num_kv_blocks:  # an engine not started yet has no pool to describe
+            info.add_metric([str(stats.block_size), str(stats.num_kv_blocks), model.name], 1.0)
     return info
 
 
