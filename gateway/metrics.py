@@ -48,8 +48,9 @@ _COLD_START_BUCKETS = (0.25, 0.5, 1.0, 2.0, 3.0, 5.0, 7.5, 10.0, 15.0, 20.0, 30.
 class _EngineCollector(Collector):
     """Each served model's engine, read at scrape time, under vLLM's `model_name` label."""
 
-    def __init__(self, models: ServedModels) -> None:
+    def __init__(self, models: ServedModels, scaling: bool) -> None:
         self.models = models
+        self.scaling = scaling
 
     def collect(self) -> Iterator[GaugeMetricFamily | CounterMetricFamily]:
         # One snapshot per engine per scrape, read by every series below.
@@ -65,7 +66,8 @@ class _EngineCollector(Collector):
             yield _lora_info(snapshots)
         if any(stats.num_kv_blocks for _, stats in snapshots):
             yield _cache_config_info(snapshots)
-        yield from _scaling_series(snapshots)
+        if self.scaling:
+            yield from _scaling_series(snapshots)
 
 
 def _lora_info(snapshots: list[tuple[ServedModel, EngineStats]]) -> GaugeMetricFamily:
@@ -210,9 +212,12 @@ class _TenancyCollector(Collector):
 
 
 class Metrics:
-    def __init__(self, models: ServedModels, max_tenants: int = 100) -> None:
+    def __init__(self, models: ServedModels, max_tenants: int = 100, scaling: bool = True) -> None:
+        """`scaling`: the series an autoscaler reads (replicas, cold starts, requests pending
+        per model), the gateway's alone: an engine's would count its queue a second time in a
+        sum over every pod scraped."""
         self.registry = CollectorRegistry()
-        self.registry.register(_EngineCollector(models))
+        self.registry.register(_EngineCollector(models, scaling))
         r = self.registry
         self.tenants = TenantMetrics(r, max_tenants)
         self.prompt_tokens = Counter(

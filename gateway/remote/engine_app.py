@@ -19,7 +19,7 @@ def build_engine_app(service: EngineService, max_body_bytes: int = 4 << 20) -> F
     app = FastAPI(title="loragate engine", docs_url=None, redoc_url=None, openapi_url=None)
     app.state.service = service
     models = app.state.models = ServedModels({service.name: service.engine}, RequestLimits())
-    metrics = app.state.metrics = Metrics(models, 0)
+    metrics = app.state.metrics = Metrics(models, 0, scaling=False)
     app.include_router(router)
     add_openai_routes(app, service, metrics)
     install_error_handlers(app)

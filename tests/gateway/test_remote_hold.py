@@ -1,8 +1,8 @@
 """Engines elsewhere scaled to zero (gateway/remote/replica_pool.py's HoldPolicy), as KEDA scales
 a Kubernetes Deployment: with no `loragate engine` up, the gateway stays healthy, holds
 requests (counted in `loragate:model_pending_requests`, the signal that wakes the engines),
-refuses past the bound, and serves what it held once an engine comes up on the address.
-A request held past the timeout is a 503 too."""
+refuses past the bound, and serves what it held once an engine comes up on the address
+(the engine itself exports no such count). A request held past the timeout is a 503 too."""
 
 from __future__ import annotations
 
@@ -114,6 +114,11 @@ def test_requests_are_held_until_an_engine_comes_up_then_served(
         assert [a.status_code for a in answers] == [200, 200], ([a.text for a in answers], log)
         assert all(a.json()["usage"]["completion_tokens"] == 4 for a in answers)
         assert _pending(server) == 0
+        # What wakes engines is the gateways' count alone: an engine exports its queue, not
+        # the scaling series, which a sum over every pod scraped would count twice.
+        engine_metrics = httpx.get(f"{url}/metrics").text
+        assert "loragate:num_requests_waiting{" in engine_metrics
+        assert "loragate:model_pending_requests" not in engine_metrics
     asyncio.run(pool.shutdown(0))
 
 
