@@ -11,22 +11,19 @@ from __future__ import annotations
 
 import os
 import signal
-import subprocess
-import sys
 import threading
 import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
 from pathlib import Path
 
 import httpx
 import openai
 import pytest
+from engine_services import TOKEN, EngineService, start_engine, wait_healthy
 from live_server import (
     Server,
     build_test_app,
-    free_port,
     live_server,
     new_tenant,
     register_public,
@@ -42,52 +39,6 @@ from gateway.remote.remote_engine import RemoteEngine, engine_socket_url
 from gateway.remote.replica_pool import ReplicaPool
 from gateway.settings import Settings
 
-LORAGATE_CLI = str(Path(sys.executable).parent / "loragate")
-TOKEN = "an-engine-token-that-is-long-enough-for-loragate-0123456789"
-ENGINE_KNOBS = ["--kv-cache-memory", "64MiB", "--max-model-len", "512", "--num-threads", "1"]
-
-
-@dataclass
-class EngineService:
-    url: str
-    process: subprocess.Popen[bytes]
-    log: Path
-
-    def metric(self, name: str) -> float:
-        text = httpx.get(f"{self.url}/metrics").text
-        values = [
-            float(line.rsplit(" ", 1)[1])
-            for line in text.splitlines()
-            if line.startswith(name + "{") or line.startswith(name + " ")
-        ]
-        assert values, f"{name} not in {self.url}/metrics"
-        return sum(values)
-
-
-def _start_engine(model_dir: Path, store: Path, log: Path) -> EngineService:
-    port = free_port()
-    command = [LORAGATE_CLI, "engine", "--model", str(model_dir), "--port", str(port)]
-    command += ["--served-model-name", "demo"]
-    command += ["--engine-token", TOKEN, "--adapter-store", str(store), *ENGINE_KNOBS]
-    with log.open("wb") as out:
-        process = subprocess.Popen(
-            command, stdout=out, stderr=subprocess.STDOUT, start_new_session=True
-        )
-    return EngineService(f"http://127.0.0.1:{port}", process, log)
-
-
-def _wait_healthy(engine: EngineService, timeout: float = 120.0) -> None:
-    deadline = time.monotonic() + timeout
-    while True:
-        assert engine.process.poll() is None, engine.log.read_text()
-        try:
-            if httpx.get(f"{engine.url}/health", timeout=2).status_code == 200:
-                return
-        except httpx.HTTPError:
-            pass
-        assert time.monotonic() < deadline, engine.log.read_text()
-        time.sleep(0.2)
-
 
 @pytest.fixture(scope="module")
 def root(tmp_path_factory: pytest.TempPathFactory) -> Path:
@@ -97,10 +48,10 @@ def root(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @pytest.fixture(scope="module")
 def engines(demo_model_dir: Path, root: Path) -> Iterator[list[EngineService]]:
     """Two `loragate engine`s of the demo model sharing the gateway's adapter store."""
-    started = [_start_engine(demo_model_dir, root / "adapters", root / f"e{i}.log") for i in (0, 1)]
+    started = [start_engine(demo_model_dir, root / "adapters", root / f"e{i}.log") for i in (0, 1)]
     try:
         for engine in started:
-            _wait_healthy(engine)
+            wait_healthy(engine)
         yield started
     finally:
         for engine in started:
