@@ -135,6 +135,9 @@ def _build_dir() -> Path:
     for source in [*SOURCES, *HEADERS]:
         digest.update(source.read_bytes())
     digest.update(torch.__version__.encode())
+    # torch's build file names the sources' and torch's own paths: a checkout or a venv
+    # elsewhere sharing the directory rebuilt it for itself, and the other rebuilt it back.
+    digest.update(f"{_CSRC.resolve()}\0{Path(torch.__file__).resolve().parent}".encode())
     digest.update(platform.machine().encode())
     digest.update(cpu_features.flags_line().encode())
     root = Path(os.environ.get("LORAGATE_KERNEL_CACHE", Path.home() / ".cache" / "loragate"))
