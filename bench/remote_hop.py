@@ -1,5 +1,6 @@
-"""The remote hop: W1 through a gateway whose engine is a `loragate engine` on loopback, against
-the same gateway with its engine process beside it, in one run.
+"""The remote hop: W1 through a gateway whose engine is a `loragate engine` on loopback (over the
+WebSocket link, and one HTTP request per request as behind an inference gateway), against the
+same gateway with its engine process beside it, in one run.
 
     loragate-bench remote-hop --model models/demo [--rounds 3] [--num-prompts 64]
         [--concurrency 16] [--output-len 64] [--engine-args "--no-engine-process"]
@@ -10,8 +11,11 @@ Each round starts one setup at a time (the order swapped every round), drives W1
   local   loragate serve --model M                     gateway ── pipe ── engine process
   remote  loragate engine --model M; loragate serve --models-config (urls: that engine)
                                                         gateway ── WebSocket ── engine
+  picker  the same, with `routing: picker`              gateway ── a POST per request ── engine
+          (what the gateway pays in front of an inference gateway; the inference gateway's own
+          proxy and picker are the cluster's, not measured here)
 
-The table gives each run, the medians and remote / local. Every run has its own prompt seed,
+The table gives each run, the medians and each against local. Every run has its own prompt seed,
 so no run finds its prompts cached.
 """
 
@@ -31,7 +35,7 @@ from bench.serve import run_serve_bench
 from bench.servers import LORAGATE_CLI, spawn, stop, wait_ready
 from kernels import cpu_features
 
-SIDES = ("local", "remote")
+SIDES = ("local", "remote", "picker")
 
 
 def run_side(side: str, args: argparse.Namespace, seed: int, console: Console) -> dict[str, Any]:
@@ -44,7 +48,7 @@ def run_side(side: str, args: argparse.Namespace, seed: int, console: Console) -
     ]  # fmt: skip
     processes = []
     try:
-        if side == "remote":
+        if side in ("remote", "picker"):
             engine_url = f"http://127.0.0.1:{args.port + 1}"
             engine = [
                 LORAGATE_CLI, "engine", "--model", args.model, "--port", str(args.port + 1),
@@ -55,6 +59,8 @@ def run_side(side: str, args: argparse.Namespace, seed: int, console: Console) -
             wait_ready(engine_url, processes[-1], work / "engine.log", path="/health")
             models = work / "models.yaml"
             entry = {"name": "demo", "path": args.model, "urls": [engine_url]}
+            if side == "picker":
+                entry["routing"] = "picker"
             models.write_text(json.dumps({"models": [entry]}))  # JSON is YAML
             serve += ["--models-config", str(models)]
         else:
@@ -79,10 +85,11 @@ def run_side(side: str, args: argparse.Namespace, seed: int, console: Console) -
 
 def report(runs: dict[str, list[dict[str, Any]]], console: Console) -> None:
     table = Table(title="W1 through a gateway: engine process beside it vs `loragate engine`")
+    sides = [side for side in SIDES if runs.get(side)]
     for column in ("setup", "output tok/s (runs)", "median", "TTFT p50", "ITL p50", "failed"):
         table.add_column(column, justify="right")
     medians = {}
-    for side in SIDES:
+    for side in sides:
         rows = runs[side]
         medians[side] = statistics.median(r["output_tok_s"] for r in rows)
         table.add_row(
@@ -94,7 +101,10 @@ def report(runs: dict[str, list[dict[str, Any]]], console: Console) -> None:
             str(sum(r["failed"] for r in rows)),
         )
     console.print(table)
-    console.print(f"remote / local output tok/s: {medians['remote'] / medians['local']:.3f}x")
+    for side in sides:
+        if side != "local" and "local" in medians:
+            ratio = medians[side] / medians["local"]
+            console.print(f"{side} / local output tok/s: {ratio:.3f}x")
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -109,13 +119,15 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--output-len", type=int, default=64)
     p.add_argument("--port", type=int, default=8030, help="the gateway's; the engine's is +1")
     p.add_argument("--engine-args", default="", help="more flags for `loragate engine`")
+    p.add_argument("--sides", default=",".join(SIDES), help="which of local,remote,picker to run")
     p.add_argument("--json", type=Path, default=None)
     args = p.parse_args(argv)
+    sides = tuple(side for side in SIDES if side in args.sides.split(","))
     console = Console()
     console.print(f"CPU: {cpu_features.describe()}")
-    runs: dict[str, list[dict[str, Any]]] = {side: [] for side in SIDES}
+    runs: dict[str, list[dict[str, Any]]] = {side: [] for side in sides}
     for round_index in range(args.rounds):
-        order = SIDES if round_index % 2 == 0 else SIDES[::-1]
+        order = sides if round_index % 2 == 0 else sides[::-1]
         for side in order:
             row = run_side(side, args, seed=100 + round_index, console=console)
             console.print(f"round {round_index + 1} {side}: {row['output_tok_s']:,.0f} tok/s")

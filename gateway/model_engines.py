@@ -1,7 +1,8 @@
 """Each served model's engine, as its models-file entry asks: one engine process started with
 the server, one started on its first request (gateway.engine_on_demand), several local replicas
 up to max_replicas, or the `loragate engine`s its `urls` name (gateway.remote), the latter two
-behind a routing pool (gateway.remote.replica_pool)."""
+behind a routing pool (gateway.remote.replica_pool); or, with `routing: picker`, an inference
+gateway at its one url that picks an engine per request (gateway.remote.picked_engine)."""
 
 from __future__ import annotations
 
@@ -18,6 +19,7 @@ from engine.spec_decode import SpeculativeConfig
 from engine.warm_spare import SparePool, start_heap_bytes
 from gateway.engine_on_demand import ModelFacts, OnDemandEngine, ScalePolicy, model_facts
 from gateway.models_file import ServedModelSpec
+from gateway.remote.picked_engine import PickedEngine
 from gateway.remote.remote_engine import CONNECT_TIMEOUT, RemoteEngine
 from gateway.remote.replica_pool import HoldPolicy, ReplicaPool
 from gateway.served_models import ModelEngine
@@ -115,6 +117,8 @@ def model_engine(
     started now (min_replicas 1) or on its first request and stopped after idle_timeout
     (min_replicas 0); else (max_replicas above 1) a pool of local ones."""
     entry, settings = spec.entry, spec.settings
+    if entry.urls and spec.settings.routing == "picker":
+        return picked_engine(spec)
     if entry.urls:
         return remote_pool(spec)
     if entry.max_replicas == 1 and entry.min_replicas == 1:
@@ -183,6 +187,33 @@ def spare_pool(specs: list[ServedModelSpec], size: int, memory: str = "auto") ->
     return SparePool(size, heap_bytes, configs)
 
 
+def hold_policy(spec: ServedModelSpec) -> HoldPolicy:
+    """How requests wait for engines elsewhere while none is up."""
+    return HoldPolicy(
+        max_pending=spec.settings.max_pending_per_model,
+        timeout=spec.settings.cold_start_timeout,
+        scale_to_zero=spec.entry.min_replicas == 0,
+    )
+
+
+def picked_engine(spec: ServedModelSpec) -> PickedEngine:
+    """The engines behind the entry's one url, an inference gateway that picks per request."""
+    settings = spec.settings
+    facts = model_facts(settings.model, settings.max_model_len)
+    token = settings.engine_token
+    return PickedEngine(
+        spec.name,
+        spec.entry.urls[0],
+        engine_config(settings),
+        tokenizer=facts.tokenizer,
+        vocab_size=facts.vocab_size,
+        max_model_len=facts.max_model_len,
+        eos_token_ids=facts.eos_token_ids,
+        hold=hold_policy(spec),
+        token=None if token is None else token.get_secret_value(),
+    )
+
+
 def remote_pool(spec: ServedModelSpec) -> ReplicaPool:
     """The `loragate engine`s at the entry's urls, connected (each retried in the background
     until it answers; a replica not up is out of rotation)."""
@@ -208,13 +239,10 @@ def remote_pool(spec: ServedModelSpec) -> ReplicaPool:
     deadline = time.monotonic() + (CONNECT_TIMEOUT if spec.entry.min_replicas else 0.0)
     while time.monotonic() < deadline and not all(r.is_alive for r in replicas):
         time.sleep(0.05)
-    hold = HoldPolicy(
-        max_pending=settings.max_pending_per_model,
-        timeout=settings.cold_start_timeout,
-        scale_to_zero=spec.entry.min_replicas == 0,
-    )
     urls = spec.entry.urls
-    return ReplicaPool(spec.name, replicas, urls, settings.block_size, settings.routing, hold)
+    return ReplicaPool(
+        spec.name, replicas, urls, settings.block_size, settings.routing, hold_policy(spec)
+    )
 
 
 def _without_progress(load: Callable[[Any], Any]) -> Any:

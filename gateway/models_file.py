@@ -12,6 +12,8 @@
           dtype: auto
           max_num_seqs: 64
         urls: []                   # engines started elsewhere (`loragate engine`)
+        routing: affinity          # among them (--routing); picker: urls is one inference
+                                   # gateway, whose endpoint picker chooses per request
 
 `--model` alone is the one-entry file `[{name: --served-model-name or the directory's name,
 path: --model}]`. An engine knob not named under `engine:` is the server's own (its flag, its
@@ -24,7 +26,7 @@ import os
 import re
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
@@ -78,6 +80,7 @@ class ModelEntry(BaseModel):
     idle_timeout: float = Field(default=300.0, gt=0)
     engine: dict[str, Any] = Field(default_factory=dict)
     urls: list[str] = Field(default_factory=list)
+    routing: Literal["affinity", "least_loaded", "round_robin", "picker"] | None = None
 
     @model_validator(mode="after")
     def _check(self) -> ModelEntry:
@@ -130,6 +133,7 @@ def served_models(settings: Settings) -> list[ServedModelSpec]:
     if settings.models_config is None:
         name = settings.served_model_name or Path(settings.model).resolve().name
         entry = ModelEntry(name=name, path=Path(settings.model))
+        check_picker(settings.routing, entry, None)
         return [ServedModelSpec(entry=entry, settings=settings)]
     if settings.served_model_name is not None:
         raise SettingsError(
@@ -205,12 +209,25 @@ def _engine_settings(settings: Settings, entry: ModelEntry) -> Settings:
     # Validated as flags are: the knobs' types, bounds and validators.
     merged = settings.model_dump() | entry.engine
     merged |= {"model": str(entry.path), "served_model_name": entry.name}
+    if entry.routing is not None:
+        merged["routing"] = entry.routing
     try:
-        return Settings(**merged)
+        merged_settings = Settings(**merged)
     except ValidationError as exc:
         raise SettingsError(
             f"{settings.models_config}: {entry.name}: engine.{_first_error(exc)}"
         ) from exc
+    check_picker(merged_settings.routing, entry, settings.models_config)
+    return merged_settings
+
+
+def check_picker(routing: str, entry: ModelEntry, where: Path | None) -> None:
+    """`routing: picker` sends every request to one address: the entry names exactly one."""
+    if routing == "picker" and len(entry.urls) != 1:
+        raise SettingsError(
+            f"{where or '--routing'}: {entry.name}: routing picker sends each request to one "
+            f"inference gateway, so urls names exactly one (it names {len(entry.urls)})"
+        )
 
 
 def _first_error(exc: ValidationError) -> str:

@@ -32,7 +32,9 @@ HELP: dict[str, str] = {
     "engine_token": "The token between gateways and `loragate engine`s: engines take tenant "
     "context only with it (a secret of 32 bytes or more). Default: none (engines on loopback).",
     "routing": "How a model's replicas share its requests: affinity (the replica holding the "
-    "adapter, else the prompt's first block, under a load bound), least_loaded or round_robin.",
+    "adapter, else the prompt's first block, under a load bound), least_loaded, round_robin, or "
+    "picker (its one url is an inference gateway whose endpoint picker chooses an engine for "
+    "each request).",
     "max_model_len": "Prompt + output tokens per sequence. Default: the model's.",
     "block_size": "Tokens per KV block.",
     "kv_cache_memory": "KV pool size (512MiB, 4GiB). Default: 2GiB on CPU, profiled on CUDA.",

@@ -62,8 +62,9 @@ class Settings(BaseSettings):
     # Between a gateway and its `loragate engine`s: the engines trust tenant context (salt,
     # fairness key, adapter) only from a holder of this token.
     engine_token: SecretStr | None = None
-    # How a model's replicas share its requests (gateway/remote/routing.py).
-    routing: Literal["affinity", "least_loaded", "round_robin"] = "affinity"
+    # How a model's replicas share its requests (gateway/remote/routing.py); picker: an
+    # inference gateway at the model's one url chooses per request (remote/picked_engine.py).
+    routing: Literal["affinity", "least_loaded", "round_robin", "picker"] = "affinity"
     max_model_len: int | None = None
     block_size: int = 16
     kv_cache_memory: str | None = None

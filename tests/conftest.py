@@ -1,9 +1,12 @@
-"""Session fixtures shared by every test package: model checkpoints built locally."""
+"""Session fixtures shared by every test package: model checkpoints built locally, the
+databases and Redis, nginx."""
 
 from __future__ import annotations
 
 import contextlib
 import os
+import shutil
+import subprocess
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -139,3 +142,24 @@ def redis_url() -> str:
             raise
         pytest.skip(f"no Redis at {REDIS}: {exc}")
     return REDIS
+
+
+@pytest.fixture(scope="session")
+def nginx() -> str:
+    """The nginx binary: installed from Debian's packages when missing, if this may."""
+    found = shutil.which("nginx") or (os.path.exists("/usr/sbin/nginx") and "/usr/sbin/nginx")
+    if found:
+        return found
+    if os.geteuid() != 0 or shutil.which("apt-get") is None:
+        pytest.skip("nginx is not installed and cannot be here (apt-get install nginx as root)")
+    env = os.environ | {"DEBIAN_FRONTEND": "noninteractive"}
+    done = subprocess.run(
+        ["apt-get", "install", "-y", "--no-install-recommends", "nginx"],
+        capture_output=True,
+        text=True,
+        env=env,
+    )
+    found = shutil.which("nginx") or "/usr/sbin/nginx"
+    if done.returncode != 0 or not os.path.exists(found):
+        pytest.skip(f"apt-get install nginx failed: {done.stderr.strip()[-300:]}")
+    return found

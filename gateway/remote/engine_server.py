@@ -6,6 +6,9 @@ It runs the engine as `loragate serve` does (its own process, the same knobs) an
 
 - `/internal/v1/engine`: a WebSocket per gateway carrying engine requests in and each step's
   updates out (gateway.remote.wire): the gateway's `RemoteEngine` is an EngineClient over it.
+- `/internal/v1/generate`: one request per POST, its updates streamed back as server-sent
+  events (gateway.remote.picker_wire), for gateways behind an inference gateway that picks
+  an engine per request (`routing: picker`).
 - `/internal/v1/state`: what a router reads (running, waiting, KV usage, resident adapters).
 - `/internal/v1/adapters/{sha256}`: PUT loads an adapter from the adapter store into a slot,
   DELETE unloads it. Adapters are named by content hash only.
@@ -23,10 +26,11 @@ import hmac
 import json
 import logging
 import time
+from collections.abc import AsyncIterator
 from typing import Any
 
 from fastapi import APIRouter, Request, WebSocket, WebSocketDisconnect
-from fastapi.responses import JSONResponse, Response
+from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from adapters.store import AdapterStorage
@@ -34,6 +38,15 @@ from engine.async_engine import EngineClient
 from engine.errors import RequestRefused
 from engine.lora_types import LoRARequest
 from engine.messages import EngineRequest
+from engine.outputs import SequenceUpdate
+from gateway.remote.picker_wire import (
+    DONE,
+    GENERATE_ROUTE,
+    KEEPALIVE,
+    KEEPALIVE_INTERVAL,
+    event,
+    read_body,
+)
 from gateway.remote.wire import (
     decode_request,
     encode_error,
@@ -219,6 +232,73 @@ async def engine_socket(websocket: WebSocket) -> None:
     await _Connection(service, websocket).serve()
 
 
+@router.post(GENERATE_ROUTE)
+async def generate(request: Request) -> Response:
+    service = _internal(request)
+    try:
+        engine_request = read_body(await request.body(), service.store)
+    except RequestRefused as exc:
+        return _error(400, str(exc), "invalid_value")
+    if service.engine.health != "ok":  # not started on: the caller may try another pod
+        response = _error(503, f"the engine is {service.engine.health}", "service_unavailable")
+        response.headers["Retry-After"] = "1"
+        return response
+    return StreamingResponse(
+        _events(service.engine, engine_request),
+        media_type="text/event-stream",
+        headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
+    )
+
+
+async def _events(engine: EngineClient, request: EngineRequest) -> AsyncIterator[bytes]:
+    """The request's updates as server-sent events, what is ready sent as one chunk; a
+    keepalive in silences (queued, or a long prefill), so the gateway can tell a quiet engine
+    from a vanished one. The client leaving cancels the pump, whose engine.generate aborts."""
+    queue: asyncio.Queue[SequenceUpdate | BaseException | None] = asyncio.Queue()
+
+    async def pump() -> None:
+        try:
+            async for update in engine.generate(request):
+                queue.put_nowait(update)
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:  # noqa: BLE001 - the gateway raises it for its caller
+            queue.put_nowait(exc)
+        else:
+            queue.put_nowait(None)
+
+    task = asyncio.create_task(pump())
+    prompt_tokens = completion_tokens = 0
+    try:
+        while True:
+            try:
+                items = [await asyncio.wait_for(queue.get(), KEEPALIVE_INTERVAL)]
+            except TimeoutError:
+                yield KEEPALIVE
+                continue
+            while not queue.empty():
+                items.append(queue.get_nowait())
+            chunk: list[bytes] = []
+            for item in items:
+                if item is None:
+                    usage = {
+                        "prompt_tokens": prompt_tokens,
+                        "completion_tokens": completion_tokens,
+                        "total_tokens": prompt_tokens + completion_tokens,
+                    }
+                    yield b"".join([*chunk, event({"usage": usage}), DONE])
+                    return
+                if isinstance(item, BaseException):
+                    yield b"".join([*chunk, event({"error": encode_error(item)})])
+                    return
+                prompt_tokens = item.num_prompt_tokens
+                completion_tokens += len(item.new_token_ids)
+                chunk.append(event({"update": encode_update(item)}))
+            yield b"".join(chunk)
+    finally:
+        task.cancel()
+
+
 @router.get("/internal/v1/state")
 async def state(request: Request) -> JSONResponse:
     service = _internal(request)
@@ -261,6 +341,7 @@ async def metrics(request: Request) -> Response:
 
 
 def _error(status: int, message: str, code: str) -> JSONResponse:
-    kind = "not_found_error" if status == 404 else "invalid_request_error"
+    kinds = {404: "not_found_error", 503: "service_unavailable"}
+    kind = kinds.get(status, "invalid_request_error")
     body = {"error": {"message": message, "type": kind, "param": None, "code": code}}
     return JSONResponse(body, status_code=status)

@@ -16,7 +16,7 @@ sys.path.insert(0, str(Path(__file__).parents[1] / "gateway"))  # live_server li
 from live_server import free_port  # noqa: E402
 
 
-def test_remote_hop_runs_both_setups(
+def test_remote_hop_runs_every_setup(
     demo_model_dir: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     out = tmp_path / "hop.json"
@@ -26,10 +26,12 @@ def test_remote_hop_runs_both_setups(
         "--json", str(out),
     ])  # fmt: skip
     runs = json.loads(out.read_text())
-    for side in ("local", "remote"):
+    for side in ("local", "remote", "picker"):
         (row,) = runs[side]
         assert (row["completed"], row["failed"]) == (4, 0), row["errors"]
-    assert "remote / local output tok/s" in capsys.readouterr().out
+    printed = capsys.readouterr().out
+    assert "remote / local output tok/s" in printed
+    assert "picker / local output tok/s" in printed
 
 
 def test_routing_runs_every_setup(

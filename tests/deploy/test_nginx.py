@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import os
 import re
-import shutil
 import socket
 import ssl
 import subprocess
@@ -126,27 +125,6 @@ def nginx_command(nginx: str, conf: Path, *args: str) -> list[str]:
         str(conf),
         *args,
     ]
-
-
-@pytest.fixture(scope="module")
-def nginx() -> str:
-    """The nginx binary: installed from Debian's packages when missing, if this may."""
-    found = shutil.which("nginx") or (os.path.exists("/usr/sbin/nginx") and "/usr/sbin/nginx")
-    if found:
-        return found
-    if os.geteuid() != 0 or shutil.which("apt-get") is None:
-        pytest.skip("nginx is not installed and cannot be here (apt-get install nginx as root)")
-    env = os.environ | {"DEBIAN_FRONTEND": "noninteractive"}
-    done = subprocess.run(
-        ["apt-get", "install", "-y", "--no-install-recommends", "nginx"],
-        capture_output=True,
-        text=True,
-        env=env,
-    )
-    found = shutil.which("nginx") or "/usr/sbin/nginx"
-    if done.returncode != 0 or not os.path.exists(found):
-        pytest.skip(f"apt-get install nginx failed: {done.stderr.strip()[-300:]}")
-    return found
 
 
 @pytest.fixture(scope="module")

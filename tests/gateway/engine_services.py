@@ -35,10 +35,12 @@ class EngineService:
         return sum(values)
 
 
-def start_engine(model_dir: Path, store: Path, log: Path, *flags: str) -> EngineService:
-    """`loragate engine` of `model_dir` served as `demo`, in a process group of its own;
-    `flags` go to its command line after the defaults."""
-    port = free_port()
+def start_engine(
+    model_dir: Path, store: Path, log: Path, *flags: str, port: int | None = None
+) -> EngineService:
+    """`loragate engine` of `model_dir` served as `demo`, in a process group of its own (on
+    `port`, else a free one); `flags` go to its command line after the defaults."""
+    port = port or free_port()
     command = [LORAGATE_CLI, "engine", "--model", str(model_dir), "--port", str(port)]
     command += ["--served-model-name", "demo"]
     command += ["--engine-token", TOKEN, "--adapter-store", str(store), *ENGINE_KNOBS, *flags]

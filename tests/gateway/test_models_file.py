@@ -140,3 +140,20 @@ models:
     )
     with pytest.raises(SettingsError, match="lower their engine.kv_cache_memory"):
         served_models(Settings(models_config=path))
+
+
+def test_picker_routing_names_one_inference_gateway(demo_model_dir: Path, tmp_path: Path) -> None:
+    """`routing: picker` sends every request to one address: the entry's own routing wins
+    over the server's, and the entry must name exactly one url."""
+    entry = f"  - name: demo\n    path: {demo_model_dir}\n"
+    one = _write(tmp_path, f"models:\n{entry}    urls: [http://gw:80]\n    routing: picker\n")
+    (spec,) = served_models(Settings(models_config=one, routing="affinity"))
+    assert spec.settings.routing == "picker"
+    two = _write(tmp_path, f"models:\n{entry}    urls: [http://a:1, http://b:2]\n")
+    with pytest.raises(SettingsError, match="urls names exactly one .it names 2"):
+        served_models(Settings(models_config=two, routing="picker"))
+    with pytest.raises(SettingsError, match="--routing: .*it names 0"):
+        served_models(Settings(model=str(demo_model_dir), routing="picker"))
+    bad = _write(tmp_path, f"models:\n{entry}    routing: nearest\n")
+    with pytest.raises(SettingsError, match=r"models\[0\]\.routing"):
+        served_models(Settings(models_config=bad))
