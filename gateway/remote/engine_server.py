@@ -272,7 +272,8 @@ async def _events(engine: EngineClient, request: EngineRequest) -> AsyncIterator
     try:
         while True:
             try:
-                items = [await asyncio.wait_for(queue.get(), KEEPALIVE_INTERVAL)]
+                async with asyncio.timeout(KEEPALIVE_INTERVAL):  # no task per wait, as wait_for
+                    items = [await queue.get()]
             except TimeoutError:
                 yield KEEPALIVE
                 continue

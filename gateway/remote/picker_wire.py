@@ -67,12 +67,19 @@ def event(data: dict[str, Any]) -> bytes:
     return b"data: " + json.dumps(data).encode() + b"\n\n"
 
 
-def parse_event(line: str) -> dict[str, Any] | None:
-    """An event's data from one line of the stream; None for what carries none (blank
-    lines, keepalive comments, the final [DONE], which the caller checks for first)."""
-    if not line.startswith("data: ") or line == "data: [DONE]":
+def split_events(buffer: bytes) -> tuple[list[bytes], bytes]:
+    """The whole events in `buffer` (each without its blank line), and what is left of the
+    next one."""
+    *whole, rest = buffer.split(b"\n\n")
+    return whole, rest
+
+
+def parse_event(raw: bytes) -> dict[str, Any] | None:
+    """An event's data; None for what carries none (keepalive comments, the final [DONE],
+    which the caller checks for first)."""
+    if not raw.startswith(b"data: ") or raw == DONE.rstrip():
         return None
-    data = json.loads(line[6:])
+    data = json.loads(raw[6:])
     if not isinstance(data, dict):
-        raise ValueError(f"an event that is not an object: {line[:80]!r}")
+        raise ValueError(f"an event that is not an object: {raw[:80]!r}")
     return data

@@ -28,6 +28,7 @@ import yaml
 from gateway.admin_cli import register
 from gateway.models_file import ENGINE_KNOBS, ModelsFile
 from gateway.remote.engine_command import ENGINE_COMMAND_FIELDS
+from gateway.remote.picker_wire import GENERATE_ROUTE
 from gateway.serve_flags import HELP, add_serve_command, add_settings_command
 from gateway.settings import Settings
 
@@ -490,15 +491,11 @@ def test_models_file_loads_and_matches_the_engines() -> None:
         engine = engines[entry.name]
         (container,) = engine["spec"]["template"]["spec"]["containers"]
         assert flags(container["args"])["--model"] == str(entry.path)
-        # Its urls reach the engine's Service on the port the engine listens on.
         assert entry.urls, f"{entry.name}: engines run in their own pods: name them in urls"
-        for url in entry.urls:
-            parts = urlsplit(url)
-            service = services[parts.hostname or ""]
-            assert service["spec"]["selector"] == engine["spec"]["selector"]["matchLabels"]
-            (port,) = service["spec"]["ports"]
-            assert parts.port == port["port"]
-            assert resolve_port(container, port["targetPort"]) == listen_port(container, ["engine"])
+        if entry.routing == "picker":
+            picker_route_reaches(docs, entry.urls, engine, container)
+        else:
+            service_reaches(services, entry.urls, engine, container)
         # KEDA wakes it on the gateway's pending count and stops it after its idle_timeout.
         spec = scaled[engine["metadata"]["name"]]["spec"]
         assert spec["scaleTargetRef"]["kind"] == "Deployment"
@@ -509,6 +506,48 @@ def test_models_file_loads_and_matches_the_engines() -> None:
         query = f'sum(loragate:model_pending_requests{{model="{entry.name}"}})'
         assert trigger["metadata"]["query"] == query
         assert trigger["metadata"]["serverAddress"].startswith("http")
+
+
+def service_reaches(
+    services: dict[str, dict[str, Any]],
+    urls: list[str],
+    engine: dict[str, Any],
+    container: dict[str, Any],
+) -> None:
+    """The urls reach the engine's Service on the port the engine listens on."""
+    for url in urls:
+        parts = urlsplit(url)
+        service = services[parts.hostname or ""]
+        assert service["spec"]["selector"] == engine["spec"]["selector"]["matchLabels"]
+        (port,) = service["spec"]["ports"]
+        assert parts.port == port["port"]
+        assert resolve_port(container, port["targetPort"]) == listen_port(container, ["engine"])
+
+
+def picker_route_reaches(
+    docs: list[dict[str, Any]], urls: list[str], engine: dict[str, Any], container: dict[str, Any]
+) -> None:
+    """`routing: picker`: the one url is the Gateway an HTTPRoute hangs from, which sends the
+    gateway's per-request POSTs to an InferencePool of exactly this engine's pods, on the port
+    the engine listens on."""
+    (url,) = urls
+    pools = {p["metadata"]["name"]: p for p in of_kind(docs, "InferencePool")}
+    labels = engine["spec"]["template"]["metadata"]["labels"]
+    routes = [
+        r
+        for r in of_kind(docs, "HTTPRoute")
+        for rule in r["spec"]["rules"]
+        for ref in rule["backendRefs"]
+        if ref["kind"] == "InferencePool"
+        and pools[ref["name"]]["spec"]["selector"]["matchLabels"].items() <= labels.items()
+    ]
+    (route,) = routes
+    assert urlsplit(url).hostname in {ref["name"] for ref in route["spec"]["parentRefs"]}
+    matches = [m for rule in route["spec"]["rules"] for m in rule["matches"]]
+    assert {"path": {"type": "Exact", "value": GENERATE_ROUTE}, "method": "POST"} in matches
+    (ref,) = [ref for rule in route["spec"]["rules"] for ref in rule["backendRefs"]]
+    (port,) = pools[ref["name"]]["spec"]["targetPorts"]
+    assert port["number"] == listen_port(container, ["engine"])
 
 
 def test_gateway_mounts_what_the_models_file_names() -> None:

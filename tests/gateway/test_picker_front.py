@@ -220,8 +220,7 @@ def front(
     """Two engines behind nginx, a gateway in front with one tenant and its adapter."""
     root = tmp_path_factory.mktemp("picker")
     engines = [
-        start_engine(demo_model_dir, root / "adapters", root / f"e{i}.log", *LONG)
-        for i in (0, 1)
+        start_engine(demo_model_dir, root / "adapters", root / f"e{i}.log", *LONG) for i in (0, 1)
     ]
     try:
         for engine in engines:

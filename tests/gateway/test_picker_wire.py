@@ -16,7 +16,15 @@ from engine.lora_types import LoRARequest
 from engine.messages import EngineRequest
 from engine.outputs import SequenceUpdate
 from engine.request import SamplingParams
-from gateway.remote.picker_wire import DONE, KEEPALIVE, event, parse_event, read_body, request_body
+from gateway.remote.picker_wire import (
+    DONE,
+    KEEPALIVE,
+    event,
+    parse_event,
+    read_body,
+    request_body,
+    split_events,
+)
 from gateway.remote.wire import decode_update, encode_update
 
 SHA = "cd" * 32
@@ -89,10 +97,19 @@ def test_a_body_without_an_engine_request_is_refused(body: bytes) -> None:
 
 def test_events_decode_back_and_the_rest_carries_nothing() -> None:
     update = SequenceUpdate("r1", 0, [5, 6], "ab", [{5: -0.5}, {6: -1.0}], 4, 0)
-    line = event({"update": encode_update(update)}).decode()
-    assert line.endswith("\n\n")
-    data = parse_event(line.strip())
+    stream = event({"update": encode_update(update)}) + KEEPALIVE + DONE
+    # However the stream is cut into chunks, the same events come out whole.
+    for cut in range(1, len(stream)):
+        first, rest = split_events(stream[:cut])
+        second, left = split_events(rest + stream[cut:])
+        assert first + second == [
+            event({"update": encode_update(update)}).rstrip(),
+            KEEPALIVE.rstrip(),
+            DONE.rstrip(),
+        ]
+        assert left == b""
+    data = parse_event(event({"update": encode_update(update)}).rstrip())
     assert data is not None
     assert decode_update(data["update"]) == update
-    for quiet in (KEEPALIVE, DONE, b"\n"):
-        assert parse_event(quiet.decode().strip()) is None
+    for quiet in (KEEPALIVE, DONE):
+        assert parse_event(quiet.rstrip()) is None
