@@ -1,4 +1,5 @@
-"""The tenancy tables (SQLAlchemy 2): tenants, their API keys, adapters, and the usage ledger.
+"""The tenancy tables (SQLAlchemy 2): tenants, their API keys, adapters, the usage ledger, and
+the stored responses of the Responses API.
 
 Alembic owns the schema (migrations/); the app never calls `create_all` outside tests, and
 a test holds the models and the migrations to each other. Ids are short random strings with
@@ -14,6 +15,7 @@ from typing import Any
 from sqlalchemy import (
     JSON,
     BigInteger,
+    Boolean,
     DateTime,
     Dialect,
     ForeignKey,
@@ -26,6 +28,7 @@ from sqlalchemy.types import TypeDecorator
 
 TENANT_ACTIVE, TENANT_SUSPENDED = "active", "suspended"
 USAGE_STATUSES = ("ok", "aborted", "error")
+RESPONSE_STATUSES = ("queued", "in_progress", "completed", "failed", "cancelled", "incomplete")
 PUBLIC_SCOPE = "public"  # an adapter every tenant may use
 
 
@@ -162,3 +165,36 @@ class Usage(Base):
     latency: Mapped[float]  # seconds, arrival to the last byte (or the abort)
     created_at: Mapped[datetime]
     created_epoch: Mapped[int] = mapped_column(BigInteger)
+    # The API the request came through ("completions", "chat", "responses");
+    # None: written before 0004 recorded it.
+    endpoint: Mapped[str | None] = mapped_column(String(32))
+
+
+class StoredResponseRow(Base):
+    """A response of the Responses API stored for a tenant (`store: true`), to be retrieved,
+    continued from (`previous_response_id`), listed as input items, or cancelled while it runs
+    in the background. Read and written by tenants/responses.py; deleted when it expires (the
+    sweep), when the tenant holds more than its cap, or with the tenant (ON DELETE CASCADE,
+    which SQLite enforces only when asked to).
+
+    `previous_response_id` has no foreign key: the previous response may expire, or be
+    deleted, before the ones that continue it.
+    """
+
+    __tablename__ = "responses"
+    __table_args__ = (Index("ix_responses_tenant_id_created_at", "tenant_id", "created_at"),)
+
+    id: Mapped[str] = mapped_column(String(64), primary_key=True)  # resp_<32 hex>
+    tenant_id: Mapped[str] = mapped_column(
+        String(32), ForeignKey("tenants.id", ondelete="CASCADE"), index=True
+    )
+    key_id: Mapped[str | None] = mapped_column(String(32))
+    model: Mapped[str] = mapped_column(String(255))
+    status: Mapped[str] = mapped_column(String(16))  # RESPONSE_STATUSES
+    background: Mapped[bool] = mapped_column(Boolean)
+    previous_response_id: Mapped[str | None] = mapped_column(String(64))
+    input_items: Mapped[list[dict[str, Any]]] = mapped_column(JSON)  # this turn's input
+    output: Mapped[list[dict[str, Any]]] = mapped_column(JSON)  # the output items
+    body: Mapped[dict[str, Any]] = mapped_column(JSON)  # the object as last returned
+    created_at: Mapped[datetime]
+    expires_at: Mapped[datetime] = mapped_column(index=True)

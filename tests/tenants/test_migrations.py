@@ -15,7 +15,7 @@ from sqlalchemy.exc import IntegrityError
 from tenants.db import async_url, current_revision, downgrade, upgrade
 from tenants.models import Base
 
-TABLES = {"tenants", "api_keys", "adapters", "usage"}
+TABLES = {"tenants", "api_keys", "adapters", "usage", "responses"}
 
 
 def _sync_engine(url: str):  # type: ignore[no-untyped-def]
@@ -122,6 +122,89 @@ def test_0003_names_adapters_per_base_model_and_adds_allowed_models(database_url
             adapters = Table("adapters", MetaData(), autoload_with=conn)
             assert conn.execute(select(adapters.c.name, adapters.c.base_model)).all() == [
                 ("sql", "demo")
+            ]
+    finally:
+        engine.dispose()
+
+
+def _usage_row(request_id: str) -> dict[str, object]:
+    created = datetime(2026, 12, 1, tzinfo=UTC)
+    return {
+        "request_id": request_id,
+        "tenant_id": "ten_old",
+        "key_id": None,
+        "model": "demo",
+        "adapter_name": None,
+        "adapter_sha256": None,
+        "prompt_tokens": 3,
+        "cached_tokens": 0,
+        "completion_tokens": 1,
+        "finish_reason": "stop",
+        "status": "ok",
+        "ttft": None,
+        "latency": 0.1,
+        "created_at": created,
+        "created_epoch": int(created.timestamp()),
+    }
+
+
+def test_0004_adds_stored_responses_and_usage_endpoints(database_url: str) -> None:
+    """Usage rows written before 0004 survive it both ways (their endpoint null); after it a
+    tenant's responses are stored, and deleted with the tenant on PostgreSQL (SQLite enforces
+    no foreign keys unless asked); down again, the table and the column go."""
+    upgrade(database_url, "0003")
+    engine = _sync_engine(database_url)
+    try:
+        with engine.begin() as conn:
+            conn.execute(insert(Table("usage", MetaData(), autoload_with=conn)), [_usage_row("a")])
+
+        upgrade(database_url, "0004")
+        created = datetime(2026, 12, 15, tzinfo=UTC)
+        with engine.begin() as conn:
+            usage = Table("usage", MetaData(), autoload_with=conn)
+            conn.execute(insert(usage), [_usage_row("b") | {"endpoint": "responses"}])
+            found = conn.execute(
+                select(usage.c.request_id, usage.c.endpoint).order_by("request_id")
+            )
+            assert found.all() == [("a", None), ("b", "responses")]
+            conn.execute(
+                insert(Table("tenants", MetaData(), autoload_with=conn)).values(
+                    id="ten_new", name="new", status="active", created_at=created, weight=1.0
+                )
+            )
+            responses = Table("responses", MetaData(), autoload_with=conn)
+            conn.execute(
+                insert(responses).values(
+                    id="resp_" + "0" * 32,
+                    tenant_id="ten_new",
+                    key_id=None,
+                    model="demo",
+                    status="completed",
+                    background=False,
+                    previous_response_id="resp_gone",  # no foreign key: may have expired
+                    input_items=[{"type": "message", "content": "hi"}],
+                    output=[],
+                    body={"status": "completed"},
+                    created_at=created,
+                    expires_at=created,
+                )
+            )
+            assert conn.execute(select(responses.c.input_items)).scalar_one() == [
+                {"type": "message", "content": "hi"}
+            ]
+            if conn.dialect.name == "postgresql":
+                tenants = Table("tenants", MetaData(), autoload_with=conn)
+                conn.execute(delete(tenants).where(tenants.c.id == "ten_new"))
+                assert conn.execute(select(responses.c.id)).all() == []
+
+        downgrade(database_url, "0003")
+        with engine.connect() as conn:
+            assert "responses" not in inspect(conn).get_table_names()
+            assert "endpoint" not in {c["name"] for c in inspect(conn).get_columns("usage")}
+            usage = Table("usage", MetaData(), autoload_with=conn)
+            assert conn.execute(select(usage.c.request_id).order_by("request_id")).all() == [
+                ("a",),
+                ("b",),
             ]
     finally:
         engine.dispose()
