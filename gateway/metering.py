@@ -49,6 +49,9 @@ class Meter:
     created_at: datetime = field(default_factory=utcnow)
     ttft: float | None = None
     ended: bool = False
+    # The API the request came through, on its usage row (last: the fields before it are
+    # passed by position).
+    endpoint: str | None = None
 
     def first_token(self) -> None:
         if self.ttft is None:
@@ -91,6 +94,7 @@ class Meter:
             ttft=self.ttft,
             latency=time.monotonic() - self.start,
             created_at=self.created_at,
+            endpoint=self.endpoint,
         )
         self.metrics.observe(record)
         return record

@@ -26,7 +26,7 @@ import math
 import time
 from collections.abc import Generator
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, fields
+from dataclasses import MISSING, dataclass, fields
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
@@ -56,6 +56,7 @@ _LENGTHS = {
         "adapter_name",
         "adapter_sha256",
         "finish_reason",
+        "endpoint",
     )
 }
 
@@ -78,6 +79,9 @@ class UsageRecord:
     ttft: float | None  # seconds
     latency: float  # seconds
     created_at: datetime  # timezone-aware
+    # The API the request came through ("completions", "chat", "responses").
+    # Last, with a default: spool lines written before it existed replay as None.
+    endpoint: str | None = None
 
     def __post_init__(self) -> None:
         """Raises ValueError for a record the table cannot hold."""
@@ -120,7 +124,7 @@ class UsageRecord:
     def from_json(cls, line: str | bytes) -> UsageRecord:
         """Raises ValueError for anything but a record's line."""
         data = json.loads(line)
-        if not isinstance(data, dict) or set(data) != _FIELDS:
+        if not isinstance(data, dict) or not _REQUIRED <= set(data) <= _FIELDS:
             raise ValueError("not a usage record")
         data["created_at"] = datetime.fromisoformat(data["created_at"])
         return cls(**data)
@@ -135,6 +139,8 @@ class UsageRecord:
 _NAMES = tuple(f.name for f in fields(UsageRecord))
 _ENCODER = json.JSONEncoder(separators=(",", ":"))  # one, not one per json.dumps call
 _FIELDS = set(_NAMES)
+# What every line has; the rest (fields added since) a line from an older process may lack.
+_REQUIRED = {f.name for f in fields(UsageRecord) if f.default is MISSING}
 
 
 class Ledger:

@@ -25,7 +25,7 @@ from tenants.models import Usage
 
 DAY = 86400
 MAX_EPOCH = 253402300799  # 9999-12-31T23:59:59Z
-SUMMARY_GROUPS = ("day", "model", "adapter", "key")
+SUMMARY_GROUPS = ("day", "model", "adapter", "key", "endpoint")
 BUCKET_WIDTHS = {"1m": 60, "1h": 3600, "1d": DAY}
 # OpenAI's: buckets per page, (default, max) by width.
 BUCKET_LIMITS = {"1m": (60, 1440), "1h": (24, 168), "1d": (7, 31)}
@@ -86,14 +86,16 @@ async def summarize_usage(
     end: int | None = None,
     group_by: str | None = None,
 ) -> list[UsageTotals]:
-    """Sums over [start, end), one row per group (by `group_by`: day, model, adapter or
-    key), or one row of everything (zeros when nothing matched). Groups come in order: days
-    ascending, names with null (the base model, no key) first."""
+    """Sums over [start, end), one row per group (by `group_by`: day, model, adapter, key
+    or endpoint), or one row of everything (zeros when nothing matched). Groups come in order:
+    days ascending, names with null (the base model, no key, rows from before endpoints were
+    recorded) first."""
     column: Any = {
         "day": _bucket(DAY),
         "model": Usage.model,
         "adapter": Usage.adapter_name,
         "key": Usage.key_id,
+        "endpoint": Usage.endpoint,
         None: None,
     }[group_by]
     query: Select[Any] = select(*_sums())

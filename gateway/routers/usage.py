@@ -1,7 +1,7 @@
 """The usage ledger's read side: token sums for billing and for tenants.
 
 - `GET /admin/usage` (admin token): sums over a time range, for one tenant or all, in one row
-  or grouped by day, model, adapter or key; JSON, or CSV with `Accept: text/csv`.
+  or grouped by day, model, adapter, key or endpoint; JSON, or CSV with `Accept: text/csv`.
 - `GET /admin/usage/completions` (admin token): buckets of a minute, an hour or a day in the
   shape of OpenAI's Usage API (`/v1/organization/usage/completions`), for tools built for it.
 - `GET /v1/usage` (a tenant's key): the summary of `/admin/usage`, of the caller's tenant only.
@@ -47,7 +47,7 @@ admin_router = APIRouter(
 router = APIRouter(prefix="/v1", tags=["usage"], route_class=StrictJSONRoute, responses=_TENANT)
 
 SUMS = ("num_requests", "prompt_tokens", "cached_tokens", "completion_tokens")
-GroupBy = Literal["day", "model", "adapter", "key"]
+GroupBy = Literal["day", "model", "adapter", "key", "endpoint"]
 CompletionsGroup = Literal["project_id", "api_key_id", "model", "adapter"]
 MAX_ID = 64
 Id = Annotated[str, Field(max_length=MAX_ID)]
@@ -67,6 +67,11 @@ class SummaryRow(BaseModel):
     model: str | None = Field(None, description="group_by=model")
     adapter: str | None = Field(None, description="group_by=adapter: null is the base model")
     key: str | None = Field(None, description="group_by=key: the key's id; null: no key")
+    endpoint: str | None = Field(
+        None,
+        description="group_by=endpoint: completions, chat or responses; null: rows recorded "
+        "before the endpoint was",
+    )
     num_requests: int
     prompt_tokens: int
     cached_tokens: int = Field(description="prompt tokens served from the prefix cache")

@@ -40,7 +40,9 @@ def test_one_row_per_request_however_it_ends(database_url: str, tmp_path: Path) 
         registry = CollectorRegistry()
         metrics = TenantMetrics(registry, max_tenants=4)
 
-        async def meter(request_id: str, adapter: LoRARequest | None) -> Meter:
+        async def meter(
+            request_id: str, adapter: LoRARequest | None, endpoint: str | None = None
+        ) -> Meter:
             reservation, state = await limiter.acquire(TENANT.id, request_id, TENANT.limits, 50)
             return Meter(
                 ledger,
@@ -52,10 +54,11 @@ def test_one_row_per_request_however_it_ends(database_url: str, tmp_path: Path) 
                 None if adapter is None else "sql",
                 adapter,
                 time.monotonic(),
+                endpoint=endpoint,
             )
 
         try:
-            whole = await meter("cmpl-1", ADAPTER)
+            whole = await meter("cmpl-1", ADAPTER, "chat")
             assert await limiter.in_flight(TENANT.id) == 1
             whole.first_token()
             whole.first_token()  # the first one counts
@@ -78,6 +81,7 @@ def test_one_row_per_request_however_it_ends(database_url: str, tmp_path: Path) 
             assert (one.prompt_tokens, one.cached_tokens, one.completion_tokens) == (12, 4, 7)
             assert (one.status, one.finish_reason, one.key_id) == ("ok", "stop", "key_a")
             assert (one.adapter_name, one.adapter_sha256) == ("sql", "ab" * 32)
+            assert (one.endpoint, two.endpoint) == ("chat", None)
             assert one.ttft is not None and 0 <= one.ttft <= one.latency
             assert (two.status, two.completion_tokens, two.ttft, two.adapter_name) == (
                 "aborted",

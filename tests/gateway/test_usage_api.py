@@ -65,7 +65,15 @@ def _fixture_rows(server: Server) -> str:
         [
             _record(1, a, DAY1),
             _record(2, a, DAY1 + HOUR, adapter_name="sql", adapter_sha256="f" * 64),
-            _record(3, a, DAY1 + 2 * HOUR, key_id="key_2", model="other", prompt_tokens=7),
+            _record(
+                3,
+                a,
+                DAY1 + 2 * HOUR,
+                key_id="key_2",
+                model="other",
+                prompt_tokens=7,
+                endpoint="responses",
+            ),
             _record(4, a, DAY1 + 2 * HOUR + timedelta(minutes=1), key_id=None, status="aborted"),
             _record(1, b, DAY1 + HOUR, prompt_tokens=1000),
             _record(1, own, DAY1, completion_tokens=1),
@@ -112,6 +120,10 @@ def test_admin_sums_per_group_and_range_and_csv(tenancy_server: Server) -> None:
             {"key": None} | _sums(1, 100, 10, 5),
             {"key": "key_1"} | _sums(2, 200, 20, 10),
             {"key": "key_2"} | _sums(1, 7, 10, 5),
+        ]
+        assert data(tenant_id=tenant, group_by="endpoint") == [
+            {"endpoint": None} | _sums(3, 300, 30, 15),  # rows from before endpoints
+            {"endpoint": "responses"} | _sums(1, 7, 10, 5),
         ]
         # Half-open ranges; a date is its midnight UTC; offsets are honoured.
         assert data(tenant_id=tenant, **{"from": "2026-11-30"}) == [_sums(2, 107, 20, 10)]

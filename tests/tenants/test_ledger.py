@@ -6,6 +6,7 @@ directory without draining each other's live segments."""
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import os
 import secrets
@@ -157,6 +158,43 @@ async def test_a_segment_drained_twice_counts_once(db_url: str, tmp_path: Path) 
         assert await ledger.flush(timeout=30)
         assert len(await rows(db)) == 30
         assert ledger.num_written == 90 and ledger.num_pending == 0
+    finally:
+        await ledger.close()
+        await db.close()
+
+
+async def test_the_endpoint_reaches_the_database_and_old_lines_without_it_replay(
+    db_url: str, tmp_path: Path
+) -> None:
+    """A record's endpoint goes through the spool into its row; a line spooled by a process
+    from before endpoints were recorded (no `endpoint` key) replays with a null one."""
+    record = usage(1, endpoint="responses")
+    assert UsageRecord.from_json(record.to_json()) == record
+    old_line = json.dumps(
+        {k: v for k, v in json.loads(usage(2).to_json()).items() if k != "endpoint"}
+    )
+    assert "endpoint" not in old_line
+    assert UsageRecord.from_json(old_line) == usage(2)
+    with pytest.raises(ValueError):
+        usage(3, endpoint="e" * 33)
+    spool = tmp_path / "spool"
+    spool.mkdir()
+    (spool / "usage-9-1-0.jsonl").write_text(old_line + "\n")  # a dead process's segment
+    db = Database(db_url)
+    ledger = Ledger(db, spool)
+    await ledger.start()
+    try:
+        await ledger.record(record)
+        await ledger.record(usage(3, endpoint="chat"))
+        assert await ledger.flush(timeout=30)
+        async with db.engine.connect() as conn:
+            found = await conn.execute(text("SELECT request_id, endpoint FROM usage"))
+            assert sorted(tuple(r) for r in found) == [
+                ("req-1", "responses"),
+                ("req-2", None),
+                ("req-3", "chat"),
+            ]
+        assert ledger.num_rejected == 0
     finally:
         await ledger.close()
         await db.close()

@@ -51,9 +51,9 @@ def _row(n: int, tenant: str, epoch: int, **fields: Any) -> dict[str, Any]:
 
 
 ROWS = [
-    _row(1, "ten_a", T0),  # 22:00 day 1
+    _row(1, "ten_a", T0, endpoint="chat"),  # 22:00 day 1
     _row(2, "ten_a", T0 + 3600, adapter_name="sql", key_id="key_b"),  # 23:00 day 1
-    _row(3, "ten_a", T0 + 7200, completion_tokens=50),  # 00:00 day 2
+    _row(3, "ten_a", T0 + 7200, completion_tokens=50, endpoint="responses"),  # 00:00 day 2
     _row(4, "ten_b", T0 + 60, prompt_tokens=7, cached_tokens=0, completion_tokens=3),
 ]
 
@@ -97,6 +97,12 @@ def test_groups_come_in_order_nulls_first(database_url: str) -> None:
         assert [(t.group, t.num_requests) for t in adapters] == [(None, 2), ("sql", 1)]
         keys = await summarize_usage(session, group_by="key")
         assert [(t.group, t.num_requests) for t in keys] == [("key_a", 3), ("key_b", 1)]
+        endpoints = await summarize_usage(session, tenant_id="ten_a", group_by="endpoint")
+        assert [(t.group, t.completion_tokens) for t in endpoints] == [
+            (None, 5),  # written before endpoints were recorded
+            ("chat", 5),
+            ("responses", 50),
+        ]
 
     _with_rows(database_url, body)
 
