@@ -26,6 +26,7 @@ BENCHMARKS: dict[str, tuple[str, str]] = {
     "coldstart": ("bench.coldstart", "a model's engine from nothing to its first token, by phase"),
     "routing": ("bench.routing", "affinity routing against round-robin over two engines"),
     "remote-hop": ("bench.remote_hop", "W1 through `loragate engine` against the engine beside it"),
+    "responses": ("bench.responses", "a conversation through /v1/responses: TTFT per turn, bytes"),
 }
 
 

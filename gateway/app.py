@@ -14,7 +14,8 @@ from gateway.errors import ErrorBoundary, install_error_handlers
 from gateway.metrics import Metrics
 from gateway.openai_serving import OpenAIServing
 from gateway.request_limits import RequestLimits
-from gateway.routers import admin, admin_adapters, lora, usage
+from gateway.responses.serving import ResponsesServing
+from gateway.routers import admin, admin_adapters, lora, responses, usage
 from gateway.routers.openai import health_router, router
 from gateway.served_models import ModelEngine, ServedModels
 from gateway.tenancy import Tenancy
@@ -54,6 +55,11 @@ def build_app(
         catalog,
         tool_call_parser,
     )
+    app.state.responses = (
+        None
+        if tenancy.responses is None
+        else ResponsesServing(app.state.serving, tenancy.responses)
+    )
     app.state.started_at = int(time.time())
     install_error_handlers(app)
     # The last added runs first: every request passes the error boundary, then the size limit
@@ -66,6 +72,7 @@ def build_app(
     app.add_middleware(ErrorBoundary)
     routers = [
         router,
+        responses.router,
         usage.router,
         admin.router,
         usage.admin_router,

@@ -15,6 +15,7 @@ import logging
 import time
 import uuid
 from collections.abc import AsyncGenerator
+from dataclasses import dataclass
 from typing import Any, cast
 
 from fastapi.responses import JSONResponse, Response
@@ -52,6 +53,18 @@ logger = logging.getLogger(__name__)
 
 # What nginx logs for a client that hung up before its answer; no client ever reads it.
 CLIENT_CLOSED_REQUEST = 499
+
+
+@dataclass(slots=True)
+class Started:
+    """A request admitted and at its engine: its answer (to collect, or to stream), its
+    model, the engine's update stream (closing it aborts the request) and the limiter's
+    headers for the response."""
+
+    answer: Answer
+    model: ServedModel
+    updates: AsyncGenerator[tuple[int, SequenceUpdate]]
+    headers: dict[str, str]
 
 
 class OpenAIServing:
@@ -129,7 +142,7 @@ class OpenAIServing:
         )
         if not all(token_ids):
             raise APIError(400, "the prompt is empty", param="prompt", code=EMPTY_PROMPT)
-        return await self._respond(
+        started = await self._begin(
             body,
             model,
             token_ids,
@@ -137,9 +150,10 @@ class OpenAIServing:
             lora,
             tenant,
             chat=False,
-            disconnected=disconnected,
+            endpoint="completions",
             guided_param=body.guided_param,
         )
+        return await self._render(body, started, disconnected)
 
     async def chat(
         self,
@@ -147,6 +161,18 @@ class OpenAIServing:
         tenant: RequestTenant,
         disconnected: Disconnected | None = None,
     ) -> Response:
+        return await self._render(body, await self.start_chat(body, tenant), disconnected)
+
+    async def start_chat(
+        self,
+        body: ChatCompletionRequest,
+        tenant: RequestTenant,
+        endpoint: str = "chat",
+        request_id: str | None = None,
+    ) -> Started:
+        """A chat request admitted and at its engine (the Responses API answers from it too):
+        from here on it ends with exactly one usage row, `endpoint` naming the route and
+        `request_id` (default: a new chat completion id) the request."""
         model, lora = await self.resolve_model(body.model, tenant)
         self._check_bounds(model, body, 1)
         try:
@@ -185,7 +211,7 @@ class OpenAIServing:
                 400, f"chat template failed: {exc}", param="messages", code=INVALID_VALUE
             ) from exc
         prompt_ids = list(cast(list[int], encoded["input_ids"]))
-        return await self._respond(
+        return await self._begin(
             body,
             model,
             [prompt_ids],
@@ -193,7 +219,8 @@ class OpenAIServing:
             lora,
             tenant,
             chat=True,
-            disconnected=disconnected,
+            endpoint=endpoint,
+            request_id=request_id,
             guided_param=guided_param,
             tools=calls,
             tool_format=fmt,
@@ -230,7 +257,7 @@ class OpenAIServing:
             param = exc.param if isinstance(exc, FieldError) else None
             raise APIError(400, str(exc), param=param, code=INVALID_VALUE) from exc
 
-    async def _respond(
+    async def _begin(
         self,
         body: Any,
         model: ServedModel,
@@ -239,16 +266,18 @@ class OpenAIServing:
         lora: LoRARequest | None,
         tenant: RequestTenant,
         chat: bool,
-        disconnected: Disconnected | None = None,
+        endpoint: str,
+        request_id: str | None = None,
         guided_param: str | None = None,
         tools: ToolPlan | None = None,
         tool_format: ToolFormat | None = None,
-    ) -> Response:
-        """Admit, start the engine's requests, and answer in one JSON body or in SSE chunks."""
+    ) -> Started:
+        """Admit and start the engine's requests: an engine's refusal is an HTTP error here,
+        before anything is answered."""
         timer = Timer(self.metrics)  # time to first token includes a grammar's compile
         if params.guided is not None:
             await _compile_grammar(model, params.guided, guided_param)
-        request_id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
+        request_id = request_id or f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
         reserved = _reserved(model, prompts, params)
         ticket = await self.admission.admit(tenant, request_id, reserved)
         try:
@@ -270,6 +299,7 @@ class OpenAIServing:
             None if lora is None else body.model.partition("@")[0],
             lora,
             timer.start,
+            endpoint=endpoint,
         )
         answer = Answer(
             request_id,
@@ -293,19 +323,26 @@ class OpenAIServing:
             first,
             updates,
         )
+        return Started(answer, model, updates, ticket.headers)
+
+    async def _render(
+        self, body: Any, started: Started, disconnected: Disconnected | None
+    ) -> Response:
+        """Answer in one JSON body, or in SSE chunks."""
+        answer, tokenizer = started.answer, started.model.tokenizer
         if body.stream:
             return MeteredStream(
-                sse_chunks(answer, self.checks, model.tokenizer),
+                sse_chunks(answer, self.checks, tokenizer),
                 on_close=lambda: answer.end_nowait(STATUS_ABORTED),
-                updates=updates,
+                updates=started.updates,
                 media_type="text/event-stream",
-                headers=ticket.headers,
+                headers=started.headers,
             )
         if not await unless_disconnected(collect(answer), disconnected):
             # Nobody is left to answer; the engine's requests are aborted, the row written.
             return Response(status_code=CLIENT_CLOSED_REQUEST)
         return JSONResponse(
-            await json_body(answer, self.checks, model.tokenizer), headers=ticket.headers
+            await json_body(answer, self.checks, tokenizer), headers=started.headers
         )
 
 

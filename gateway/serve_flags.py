@@ -106,6 +106,9 @@ HELP: dict[str, str] = {
     "admin_jwt_audience": "Required `aud` of admin tokens.",
     "usage_spool_dir": "Usage rows' durable spool. Default: loragate-spool beside a SQLite db.",
     "usage_flush_interval": "Seconds between the usage ledger's batched database writes.",
+    "responses_ttl": "Seconds a stored response (/v1/responses) is kept: 30 days.",
+    "responses_max_stored_per_tenant": "Stored responses per tenant; past it the oldest go.",
+    "responses_sweep_interval": "Seconds between deletions of expired stored responses.",
 }
 
 

@@ -21,6 +21,17 @@ logger = logging.getLogger(__name__)
 
 
 async def sse_chunks(answer: Answer, checks: OutputChecks, tokenizer: Any) -> AsyncGenerator[str]:
+    async with contextlib.aclosing(chunk_bodies(answer, checks, tokenizer)) as bodies:
+        async for data in bodies:
+            yield f"data: {json.dumps(data, ensure_ascii=False)}\n\n"
+    yield "data: [DONE]\n\n"
+
+
+async def chunk_bodies(
+    answer: Answer, checks: OutputChecks, tokenizer: Any
+) -> AsyncGenerator[dict[str, Any]]:
+    """Each chunk's JSON body (an error's body once the stream has begun), the usage chunk
+    when asked for; the usage row is written before the last."""
     if answer.chat:
         yield _chunk(answer, [_role_delta(c) for c in answer.choices])
     status = STATUS_OK
@@ -63,15 +74,14 @@ async def sse_chunks(answer: Answer, checks: OutputChecks, tokenizer: Any) -> As
             err = APIError(
                 500, f"internal server error ({answer.request_id})", type="internal_error"
             )
-        yield f"data: {json.dumps(err.body())}\n\n"
+        yield err.body()
     answer.timer.finish(answer.choices, answer.usage)
     await answer.end(status)
     if answer.include_usage:
         yield _chunk(answer, [], answer.usage.body(answer.choices))
-    yield "data: [DONE]\n\n"
 
 
-def _chunk(answer: Answer, choices: list[dict[str, Any]], usage: Any = None) -> str:
+def _chunk(answer: Answer, choices: list[dict[str, Any]], usage: Any = None) -> dict[str, Any]:
     data: dict[str, Any] = {
         "id": answer.request_id,
         "object": "chat.completion.chunk" if answer.chat else "text_completion",
@@ -81,7 +91,7 @@ def _chunk(answer: Answer, choices: list[dict[str, Any]], usage: Any = None) -> 
     }
     if answer.include_usage:
         data["usage"] = usage
-    return f"data: {json.dumps(data, ensure_ascii=False)}\n\n"
+    return data
 
 
 def _role_delta(choice: Choice) -> dict[str, Any]:

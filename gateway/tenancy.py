@@ -1,5 +1,5 @@
 """Everything multi-tenant the gateway holds: the database, tenant and admin authentication,
-the adapter catalog, and how they start.
+the adapter catalog, the stored responses (/v1/responses), and how they start.
 
 `open_tenancy` migrates the database (unless told not to), sweeps the adapter store, and on
 an empty database creates the `demo` tenant with one key, which it returns once so the
@@ -8,7 +8,10 @@ command line can print it.
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import logging
+import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from datetime import datetime
@@ -23,6 +26,7 @@ from gateway.settings import Settings
 from tenants.db import Database, upgrade
 from tenants.keys import create_key
 from tenants.ledger import Ledger
+from tenants.responses import BEAT_INTERVAL, SILENT_AFTER, ResponseStore
 from tenants.tenants import count_tenants, create_tenant, get_tenant_by_name
 from tenants.usage import tokens_used
 
@@ -47,6 +51,10 @@ class Tenancy:
     max_adapter_bytes: int = 1 << 30
     # Limits of a tenant created without them (admin REST): field name -> value or None.
     default_limits: dict[str, int | None] = field(default_factory=dict)
+    # The Responses API's stored responses; None: no such routes.
+    responses: ResponseStore | None = None
+    responses_sweep_interval: float = 600.0
+    _sweeper: asyncio.Task[None] | None = None
 
     @property
     def model_names(self) -> list[str]:
@@ -54,11 +62,35 @@ class Tenancy:
         return self.catalog.model_names
 
     async def start(self) -> None:
-        """Start the background work (the usage ledger's writer) in the event loop that
-        serves: the database's connections belong to it."""
+        """Start the background work (the usage ledger's writer, the stored responses'
+        sweep) in the event loop that serves: the database's connections belong to it."""
         await self.ledger.start()
+        if self.responses is not None:
+            self._sweeper = asyncio.create_task(self._sweep_responses(self.responses))
+
+    async def _sweep_responses(self, store: ResponseStore) -> None:
+        """Background responses whose gateway fell silent fail (every BEAT_INTERVAL); expired
+        responses go (every responses_sweep_interval)."""
+        swept_at = 0.0
+        while True:
+            try:
+                failed = await store.fail_unfinished(silent_for=SILENT_AFTER)
+                if failed:
+                    logger.warning("%d background responses a stopped gateway left: failed", failed)
+                if time.monotonic() - swept_at >= self.responses_sweep_interval:
+                    swept_at = time.monotonic()
+                    removed = await store.sweep()
+                    if removed:
+                        logger.info("removed %d expired stored responses", removed)
+            except Exception:  # noqa: BLE001 - a database hiccup: the next round tries again
+                logger.exception("sweeping stored responses failed")
+            await asyncio.sleep(BEAT_INTERVAL)
 
     async def close(self) -> None:
+        if self._sweeper is not None:
+            self._sweeper.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._sweeper
         await self.ledger.close()  # its last rows reach the database before it closes
         await self.limiter.close()
         await self.db.close()
@@ -114,6 +146,12 @@ def open_tenancy(settings: Settings, bases: dict[str, BaseModelInfo]) -> Tenancy
             "max_concurrency": settings.default_max_concurrency,
             "monthly_token_quota": settings.default_monthly_token_quota,
         },
+        responses=ResponseStore(
+            db,
+            ttl=settings.responses_ttl,
+            max_per_tenant=settings.responses_max_stored_per_tenant,
+        ),
+        responses_sweep_interval=settings.responses_sweep_interval,
     )
 
 

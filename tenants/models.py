@@ -198,3 +198,5 @@ class StoredResponseRow(Base):
     body: Mapped[dict[str, Any]] = mapped_column(JSON)  # the object as last returned
     created_at: Mapped[datetime]
     expires_at: Mapped[datetime] = mapped_column(index=True)
+    # When the gateway running it last said so (each save, and a beat while in background).
+    heartbeat_at: Mapped[datetime]

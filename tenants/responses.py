@@ -23,9 +23,13 @@ from tenants.db import Database
 from tenants.models import StoredResponseRow, utcnow
 
 UNFINISHED = ("queued", "in_progress")
+# A gateway running background responses says so this often (`beat`); one silent for
+# SILENT_AFTER seconds has stopped, and what it ran is failed (`fail_unfinished`).
+BEAT_INTERVAL = 30.0
+SILENT_AFTER = 4 * BEAT_INTERVAL
 RESTARTED_ERROR = {
     "code": "server_restarted",
-    "message": "The server restarted while this background response was running; create it again.",
+    "message": "The gateway running this background response stopped; create it again.",
 }
 
 
@@ -93,7 +97,12 @@ class ResponseStore:
             updated = await session.execute(
                 update(row)
                 .where(row.id == response.id, row.tenant_id == response.tenant_id)
-                .values(status=response.status, output=response.output, body=response.body)
+                .values(
+                    status=response.status,
+                    output=response.output,
+                    body=response.body,
+                    heartbeat_at=utcnow(),
+                )
                 .execution_options(synchronize_session=False)
             )
             if cast(CursorResult[Any], updated).rowcount:
@@ -112,6 +121,7 @@ class ResponseStore:
                     body=response.body,
                     created_at=_utc(response.created_at),
                     expires_at=_utc(response.expires_at),
+                    heartbeat_at=utcnow(),
                 )
             )
             await session.flush()
@@ -195,16 +205,31 @@ class ResponseStore:
             )
         return cast(CursorResult[Any], deleted).rowcount
 
-    async def fail_unfinished(self) -> int:
-        """At gateway start: background responses left `queued`/`in_progress` by a gateway
-        that stopped become `failed` (their body's status and an `error` set too); how many.
-
-        Every one in the table: call it before this gateway starts any, and only where no
-        other gateway shares the database (it would fail that one's running responses)."""
+    async def beat(self, response_ids: list[str]) -> None:
+        """The gateway running these background responses still runs them."""
+        if not response_ids:
+            return
         row = StoredResponseRow
         async with self.db.session() as session, session.begin():
+            await session.execute(
+                update(row)
+                .where(row.id.in_(response_ids))
+                .values(heartbeat_at=utcnow())
+                .execution_options(synchronize_session=False)
+            )
+
+    async def fail_unfinished(self, silent_for: float) -> int:
+        """Background responses left `queued`/`in_progress` whose gateway has not beaten for
+        `silent_for` seconds (it stopped, or died) become `failed` (their body's status and an
+        `error` set too); how many. Safe where gateways share the database: a running one
+        beats more often than that."""
+        row = StoredResponseRow
+        stale = utcnow() - timedelta(seconds=silent_for)
+        async with self.db.session() as session, session.begin():
             left = await session.scalars(
-                select(row).where(row.background, row.status.in_(UNFINISHED))
+                select(row).where(
+                    row.background, row.status.in_(UNFINISHED), row.heartbeat_at < stale
+                )
             )
             count = 0
             for found in left:

@@ -8,7 +8,7 @@ from sqlalchemy import delete, func, select
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.ext.asyncio import AsyncSession
 
-from tenants.models import Adapter, ApiKey, Tenant
+from tenants.models import Adapter, ApiKey, StoredResponseRow, Tenant
 from tenants.names import check_tenant_name
 
 
@@ -64,6 +64,8 @@ async def delete_tenant(session: AsyncSession, *, tenant: Tenant) -> list[str]:
     # Explicit, not ON DELETE CASCADE: SQLite enforces foreign keys only when asked to.
     await session.execute(delete(Adapter).where(Adapter.owner_id == tenant.id))
     await session.execute(delete(ApiKey).where(ApiKey.tenant_id == tenant.id))
+    # By hand, as keys: SQLite enforces the foreign keys' ON DELETE only when asked to.
+    await session.execute(delete(StoredResponseRow).where(StoredResponseRow.tenant_id == tenant.id))
     await session.delete(tenant)
     await session.flush()
     return shas

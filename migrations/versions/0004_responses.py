@@ -2,7 +2,9 @@
 came through (`usage.endpoint`; null for the rows written before).
 
 `responses.previous_response_id` has no foreign key: the previous response may expire before
-the ones that continue it. Downgrading drops every stored response.
+the ones that continue it. `heartbeat_at` is when the gateway running a background response
+last said it still runs it: one that falls silent has stopped, whichever gateway it was.
+Downgrading drops every stored response.
 
 Revision ID: 0004
 Revises: 0003
@@ -35,6 +37,7 @@ def upgrade() -> None:
         sa.Column("body", sa.JSON(), nullable=False),
         sa.Column("created_at", sa.DateTime(timezone=True), nullable=False),
         sa.Column("expires_at", sa.DateTime(timezone=True), nullable=False),
+        sa.Column("heartbeat_at", sa.DateTime(timezone=True), nullable=False),
         sa.ForeignKeyConstraint(["tenant_id"], ["tenants.id"], ondelete="CASCADE"),
         sa.PrimaryKeyConstraint("id"),
     )

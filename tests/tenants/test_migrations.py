@@ -187,6 +187,7 @@ def test_0004_adds_stored_responses_and_usage_endpoints(database_url: str) -> No
                     body={"status": "completed"},
                     created_at=created,
                     expires_at=created,
+                    heartbeat_at=created,
                 )
             )
             assert conn.execute(select(responses.c.input_items)).scalar_one() == [

@@ -198,7 +198,7 @@ def test_sweep_removes_the_expired_only(database_url: str) -> None:
     run(database_url, body)
 
 
-def test_fail_unfinished_fails_background_responses_a_stopped_gateway_left(
+def test_fail_unfinished_fails_only_background_responses_whose_gateway_fell_silent(
     database_url: str,
 ) -> None:
     async def body(store: ResponseStore, a: str, b: str) -> None:
@@ -206,16 +206,22 @@ def test_fail_unfinished_fails_background_responses_a_stopped_gateway_left(
         running = response(2, b, status="in_progress", background=True)
         finished = response(3, a, status="completed", background=True)
         foreground = response(4, a, status="in_progress")
-        for r in (queued, running, finished, foreground):
+        beating = response(5, b, status="in_progress", background=True)  # another gateway's
+        for r in (queued, running, finished, foreground, beating):
             await store.save(r)
-        assert await store.fail_unfinished() == 2
+        # Nothing is silent yet: a gateway starting beside running ones fails none of them.
+        assert await store.fail_unfinished(silent_for=60) == 0
+        await asyncio.sleep(0.3)
+        await store.beat([beating.id])
+        assert await store.fail_unfinished(silent_for=0.2) == 2
         for tenant, left in ((a, queued), (b, running)):
             got = await store.get(tenant, left.id)
             assert got is not None and got.status == "failed"
             assert got.body["status"] == "failed" and got.body["id"] == left.id
             assert got.body["error"]["code"] == "server_restarted"
+        assert (await store.get(b, beating.id)) == beating
         assert (await store.get(a, finished.id)) == finished
         assert (await store.get(a, foreground.id)) == foreground
-        assert await store.fail_unfinished() == 0
+        assert await store.fail_unfinished(silent_for=0.2) == 0
 
     run(database_url, body)

@@ -1,0 +1,83 @@
+"""The Responses API: /v1/responses and the stored responses under it (gateway.responses)."""
+
+from __future__ import annotations
+
+from typing import Annotated, Any, Literal
+
+from fastapi import APIRouter, Depends, Query, Request
+from fastapi.responses import Response
+
+from gateway.body import StrictJSONRoute
+from gateway.deps import TenantDep
+from gateway.errors import APIError
+from gateway.responses.protocol import MAX_ID_CHARS, ResponsesRequest
+from gateway.responses.serving import ResponsesServing
+from gateway.routers.error_schemas import OPENAI_ERRORS
+from gateway.routers.openai import hung_up
+
+router = APIRouter(
+    prefix="/v1/responses", tags=["responses"], route_class=StrictJSONRoute, responses=OPENAI_ERRORS
+)
+
+_CREATED: dict[int | str, dict[str, Any]] = {
+    200: {
+        "description": "The response, or its events as server-sent events.",
+        "content": {"application/json": {}, "text/event-stream": {"schema": {"type": "string"}}},
+    }
+}
+
+
+def get_responses(request: Request) -> ResponsesServing:
+    responses: ResponsesServing | None = getattr(request.app.state, "responses", None)
+    if responses is None:
+        raise APIError(404, "this server does not serve the Responses API", code="not_found")
+    return responses
+
+
+ResponsesDep = Annotated[ResponsesServing, Depends(get_responses)]
+
+
+def _checked(response_id: str) -> str:
+    if len(response_id) > MAX_ID_CHARS:
+        raise APIError(400, f"a response id is at most {MAX_ID_CHARS} characters", param="id")
+    return response_id
+
+
+@router.post("", response_model=None, responses=_CREATED)
+async def create_response(
+    body: ResponsesRequest, responses: ResponsesDep, tenant: TenantDep, request: Request
+) -> Response:
+    return await responses.create(body, tenant, hung_up(request))
+
+
+@router.get("/{response_id}")
+async def retrieve_response(
+    response_id: str, responses: ResponsesDep, tenant: TenantDep
+) -> dict[str, Any]:
+    return await responses.retrieve(tenant, _checked(response_id))
+
+
+@router.delete("/{response_id}")
+async def delete_response(
+    response_id: str, responses: ResponsesDep, tenant: TenantDep
+) -> dict[str, Any]:
+    return await responses.delete(tenant, _checked(response_id))
+
+
+@router.post("/{response_id}/cancel")
+async def cancel_response(
+    response_id: str, responses: ResponsesDep, tenant: TenantDep
+) -> dict[str, Any]:
+    return await responses.cancel(tenant, _checked(response_id))
+
+
+@router.get("/{response_id}/input_items")
+async def list_input_items(
+    response_id: str,
+    responses: ResponsesDep,
+    tenant: TenantDep,
+    order: Literal["asc", "desc"] = "desc",
+    limit: Annotated[int, Query(ge=1, le=100)] = 20,
+    after: Annotated[str | None, Query(max_length=MAX_ID_CHARS)] = None,
+) -> dict[str, Any]:
+    return await responses.input_items(tenant, _checked(response_id), order, limit, after)
