@@ -235,11 +235,14 @@ class ResponsesServing:
         return stored.body
 
     async def delete(self, tenant: RequestTenant, response_id: str) -> dict[str, Any]:
+        if await self.store.get(tenant.id, response_id) is None:
+            raise not_found(response_id)
         task = self._background.get(response_id)
+        if task is not None:  # stopped first: its last save would write the row back
+            task.cancel()
+            await asyncio.wait([task], timeout=CANCEL_WAIT)
         if not await self.store.delete(tenant.id, response_id):
             raise not_found(response_id)
-        if task is not None:
-            task.cancel()
         return {"id": response_id, "object": "response.deleted", "deleted": True}
 
     async def input_items(
@@ -292,9 +295,10 @@ def _fit(
     kept = list(messages)
     while True:
         try:
-            ids = model.tokenizer.apply_chat_template(
-                kept, add_generation_prompt=True, tokenize=True
+            encoded = model.tokenizer.apply_chat_template(
+                kept, add_generation_prompt=True, tokenize=True, return_dict=True
             )
+            ids = encoded["input_ids"]
         except Exception:  # noqa: BLE001 - a template that cannot count this: the engine will
             return kept
         if len(ids) <= budget:

@@ -247,6 +247,13 @@ def test_a_background_response_is_polled_and_can_be_cancelled(client: openai.Ope
     cancelled = client.responses.cancel(long.id)
     assert cancelled.status == "cancelled"
     assert client.responses.retrieve(long.id).status == "cancelled"
+    # Deleting one that runs stops it, and it stays deleted.
+    running = client.responses.create(
+        model="demo", input="long", max_output_tokens=900, background=True, extra_body=LONG
+    )
+    client.responses.delete(running.id)
+    with pytest.raises(openai.NotFoundError):
+        client.responses.retrieve(running.id)
     with pytest.raises(openai.BadRequestError):
         client.responses.cancel(client.responses.create(model="demo", input="x").id)
 
@@ -301,6 +308,11 @@ def test_each_response_has_one_usage_row(server: Server, client: openai.OpenAI) 
         model="demo", input="b", max_output_tokens=3, extra_body=LONG
     ) as stream:
         made.append(list(stream)[-1].response.id)  # type: ignore[union-attr]
+    # A cancelled background response has its row too, with what it produced.
+    long = client.responses.create(
+        model="demo", input="long", max_output_tokens=900, background=True, extra_body=LONG
+    )
+    assert client.responses.cancel(long.id).status == "cancelled"
     tenancy = server.app.state.tenancy
 
     async def rows() -> list[Usage]:
@@ -309,9 +321,14 @@ def test_each_response_has_one_usage_row(server: Server, client: openai.OpenAI) 
             found = await session.execute(select(Usage).where(Usage.request_id.in_(made)))
             return list(found.scalars())
 
+    whole = list(made)
+    made.append(long.id)
     found = server.run(rows())
     assert sorted(r.request_id for r in found) == sorted(made)  # one row each, by the id
-    assert {(r.endpoint, r.completion_tokens, r.status) for r in found} == {("responses", 3, "ok")}
+    by_id = {r.request_id: r for r in found}
+    assert {r.endpoint for r in found} == {"responses"}
+    assert {(by_id[i].completion_tokens, by_id[i].status) for i in whole} == {(3, "ok")}
+    assert by_id[long.id].status == "aborted" and by_id[long.id].completion_tokens < 900
 
 
 def test_the_cap_and_the_ttl_hold_on_the_live_server(server: Server) -> None:
@@ -336,3 +353,33 @@ def test_the_cap_and_the_ttl_hold_on_the_live_server(server: Server) -> None:
     for rid in made[1:]:
         with pytest.raises(openai.NotFoundError):
             client.responses.retrieve(rid)
+
+
+def test_truncation_drops_the_oldest_turns_only_when_asked(client: openai.OpenAI) -> None:
+    """The demo server's context is 1,024 tokens; three turns of ~400 do not fit together."""
+    long_turn = " ".join(["lantern meadow harbor"] * 40)
+    previous = None
+    for _ in range(2):
+        previous = client.responses.create(
+            model="demo",
+            input=long_turn,
+            previous_response_id=previous,
+            max_output_tokens=4,
+            extra_body=LONG,
+        ).id
+    with pytest.raises(openai.BadRequestError) as caught:
+        client.responses.create(
+            model="demo", input=long_turn, previous_response_id=previous, max_output_tokens=4
+        )
+    assert caught.value.body["param"] == "input"  # type: ignore[index]
+    assert caught.value.body["code"] == "context_length_exceeded"  # type: ignore[index]
+    fitted = client.responses.create(
+        model="demo",
+        input=long_turn,
+        previous_response_id=previous,
+        max_output_tokens=4,
+        truncation="auto",
+        extra_body=LONG,
+    )
+    assert fitted.status == "incomplete" and fitted.truncation == "auto"
+    assert fitted.usage is not None and fitted.usage.input_tokens + 4 <= 1024

@@ -1,0 +1,75 @@
+"""The Responses API on a real model (SmolLM2-135M-Instruct, its own chat template): a
+conversation through `previous_response_id` whose second prompt holds the first turn and finds
+it in the prefix cache, and a strict json_schema answer that validates."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from pathlib import Path
+
+import jsonschema
+import pytest
+from live_server import Server, build_test_app, live_server
+
+from engine.async_engine import AsyncEngine
+
+pytestmark = pytest.mark.smollm2
+
+CITY = {
+    "type": "object",
+    "properties": {"city": {"type": "string", "maxLength": 20}, "country": {"type": "string"}},
+    "required": ["city", "country"],
+    "additionalProperties": False,
+}
+
+
+@pytest.fixture(scope="module")
+def server(smollm2_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
+    from engine import EngineConfig, LLMEngine
+
+    config = EngineConfig(
+        model=str(smollm2_dir), kv_cache_memory=128 << 20, max_model_len=2048, num_threads=2
+    )
+    engine = AsyncEngine(LLMEngine(config), max_waiting=16)
+    engine.start()
+    root = tmp_path_factory.mktemp("responses-smollm2")
+    app = build_test_app(engine, "smollm2", root, smollm2_dir)
+    with live_server(app, engine) as server:
+        yield server
+
+
+def test_a_conversation_remembers_and_reuses_its_history(server: Server) -> None:
+    client = server.client()
+    first = client.responses.create(
+        model="smollm2",
+        input="My name is Marguerite and I live in Lyon. Say hello.",
+        max_output_tokens=24,
+        temperature=0,
+    )
+    second = client.responses.create(
+        model="smollm2",
+        input="What is my name?",
+        previous_response_id=first.id,
+        max_output_tokens=16,
+        temperature=0,
+    )
+    assert first.usage is not None and second.usage is not None
+    # The first turn (its input and its answer) is in the second's prompt: the protocol, not
+    # the 135M model's memory, is what this asserts.
+    assert second.usage.input_tokens > first.usage.input_tokens + first.usage.output_tokens
+    assert second.output_text
+    # The first turn's prompt (and what it generated) came from the prefix cache.
+    assert second.usage.input_tokens_details.cached_tokens >= first.usage.input_tokens - 16
+
+
+def test_a_strict_schema_answer_validates(server: Server) -> None:
+    response = server.client().responses.create(
+        model="smollm2",
+        input="Name a large city and its country.",
+        text={"format": {"type": "json_schema", "name": "city", "schema": CITY, "strict": True}},
+        max_output_tokens=64,
+        temperature=0,
+    )
+    assert response.status == "completed"
+    jsonschema.validate(json.loads(response.output_text), CITY)
