@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from fastapi import APIRouter, Depends, Query, Request
+from fastapi import APIRouter, Depends, Path, Query, Request
 from fastapi.responses import Response
 
 from gateway.body import StrictJSONRoute
@@ -37,10 +37,9 @@ def get_responses(request: Request) -> ResponsesServing:
 ResponsesDep = Annotated[ResponsesServing, Depends(get_responses)]
 
 
-def _checked(response_id: str) -> str:
-    if len(response_id) > MAX_ID_CHARS:
-        raise APIError(400, f"a response id is at most {MAX_ID_CHARS} characters", param="id")
-    return response_id
+# A response id as a path parameter: bounded in the schema, so a longer one is the same 400
+# as any other malformed field.
+ResponseId = Annotated[str, Path(max_length=MAX_ID_CHARS)]
 
 
 @router.post("", response_model=None, responses=_CREATED)
@@ -52,32 +51,32 @@ async def create_response(
 
 @router.get("/{response_id}")
 async def retrieve_response(
-    response_id: str, responses: ResponsesDep, tenant: TenantDep
+    response_id: ResponseId, responses: ResponsesDep, tenant: TenantDep
 ) -> dict[str, Any]:
-    return await responses.retrieve(tenant, _checked(response_id))
+    return await responses.retrieve(tenant, response_id)
 
 
 @router.delete("/{response_id}")
 async def delete_response(
-    response_id: str, responses: ResponsesDep, tenant: TenantDep
+    response_id: ResponseId, responses: ResponsesDep, tenant: TenantDep
 ) -> dict[str, Any]:
-    return await responses.delete(tenant, _checked(response_id))
+    return await responses.delete(tenant, response_id)
 
 
 @router.post("/{response_id}/cancel")
 async def cancel_response(
-    response_id: str, responses: ResponsesDep, tenant: TenantDep
+    response_id: ResponseId, responses: ResponsesDep, tenant: TenantDep
 ) -> dict[str, Any]:
-    return await responses.cancel(tenant, _checked(response_id))
+    return await responses.cancel(tenant, response_id)
 
 
 @router.get("/{response_id}/input_items")
 async def list_input_items(
-    response_id: str,
+    response_id: ResponseId,
     responses: ResponsesDep,
     tenant: TenantDep,
     order: Literal["asc", "desc"] = "desc",
     limit: Annotated[int, Query(ge=1, le=100)] = 20,
     after: Annotated[str | None, Query(max_length=MAX_ID_CHARS)] = None,
 ) -> dict[str, Any]:
-    return await responses.input_items(tenant, _checked(response_id), order, limit, after)
+    return await responses.input_items(tenant, response_id, order, limit, after)
