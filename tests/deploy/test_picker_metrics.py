@@ -91,7 +91,9 @@ def engine(
     command = [LORAGATE_CLI, "engine", "--model", str(demo_model_dir), "--port", str(port)]
     command += ["--served-model-name", "demo", "--engine-token", TOKEN]
     command += ["--adapter-store", str(root / "adapters"), "--max-loras", "1"]
-    command += ["--block-size", str(BLOCK_SIZE), *ENGINE_KNOBS]
+    # The demo model's whole context: story-a's requests run long enough that story-b is
+    # seen waiting behind them on a slow machine too.
+    command += ["--block-size", str(BLOCK_SIZE), *ENGINE_KNOBS, "--max-model-len", "2048"]
     with log.open("wb") as out:
         # Wide enough that the log's lines are not wrapped (the KV cache's is read back).
         env = os.environ | {"COLUMNS": "400"}
@@ -165,7 +167,7 @@ def test_the_engine_exports_every_series_the_picker_config_names(
 
     # story-a's requests hold the one slot; story-b's waits for it to drain.
     threads = [
-        threading.Thread(target=_complete, args=(engine, "story-a", adapters["story-a"], 400))
+        threading.Thread(target=_complete, args=(engine, "story-a", adapters["story-a"], 1900))
         for _ in range(2)
     ]
     for thread in threads:
