@@ -25,14 +25,18 @@ class EngineService:
     log: Path
 
     def metric(self, name: str) -> float:
-        text = httpx.get(f"{self.url}/metrics").text
-        values = [
-            float(line.rsplit(" ", 1)[1])
-            for line in text.splitlines()
-            if line.startswith(name + "{") or line.startswith(name + " ")
-        ]
-        assert values, f"{name} not in {self.url}/metrics"
-        return sum(values)
+        return metric_sum(httpx.get(f"{self.url}/metrics").text, name)
+
+
+def metric_sum(text: str, name: str) -> float:
+    """A series' samples summed over their labels, from a Prometheus text exposition."""
+    values = [
+        float(line.rsplit(" ", 1)[1])
+        for line in text.splitlines()
+        if line.startswith(name + "{") or line.startswith(name + " ")
+    ]
+    assert values, f"{name} not in the metrics"
+    return sum(values)
 
 
 def start_engine(

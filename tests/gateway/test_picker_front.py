@@ -31,7 +31,14 @@ from typing import Any
 
 import httpx
 import pytest
-from engine_services import LORAGATE_CLI, TOKEN, EngineService, start_engine, wait_healthy
+from engine_services import (
+    LORAGATE_CLI,
+    TOKEN,
+    EngineService,
+    metric_sum,
+    start_engine,
+    wait_healthy,
+)
 from live_server import TEST_SECRET, free_port
 
 from gateway.admin_auth import mint_admin_token
@@ -64,17 +71,7 @@ class Front:
         return [json.loads(line) for line in lines]
 
     def metric(self, name: str) -> float:
-        return _metric(httpx.get(f"{self.url}/metrics", timeout=10).text, name)
-
-
-def _metric(text: str, name: str) -> float:
-    values = [
-        float(line.rsplit(" ", 1)[1])
-        for line in text.splitlines()
-        if line.startswith(name + "{") or line.startswith(name + " ")
-    ]
-    assert values, f"{name} not in the metrics"
-    return sum(values)
+        return metric_sum(httpx.get(f"{self.url}/metrics", timeout=10).text, name)
 
 
 def _nginx_conf(root: Path, port: int, upstreams: list[int]) -> Path:
@@ -359,11 +356,11 @@ def test_no_engine_up_holds_the_request_until_one_is(
         )
         held.start()
         deadline = time.monotonic() + 30
-        while _metric(httpx.get(f"{url}/metrics").text, "loragate:model_pending_requests") < 1:
+        while metric_sum(httpx.get(f"{url}/metrics").text, "loragate:model_pending_requests") < 1:
             assert time.monotonic() < deadline, "the request was not held"
             time.sleep(0.1)
         metrics = httpx.get(f"{url}/metrics").text
-        assert _metric(metrics, "loragate:engine_replicas") == 0
+        assert metric_sum(metrics, "loragate:engine_replicas") == 0
         over = httpx.post(f"{url}/v1/completions", json=body, headers=auth, timeout=30)
         assert over.status_code == 503, over.text
         assert over.headers["Retry-After"]
@@ -379,7 +376,7 @@ def test_no_engine_up_holds_the_request_until_one_is(
             assert answer.status_code == 200, answer.text
             assert answer.json()["usage"]["completion_tokens"] == 3
             metrics = httpx.get(f"{url}/metrics").text
-            assert _metric(metrics, "loragate:model_pending_requests") == 0
-            assert _metric(metrics, "loragate:engine_replicas") == 1
+            assert metric_sum(metrics, "loragate:model_pending_requests") == 0
+            assert metric_sum(metrics, "loragate:engine_replicas") == 1
         finally:
             _stop(engine)

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import json
 import time
-import typing
 from collections.abc import Iterator
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
@@ -20,7 +19,8 @@ import jsonschema
 import openai
 import pytest
 from live_server import Server, build_test_app, live_server, new_tenant
-from openai.types.responses import Response, ResponseStreamEvent
+from openai.types.responses import Response
+from response_events import EVENTS
 from sqlalchemy import select
 from tool_schemas import WEATHER
 
@@ -30,18 +30,6 @@ from tenants.models import Usage
 SCHEMA = WEATHER["function"]["parameters"]
 TOOL = {"type": "function", "name": "get_weather", "parameters": SCHEMA, "strict": True}
 LONG = {"ignore_eos": True}  # the demo model's answers run to max_output_tokens
-
-
-def _event_classes() -> dict[str, Any]:
-    """The SDK's event types by their `type`: one is checked, so its errors are readable."""
-    (union, _) = typing.get_args(ResponseStreamEvent)
-    return {
-        typing.get_args(kind.model_fields["type"].annotation)[0]: kind
-        for kind in typing.get_args(union)
-    }
-
-
-EVENTS = _event_classes()
 
 
 @pytest.fixture(scope="module")

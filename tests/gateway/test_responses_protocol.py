@@ -5,11 +5,11 @@ events a stream of chat chunks becomes, each checked against the openai SDK's ow
 from __future__ import annotations
 
 import json
-import typing
 from typing import Any
 
 import pytest
-from openai.types.responses import Response, ResponseStreamEvent
+from openai.types.responses import Response
+from response_events import EVENTS
 
 from gateway.protocol import FieldError
 from gateway.responses.events import EventStream
@@ -17,18 +17,6 @@ from gateway.responses.objects import ResponseMeta, item_list, output_items, usa
 from gateway.responses.protocol import ResponsesRequest, chat_messages
 
 SCHEMA = {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}
-
-
-def _event_classes() -> dict[str, Any]:
-    """The SDK's event types by their `type`: one is checked, so its errors are readable."""
-    (union, _) = typing.get_args(ResponseStreamEvent)
-    return {
-        typing.get_args(kind.model_fields["type"].annotation)[0]: kind
-        for kind in typing.get_args(union)
-    }
-
-
-EVENTS = _event_classes()
 
 
 def _request(**fields: Any) -> ResponsesRequest:

@@ -46,7 +46,14 @@ import httpx
 import psycopg
 import pytest
 import redis
-from engine_services import LORAGATE_CLI, TOKEN, EngineService, start_engine, wait_healthy
+from engine_services import (
+    LORAGATE_CLI,
+    TOKEN,
+    EngineService,
+    metric_sum,
+    start_engine,
+    wait_healthy,
+)
 from live_server import TEST_SECRET, free_port
 
 from gateway.admin_auth import mint_admin_token
@@ -65,7 +72,7 @@ class Gateway:
     log: Path
 
     def metric(self, name: str) -> float:
-        return _metric_sum(httpx.get(f"{self.url}/metrics", timeout=10).text, name)
+        return metric_sum(httpx.get(f"{self.url}/metrics", timeout=10).text, name)
 
 
 @dataclass
@@ -83,16 +90,6 @@ class Cluster:
     @property
     def auth(self) -> dict[str, str]:
         return {"Authorization": f"Bearer {self.key}"}
-
-
-def _metric_sum(text: str, name: str) -> float:
-    values = [
-        float(line.rsplit(" ", 1)[1])
-        for line in text.splitlines()
-        if line.startswith(name + "{") or line.startswith(name + " ")
-    ]
-    assert values, f"{name} not in the metrics"
-    return sum(values)
 
 
 def _admin() -> dict[str, str]:
