@@ -27,6 +27,10 @@ BENCHMARKS: dict[str, tuple[str, str]] = {
     "routing": ("bench.routing", "affinity routing against round-robin over two engines"),
     "remote-hop": ("bench.remote_hop", "W1 through `loragate engine` against the engine beside it"),
     "responses": ("bench.responses", "a conversation through /v1/responses: TTFT per turn, bytes"),
+    "console-usage": (
+        "bench.console_usage",
+        "the admin console's usage queries on 1M PostgreSQL rows, without and with 0005",
+    ),
 }
 
 

@@ -2,18 +2,32 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
-from sqlalchemy import delete, func, select
+from sqlalchemy import delete, func, or_, select, tuple_
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.ext.asyncio import AsyncSession
 
 from tenants.models import Adapter, ApiKey, StoredResponseRow, Tenant
 from tenants.names import check_tenant_name
 
+MAX_TENANTS_PAGE = 1000
+MAX_TENANT_QUERY = 64  # a search's length: a name's or an id's at most
+
 
 class TenantExists(ValueError):
     pass
+
+
+class UnknownCursor(ValueError):
+    """A page asked to start after a tenant that does not exist (or no longer does)."""
+
+
+@dataclass(frozen=True, slots=True)
+class TenantPage:
+    tenants: list[Tenant]
+    has_more: bool  # tenants after the last of this page match too
 
 
 async def create_tenant(session: AsyncSession, *, name: str, **fields: Any) -> Tenant:
@@ -38,6 +52,37 @@ async def get_tenant_by_name(session: AsyncSession, *, name: str) -> Tenant | No
 
 async def list_tenants(session: AsyncSession) -> list[Tenant]:
     return list(await session.scalars(select(Tenant).order_by(Tenant.created_at, Tenant.id)))
+
+
+async def page_tenants(
+    session: AsyncSession,
+    *,
+    limit: int | None = None,
+    after: str | None = None,
+    q: str | None = None,
+) -> TenantPage:
+    """Tenants in the order they were created (created_at, then id), from the one after the
+    tenant `after` (keyset: a tenant created meanwhile shifts no page), at most `limit` of them
+    (None: all). `q` keeps the tenants whose name holds it, in any case, or whose id it is.
+    Raises UnknownCursor for an `after` that names no tenant."""
+    query = select(Tenant).order_by(Tenant.created_at, Tenant.id)
+    if after is not None:
+        # PostgreSQL refuses a string with a NUL outright; no id or name holds one anyway.
+        cursor = None if "\x00" in after else await get_tenant(session, tenant_id=after)
+        if cursor is None:
+            raise UnknownCursor(f"after: no tenant {after!r}")
+        position = tuple_(cursor.created_at, cursor.id)
+        query = query.where(tuple_(Tenant.created_at, Tenant.id) > position)
+    if q and "\x00" in q:
+        return TenantPage([], has_more=False)
+    if q:
+        query = query.where(or_(Tenant.name.icontains(q, autoescape=True), Tenant.id == q))
+    if limit is not None:
+        query = query.limit(limit + 1)  # one more says whether there are more
+    tenants = list(await session.scalars(query))
+    if limit is None or len(tenants) <= limit:
+        return TenantPage(tenants, has_more=False)
+    return TenantPage(tenants[:limit], has_more=True)
 
 
 async def count_tenants(session: AsyncSession) -> int:

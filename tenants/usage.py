@@ -18,14 +18,18 @@ from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Any
 
-from sqlalchemy import ColumnElement, Select, func, literal_column, select
+from sqlalchemy import ColumnElement, Select, case, false, func, literal_column, select
 from sqlalchemy.ext.asyncio import AsyncSession
 
 from tenants.models import Usage
 
 DAY = 86400
 MAX_EPOCH = 253402300799  # 9999-12-31T23:59:59Z
-SUMMARY_GROUPS = ("day", "model", "adapter", "key", "endpoint")
+SUMMARY_GROUPS = ("day", "tenant", "model", "adapter", "key", "endpoint")
+MAX_TOP = 50
+# The IN list of a month_tokens query is at most this long; past it, every tenant's month is
+# summed (one query either way) rather than binding thousands of parameters.
+MAX_TENANTS_IN = 1000
 BUCKET_WIDTHS = {"1m": 60, "1h": 3600, "1d": DAY}
 # OpenAI's: buckets per page, (default, max) by width.
 BUCKET_LIMITS = {"1m": (60, 1440), "1h": (24, 168), "1d": (7, 31)}
@@ -43,19 +47,66 @@ class UsageQueryError(ValueError):
 
 @dataclass(frozen=True, slots=True)
 class UsageTotals:
-    group: str | None  # the group's value (a day as YYYY-MM-DD); None: ungrouped, or null
+    group: str | None  # the group's value (a day as YYYY-MM-DD); None: ungrouped, null, other
     num_requests: int
     prompt_tokens: int
     cached_tokens: int
     completion_tokens: int
+    day: str | None = None  # grouped by day (alone or with another grouping): YYYY-MM-DD
+    other: bool = False  # with `top`: the sums of every group outside the top
+
+    @property
+    def tokens(self) -> int:
+        """What a group is ranked by, and a quota counts: prompt + completion tokens."""
+        return self.prompt_tokens + self.completion_tokens
 
 
-def _sums() -> list[ColumnElement[Any]]:
+@dataclass(frozen=True, slots=True)
+class Grouping:
+    """A summary's groups: by day or not, by at most one other column (`name`), and whether
+    only the `top` groups of that column keep rows of their own."""
+
+    by_day: bool
+    name: str | None  # tenant, model, adapter, key or endpoint
+    top: int | None
+
+
+# Grouping names and their columns (day is a bucket of created_epoch).
+GROUP_COLUMNS: dict[str, Any] = {
+    "tenant": Usage.tenant_id,
+    "model": Usage.model,
+    "adapter": Usage.adapter_name,
+    "key": Usage.key_id,
+    "endpoint": Usage.endpoint,
+}
+
+
+def grouping(group_by: str | Sequence[str] | None, top: int | None = None) -> Grouping:
+    """The Grouping of a `group_by` (one name, or day and one other in either order) and a
+    `top`; raises UsageQueryError naming the parameter at fault."""
+    names = [group_by] if isinstance(group_by, str) else list(group_by or ())
+    if any(name not in SUMMARY_GROUPS for name in names):
+        raise UsageQueryError("group_by", f"group_by: one of {', '.join(SUMMARY_GROUPS)}")
+    if len(names) > 2 or len(set(names)) < len(names) or (len(names) == 2 and "day" not in names):
+        raise UsageQueryError(
+            "group_by", "group_by: at most two, and then day and one other (day and tenant)"
+        )
+    name = next((n for n in names if n != "day"), None)
+    if top is not None:
+        if name is None:
+            raise UsageQueryError("top", "top: only with a group_by other than day")
+        if not 1 <= top <= MAX_TOP:
+            raise UsageQueryError("top", f"top: 1 to {MAX_TOP}")
+    return Grouping("day" in names, name, top)
+
+
+def _sums(columns: Any = Usage.__table__.c) -> list[ColumnElement[Any]]:
+    """The sums of the usage rows, or of a subquery's columns of the same names."""
     return [
         func.count().label("num_requests"),
-        func.coalesce(func.sum(Usage.prompt_tokens), 0).label("prompt_tokens"),
-        func.coalesce(func.sum(Usage.cached_tokens), 0).label("cached_tokens"),
-        func.coalesce(func.sum(Usage.completion_tokens), 0).label("completion_tokens"),
+        func.coalesce(func.sum(columns.prompt_tokens), 0).label("prompt_tokens"),
+        func.coalesce(func.sum(columns.cached_tokens), 0).label("cached_tokens"),
+        func.coalesce(func.sum(columns.completion_tokens), 0).label("completion_tokens"),
     ]
 
 
@@ -64,6 +115,14 @@ def _bucket(width: int) -> ColumnElement[int]:
     # selected one by its text, and two parameters ($1, $2) would not match.
     width_sql: ColumnElement[int] = literal_column(str(int(width)))
     return Usage.created_epoch - Usage.created_epoch % width_sql
+
+
+def _inline(epoch: int) -> ColumnElement[int]:
+    # A range's bounds inline, not bound parameters: asyncpg prepares every statement, and
+    # from the sixth run of one PostgreSQL may switch to a generic plan, which guesses that a
+    # range holds a few thousand rows; for bench/console_usage.py's year that plan was 1.6x
+    # slower. Inlined, each range is planned for what it covers.
+    return literal_column(str(int(epoch)))
 
 
 def _in_range(query: Select[Any], start: int | None, end: int | None) -> Select[Any]:
@@ -84,41 +143,115 @@ async def summarize_usage(
     tenant_id: str | None = None,
     start: int | None = None,
     end: int | None = None,
-    group_by: str | None = None,
+    group_by: str | Sequence[str] | None = None,
+    top: int | None = None,
 ) -> list[UsageTotals]:
-    """Sums over [start, end), one row per group (by `group_by`: day, model, adapter, key
-    or endpoint), or one row of everything (zeros when nothing matched). Groups come in order:
-    days ascending, names with null (the base model, no key, rows from before endpoints were
-    recorded) first."""
-    column: Any = {
-        "day": _bucket(DAY),
-        "model": Usage.model,
-        "adapter": Usage.adapter_name,
-        "key": Usage.key_id,
-        "endpoint": Usage.endpoint,
-        None: None,
-    }[group_by]
-    query: Select[Any] = select(*_sums())
-    if column is not None:
-        query = select(column.label("grp"), *_sums()).group_by(column)
+    """Sums over [start, end): one row of everything (zeros when nothing matched), or one row
+    per group of `group_by`: day, tenant, model, adapter, key or endpoint, or day and one of
+    the others (a row per day and group that has requests that day).
+
+    With `top` (1 to MAX_TOP, a grouping other than day): the `top` groups with the most
+    tokens (prompt + completion) over the whole range keep their rows; the sums of all the
+    others are merged into rows with group None and `other` True (one a day by day). A null
+    group (the base model, no key, no endpoint recorded) in the top is an ordinary row.
+
+    Order: days ascending; within a day (or without days), groups by value with null first,
+    or with `top`, by their tokens over the range (most first; ties by value, null first),
+    then the other row. Raises UsageQueryError for a grouping that cannot be asked."""
+    how = grouping(group_by, top)
+    where = [Usage.created_epoch >= _inline(start)] if start is not None else []
+    where += [Usage.created_epoch < _inline(end)] if end is not None else []
     if tenant_id is not None:
-        query = query.where(Usage.tenant_id == tenant_id)
-    rows = (await session.execute(_in_range(query, start, end))).all()
-    totals = []
-    for row in rows:
-        group: Any = row.grp if column is not None else None
-        if group_by == "day":
-            group = _day(int(group))
-        totals.append(
-            UsageTotals(
-                group,
-                int(row.num_requests),
-                int(row.prompt_tokens),
-                int(row.cached_tokens),
-                int(row.completion_tokens),
-            )
+        # PostgreSQL refuses a string with a NUL outright; no tenant id holds one: no rows.
+        where.append(false() if "\x00" in tenant_id else Usage.tenant_id == tenant_id)
+    if how.name is None or how.top is None:
+        rows = (await session.execute(_grouped_query(how, where))).all()
+        totals = [_totals(row, how, row.grp if how.name else None, False) for row in rows]
+        return sorted(totals, key=lambda t: (t.day or "", t.group is not None, t.group or ""))
+    # Two statements, each a pass over the range with a small hash table (the top groups,
+    # then the days x (top groups + other)). One statement summing every (day, group) first
+    # was slower on bench/console_usage.py's year of a million rows (a day x tenant grid of
+    # 180,000 groups outgrows PostgreSQL's default work_mem and spills to disk). Rows written
+    # in between land in the sums (as other, if of a new group): the rows still add up to
+    # the totals of the range.
+    column = GROUP_COLUMNS[how.name]
+    tops = await _top_groups(session, column, where, how.top)
+    if not tops:
+        return []  # no rows in the range
+    rows = (await session.execute(_ranked_query(how, column, tops, where))).all()
+    totals = [
+        _totals(row, how, None if row.rank is None else tops[row.rank], row.rank is None)
+        for row in rows
+    ]
+    # Days ascending; within a day the top groups in their rank, the other row last.
+    rank = {(False, group): i for i, group in enumerate(tops)}
+    return sorted(totals, key=lambda t: (t.day or "", rank.get((t.other, t.group), len(tops))))
+
+
+def _grouped_query(how: Grouping, where: list[ColumnElement[bool]]) -> Select[Any]:
+    keys = ([_bucket(DAY).label("day")] if how.by_day else []) + (
+        [GROUP_COLUMNS[how.name].label("grp")] if how.name else []
+    )
+    return select(*keys, *_sums()).where(*where).group_by(*(key.element for key in keys))
+
+
+async def _top_groups(
+    session: AsyncSession, column: Any, where: list[ColumnElement[bool]], top: int
+) -> list[str | None]:
+    """The `top` values of `column` with the most tokens over the range, most first; ties by
+    value, null first, so that every database picks the same ones."""
+    tokens = func.sum(Usage.prompt_tokens + Usage.completion_tokens)
+    query = (
+        select(column)
+        .where(*where)
+        .group_by(column)
+        .order_by(tokens.desc(), column.is_not(None), column)
+        .limit(top)
+    )
+    return list(await session.scalars(query))
+
+
+def _ranked_query(
+    how: Grouping, column: Any, tops: list[str | None], where: list[ColumnElement[bool]]
+) -> Select[Any]:
+    """Sums by (day, rank): a row's rank is its group's index in `tops`, null for every other
+    group (so they merge). A CASE and not IN: IN never matches a null, and a null group (the
+    base model, no key) may be in the top."""
+    rank = case(
+        *(
+            (column.is_(None) if value is None else column == value, i)
+            for i, value in enumerate(tops)
         )
-    return sorted(totals, key=lambda t: (t.group is not None, t.group or ""))
+    )
+    day = [_bucket(DAY).label("day")] if how.by_day else []
+    ranked = (
+        select(
+            *day,
+            rank.label("rank"),
+            Usage.prompt_tokens,
+            Usage.cached_tokens,
+            Usage.completion_tokens,
+        )
+        .where(*where)
+        .subquery("ranked")
+    )
+    # Grouped by the subquery's columns: PostgreSQL would not match a grouped expression with
+    # bound parameters to the selected one.
+    keys = ([ranked.c.day] if how.by_day else []) + [ranked.c.rank]
+    return select(*keys, *_sums(ranked.c)).group_by(*keys)
+
+
+def _totals(row: Any, how: Grouping, group: str | None, other: bool) -> UsageTotals:
+    day = _day(int(row.day)) if how.by_day else None
+    return UsageTotals(
+        group if how.name else day,
+        int(row.num_requests),
+        int(row.prompt_tokens),
+        int(row.cached_tokens),
+        int(row.completion_tokens),
+        day=day,
+        other=other,
+    )
 
 
 async def tokens_used(session: AsyncSession, *, tenant_id: str, since: datetime) -> int:
@@ -129,6 +262,34 @@ async def tokens_used(session: AsyncSession, *, tenant_id: str, since: datetime)
     )
     used: Any = await session.scalar(query)
     return int(used or 0)
+
+
+def month_range(now: int) -> tuple[int, int]:
+    """The UTC calendar month of `now` (Unix seconds) as [start, end) in Unix seconds."""
+    at = datetime.fromtimestamp(now, UTC)
+    start = datetime(at.year, at.month, 1, tzinfo=UTC)
+    end = datetime(at.year + at.month // 12, at.month % 12 + 1, 1, tzinfo=UTC)
+    return int(start.timestamp()), int(end.timestamp())
+
+
+async def month_tokens(
+    session: AsyncSession, *, tenant_ids: Sequence[str], now: int | None = None
+) -> dict[str, int]:
+    """Prompt + completion tokens of each tenant in the UTC calendar month of `now` (default:
+    now), 0 for a tenant without requests: one grouped query for them all."""
+    if not tenant_ids:
+        return {}
+    first, stop = month_range(int(datetime.now(UTC).timestamp()) if now is None else now)
+    tokens = func.sum(Usage.prompt_tokens + Usage.completion_tokens)
+    query = (
+        select(Usage.tenant_id, tokens.label("tokens"))
+        .where(Usage.created_epoch >= first, Usage.created_epoch < stop)
+        .group_by(Usage.tenant_id)
+    )
+    if len(tenant_ids) <= MAX_TENANTS_IN:
+        query = query.where(Usage.tenant_id.in_(list(tenant_ids)))
+    found = {row.tenant_id: int(row.tokens) for row in await session.execute(query)}
+    return {tenant_id: found.get(tenant_id, 0) for tenant_id in tenant_ids}
 
 
 # -- OpenAI's Usage API ---------------------------------------------------------------------------

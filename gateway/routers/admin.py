@@ -10,7 +10,7 @@ from __future__ import annotations
 from datetime import UTC, datetime
 from typing import Annotated, Any, Literal
 
-from fastapi import APIRouter, Response
+from fastapi import APIRouter, Query, Response
 from pydantic import AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field
 
 from gateway.body import StrictJSONRoute
@@ -23,13 +23,17 @@ from tenants.keys import create_key, list_keys, revoke_key
 from tenants.models import ApiKey, Tenant
 from tenants.names import MAX_TENANT_NAME, TENANT_NAME_PATTERN, check_tenant_name
 from tenants.tenants import (
+    MAX_TENANT_QUERY,
+    MAX_TENANTS_PAGE,
     TenantExists,
+    UnknownCursor,
     create_tenant,
     delete_tenant,
     get_tenant,
-    list_tenants,
+    page_tenants,
     update_tenant,
 )
+from tenants.usage import month_tokens
 
 router = APIRouter(
     prefix="/admin", tags=["admin"], route_class=StrictJSONRoute, responses=ADMIN_ERRORS
@@ -126,9 +130,20 @@ class TenantPublic(BaseModel):
     created_at: datetime
 
 
+class TenantListed(TenantPublic):
+    month_tokens: int = Field(
+        description="Prompt + completion tokens of the current calendar month (UTC)."
+    )
+
+
 class TenantList(BaseModel):
+    """A page of tenants in OpenAI's list shape."""
+
     object: Literal["list"] = "list"
-    data: list[TenantPublic]
+    data: list[TenantListed]
+    first_id: str | None = Field(description="The first tenant's id; null: an empty page.")
+    last_id: str | None = Field(description="The last tenant's id: the next page's `after`.")
+    has_more: bool
 
 
 class KeyCreate(_In):
@@ -214,10 +229,51 @@ async def create(body: TenantCreate, tenancy: TenancyDep, _: AdminDep) -> Tenant
         raise APIError(409, str(exc), param="name", code="tenant_exists") from exc
 
 
-@router.get("/tenants", response_model=TenantList)
-async def list_all(tenancy: TenancyDep, _: AdminDep) -> dict[str, Any]:
+_LIST_400: dict[int | str, dict[str, Any]] = {
+    400: error_response(
+        "A parameter out of bounds, or an `after` that names no tenant (`invalid_value`)."
+    )
+}
+
+
+@router.get("/tenants", response_model=TenantList, responses=_LIST_400)
+async def list_all(
+    tenancy: TenancyDep,
+    _: AdminDep,
+    limit: Annotated[
+        int | None,
+        Query(ge=1, le=MAX_TENANTS_PAGE, description="Tenants per page; left out: all of them."),
+    ] = None,
+    after: Annotated[
+        str | None,
+        Query(max_length=64, description="A tenant's id: the page starts after it."),
+    ] = None,
+    q: Annotated[
+        str | None,
+        Query(
+            max_length=MAX_TENANT_QUERY,
+            description="Only tenants whose name holds this (in any case), or whose id it is.",
+        ),
+    ] = None,
+) -> dict[str, Any]:
+    """Tenants in the order they were created (`created_at`, then `id`), a page at a time:
+    `after` the previous page's `last_id` while `has_more`. Each with this month's tokens."""
     async with tenancy.db.session() as session:
-        return {"data": await list_tenants(session)}
+        try:
+            page = await page_tenants(session, limit=limit, after=after, q=q)
+        except UnknownCursor as exc:
+            raise APIError(400, str(exc), param="after", code="invalid_value") from exc
+        used = await month_tokens(session, tenant_ids=[t.id for t in page.tenants])
+    data = [
+        TenantPublic.model_validate(t).model_dump() | {"month_tokens": used[t.id]}
+        for t in page.tenants
+    ]
+    return {
+        "data": data,
+        "first_id": data[0]["id"] if data else None,
+        "last_id": data[-1]["id"] if data else None,
+        "has_more": page.has_more,
+    }
 
 
 @router.get("/tenants/{tenant_id}", response_model=TenantPublic)

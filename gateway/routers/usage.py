@@ -1,10 +1,13 @@
 """The usage ledger's read side: token sums for billing and for tenants.
 
 - `GET /admin/usage` (admin token): sums over a time range, for one tenant or all, in one row
-  or grouped by day, model, adapter, key or endpoint; JSON, or CSV with `Accept: text/csv`.
+  or grouped by day, tenant, model, adapter, key or endpoint, or by day and one of the others;
+  `top` keeps the biggest groups and merges the rest into `other` rows; JSON, or CSV with
+  `Accept: text/csv`.
 - `GET /admin/usage/completions` (admin token): buckets of a minute, an hour or a day in the
   shape of OpenAI's Usage API (`/v1/organization/usage/completions`), for tools built for it.
-- `GET /v1/usage` (a tenant's key): the summary of `/admin/usage`, of the caller's tenant only.
+- `GET /v1/usage` (a tenant's key): the summary of `/admin/usage`, of the caller's tenant only
+  (so no grouping by tenant).
 
 `from` and `to` are ISO 8601 dates or date-times (`2026-11-01`, `2026-11-01T08:00:00Z`; without
 an offset, UTC), the range half-open: `from=2026-11-01&to=2026-12-01` is November. The OpenAI
@@ -17,6 +20,7 @@ from __future__ import annotations
 import csv
 import io
 import math
+from collections.abc import Sequence
 from datetime import UTC, datetime
 from typing import Annotated, Any, Literal
 
@@ -33,8 +37,12 @@ from tenants.usage import (
     BUCKET_LIMITS,
     MAX_EPOCH,
     MAX_PAGE,
+    MAX_TOP,
+    Grouping,
     UsageQueryError,
+    UsageTotals,
     completions_page,
+    grouping,
     summarize_usage,
 )
 
@@ -47,7 +55,8 @@ admin_router = APIRouter(
 router = APIRouter(prefix="/v1", tags=["usage"], route_class=StrictJSONRoute, responses=_TENANT)
 
 SUMS = ("num_requests", "prompt_tokens", "cached_tokens", "completion_tokens")
-GroupBy = Literal["day", "model", "adapter", "key", "endpoint"]
+GroupBy = Literal["day", "tenant", "model", "adapter", "key", "endpoint"]
+TenantGroupBy = Literal["day", "model", "adapter", "key", "endpoint"]  # a key sees one tenant
 CompletionsGroup = Literal["project_id", "api_key_id", "model", "adapter"]
 MAX_ID = 64
 Id = Annotated[str, Field(max_length=MAX_ID)]
@@ -55,6 +64,15 @@ Name = Annotated[str, Field(max_length=256)]
 _FROM = "ISO 8601 date or date-time (no offset: UTC), inclusive"
 _TO = "ISO 8601 date or date-time (no offset: UTC), exclusive"
 _LIMIT = "buckets per page: 1d: 7 by default, at most 31; 1h: 24, 168; 1m: 60, 1440"
+_GROUP_BY = (
+    "one grouping, or two: day and one other (`group_by=day&group_by=tenant`: a row per day "
+    "and tenant)"
+)
+_TOP = (
+    "with a grouping other than day: the groups with the most tokens (prompt + completion) "
+    "over the range keep their rows; the rest are summed into rows with `other: true` and a "
+    "null group (one a day when grouped by day too)"
+)
 
 
 # -- answers --------------------------------------------------------------------------------------
@@ -64,6 +82,7 @@ class SummaryRow(BaseModel):
     """Sums of one group (its value under the group's name), or of everything."""
 
     day: str | None = Field(None, description="group_by=day: YYYY-MM-DD (UTC)")
+    tenant: str | None = Field(None, description="group_by=tenant: the tenant's id")
     model: str | None = Field(None, description="group_by=model")
     adapter: str | None = Field(None, description="group_by=adapter: null is the base model")
     key: str | None = Field(None, description="group_by=key: the key's id; null: no key")
@@ -71,6 +90,11 @@ class SummaryRow(BaseModel):
         None,
         description="group_by=endpoint: completions, chat or responses; null: rows recorded "
         "before the endpoint was",
+    )
+    other: bool | None = Field(
+        None,
+        description="with top, on every row: true for the sums of the groups outside the top "
+        "(their group is null); false for a group of the top, null ones included",
     )
     num_requests: int
     prompt_tokens: int
@@ -85,8 +109,10 @@ class Summary(BaseModel):
 
 _SUMMARY: dict[int | str, dict[str, Any]] = {
     200: {
-        "description": "The sums; CSV (a header row, then one row per group) when asked with "
-        "`Accept: text/csv`.",
+        "description": "The sums: days ascending; within a day (or without days) groups by "
+        "value, null first, or with `top`, the top groups by their tokens over the range (most "
+        "first), then the `other` row. CSV (a header row, then one row per group, the same "
+        "columns) when asked with `Accept: text/csv`.",
         "content": {"text/csv": {"schema": {"type": "string"}}},
     }
 }
@@ -135,10 +161,11 @@ async def admin_summary(
     tenant_id: Annotated[str | None, Query(max_length=MAX_ID)] = None,
     start: Annotated[Instant | None, Query(alias="from", description=_FROM)] = None,
     end: Annotated[Instant | None, Query(alias="to", description=_TO)] = None,
-    group_by: GroupBy | None = None,
+    group_by: Annotated[list[GroupBy] | None, Query(max_length=2, description=_GROUP_BY)] = None,
+    top: Annotated[int | None, Query(ge=1, le=MAX_TOP, description=_TOP)] = None,
 ) -> Response | dict[str, Any]:
     """Token sums of every tenant, or of one (`tenant_id`)."""
-    return await _summary(request, tenancy, tenant_id, start, end, group_by)
+    return await _summary(request, tenancy, tenant_id, start, end, group_by or [], top)
 
 
 @router.get("/usage", response_model=Summary, response_model_exclude_unset=True, responses=_SUMMARY)
@@ -148,7 +175,10 @@ async def tenant_summary(
     tenant: TenantDep,
     start: Annotated[Instant | None, Query(alias="from", description=_FROM)] = None,
     end: Annotated[Instant | None, Query(alias="to", description=_TO)] = None,
-    group_by: GroupBy | None = None,
+    group_by: Annotated[
+        list[TenantGroupBy] | None, Query(max_length=2, description=_GROUP_BY)
+    ] = None,
+    top: Annotated[int | None, Query(ge=1, le=MAX_TOP, description=_TOP)] = None,
 ) -> Response | dict[str, Any]:
     """The caller's tenant's token sums (any of its keys)."""
     if "tenant_id" in request.query_params:
@@ -158,7 +188,7 @@ async def tenant_summary(
             param="tenant_id",
             code="invalid_value",
         )
-    return await _summary(request, tenancy, tenant.id, start, end, group_by)
+    return await _summary(request, tenancy, tenant.id, start, end, group_by or [], top)
 
 
 @admin_router.get("/usage/completions", response_model=CompletionsPage)
@@ -222,22 +252,32 @@ async def _summary(
     tenant_id: str | None,
     start: datetime | None,
     end: datetime | None,
-    group_by: str | None,
+    group_by: Sequence[str],
+    top: int | None,
 ) -> Response | dict[str, Any]:
     first, stop = _epoch(start, "from"), _epoch(end, "to")
     if first is not None and stop is not None:
         stop = max(stop, first)  # to at or before from: the empty range, no rows
+    try:
+        how = grouping(group_by, top)
+    except UsageQueryError as exc:
+        raise APIError(400, str(exc), param=exc.param, code="invalid_value") from exc
     async with tenancy.db.session() as session:
         totals = await summarize_usage(
-            session, tenant_id=tenant_id, start=first, end=stop, group_by=group_by
+            session, tenant_id=tenant_id, start=first, end=stop, group_by=group_by, top=top
         )
-    rows = [
-        ({group_by: t.group} if group_by else {}) | {name: getattr(t, name) for name in SUMS}
-        for t in totals
-    ]
+    # The columns: the day, the other group, `other` with top, then the sums.
+    groups = (["day"] if how.by_day else []) + ([how.name] if how.name else [])
+    columns = groups + (["other"] if top is not None else []) + list(SUMS)
+    rows = [_row(t, how, columns) for t in totals]
     if "text/csv" in request.headers.get("accept", ""):
-        return _csv(rows, ([group_by] if group_by else []) + list(SUMS))
+        return _csv(rows, columns)
     return {"object": "list", "data": rows}
+
+
+def _row(totals: UsageTotals, how: Grouping, columns: list[str]) -> dict[str, Any]:
+    values = {"day": totals.day, how.name: totals.group, "other": totals.other}
+    return {name: values[name] if name in values else getattr(totals, name) for name in columns}
 
 
 def _epoch(value: datetime | None, param: str) -> int | None:
@@ -254,5 +294,6 @@ def _csv(rows: list[dict[str, Any]], columns: list[str]) -> Response:
     out = io.StringIO()
     writer = csv.DictWriter(out, columns, lineterminator="\r\n")
     writer.writeheader()
-    writer.writerows(rows)
+    for row in rows:  # a boolean as JSON spells it, not Python
+        writer.writerow({k: str(v).lower() if isinstance(v, bool) else v for k, v in row.items()})
     return Response(out.getvalue(), media_type="text/csv")
