@@ -3,7 +3,10 @@
 A key is looked up by its prefix and compared by sha256 in constant time (tenants.keys);
 the answer, a tenant or a refusal, is cached in process for `ttl` seconds, so a request does
 not touch the database and a revoked key or a suspended tenant is refused within `ttl`.
-A key's `last_used_at` is written at most once a minute, off the request path.
+A key's `last_used_at` is written off the request path, when a key's answer is read from
+the database (at most once per `ttl`) and the row's value, or this process's last write, is a
+minute old or more: at most one write a minute per key and gateway replica, and none while
+another replica wrote in the last minute. Writes only move it forward.
 
 The tenant travels from here as a value, `RequestTenant`: the engine sees only its cache salt
 (derived here, never taken from the client), its id as the fairness key and its weight.
@@ -148,11 +151,20 @@ class TenantAuth:
         """Drop every cached answer (after an admin change made in this process)."""
         self._cache.clear()
 
+    async def drain(self) -> None:
+        """Wait for the `last_used_at` writes under way (at shutdown)."""
+        if self._writes:
+            await asyncio.gather(*self._writes, return_exceptions=True)
+
     def _note_use(self, key: ApiKey) -> None:
         now = utcnow()
-        last = self._last_used.get(key.id) or key.last_used_at
-        if last is not None and now - last < LAST_USED_INTERVAL:
+        # The newer of this process's last write (maybe not landed yet) and the row's (maybe
+        # another replica's).
+        known = [t for t in (self._last_used.get(key.id), key.last_used_at) if t is not None]
+        if known and now - max(known) < LAST_USED_INTERVAL:
             return
+        if len(self._last_used) >= MAX_CACHED_KEYS:
+            self._last_used.clear()  # the rows' own values rule from here
         self._last_used[key.id] = now
         task = asyncio.create_task(self._write_last_used(key.id, now))
         self._writes.add(task)

@@ -126,6 +126,22 @@ class OnDemandEngine:
     def stats(self) -> EngineStats:
         return EngineStats() if self._engine is None else self._engine.stats()
 
+    @property
+    def client(self) -> EngineClient | None:
+        """The engine, while there is one (it may have died since: its health says)."""
+        return self._engine
+
+    @property
+    def is_starting(self) -> bool:
+        """An engine is being started for the requests held."""
+        return self._starting is not None
+
+    @property
+    def last_used(self) -> float:
+        """time.monotonic() when a request last finished or the engine last started: the idle
+        watch's clock."""
+        return self._last_used
+
     # -- lifecycle -----------------------------------------------------------------------------
 
     def start_now(self) -> None:

@@ -17,7 +17,7 @@ from prometheus_client.registry import Collector
 from engine.messages import EngineStats
 from gateway.engine_on_demand import OnDemandEngine
 from gateway.ratelimit import RateLimiter
-from gateway.served_models import ServedModel, ServedModels
+from gateway.served_models import ServedModel, ServedModels, scaling
 from tenants.ledger import Ledger, UsageRecord
 
 _LATENCY_BUCKETS = (
@@ -149,12 +149,10 @@ def _scaling_series(
         labels=["model"],
     )
     for model, stats in snapshots:
-        # Engines on demand and pools count their replicas; any other engine is one.
-        engine, waiting = model.engine, stats.num_waiting
-        ready = getattr(engine, "num_replicas", None)
-        replicas.add_metric([model.name], int(engine.health == "ok") if ready is None else ready)
-        cold_starts.add_metric([model.name], getattr(engine, "num_cold_starts", 0))
-        pending.add_metric([model.name], getattr(engine, "num_held", 0) + waiting)
+        counts = scaling(model.engine)
+        replicas.add_metric([model.name], counts.num_ready)
+        cold_starts.add_metric([model.name], counts.num_cold_starts)
+        pending.add_metric([model.name], counts.num_held + stats.num_waiting)
     yield from (replicas, cold_starts, pending)
 
 

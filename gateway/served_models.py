@@ -50,6 +50,27 @@ _HEALTH_ORDER = ("dead", "stopping", "restarting", "ok")
 
 
 @dataclass(frozen=True, slots=True)
+class Scaling:
+    """What an autoscaler reads of an engine (/metrics' `engine_replicas`, `engine_cold_starts`,
+    `model_pending_requests`, and the admin REST's /admin/engines)."""
+
+    num_ready: int  # engines ready to serve
+    num_cold_starts: int  # engines started on demand
+    num_held: int  # requests held for an engine to start
+
+
+def scaling(engine: ModelEngine) -> Scaling:
+    """Engines on demand, pools and picked engines count their replicas, starts and held
+    requests; any other engine is one, ready while ok, started with the server, holding none."""
+    ready = getattr(engine, "num_replicas", None)
+    return Scaling(
+        int(engine.health == "ok") if ready is None else int(ready),
+        int(getattr(engine, "num_cold_starts", 0)),
+        int(getattr(engine, "num_held", 0)),
+    )
+
+
+@dataclass(frozen=True, slots=True)
 class ServedModel:
     name: str
     engine: ModelEngine

@@ -91,6 +91,7 @@ class Tenancy:
             self._sweeper.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await self._sweeper
+        await self.auth.drain()
         await self.ledger.close()  # its last rows reach the database before it closes
         await self.limiter.close()
         await self.db.close()

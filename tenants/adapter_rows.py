@@ -8,6 +8,7 @@ over a public one of the same name.
 
 from __future__ import annotations
 
+from collections.abc import Collection
 from typing import Any
 
 from sqlalchemy import func, or_, select
@@ -119,6 +120,14 @@ async def count_by_base_model(session: AsyncSession) -> dict[str, int]:
         select(Adapter.base_model, func.count()).group_by(Adapter.base_model)
     )
     return {base_model: count for base_model, count in rows}
+
+
+async def adapters_with_weights(session: AsyncSession, *, shas: Collection[str]) -> list[Adapter]:
+    """The adapters whose files are one of `shas` (several rows may share one)."""
+    if not shas:
+        return []
+    query = select(Adapter).where(Adapter.sha256.in_(sorted(shas)))
+    return list(await session.scalars(query.order_by(Adapter.created_at, Adapter.id)))
 
 
 async def referenced_shas(session: AsyncSession) -> set[str]:

@@ -13,7 +13,7 @@ import secrets
 from dataclasses import dataclass
 from datetime import datetime
 
-from sqlalchemy import select, update
+from sqlalchemy import or_, select, update
 from sqlalchemy.ext.asyncio import AsyncSession
 
 from tenants.models import ApiKey, Tenant, utcnow
@@ -96,4 +96,9 @@ async def revoke_key(session: AsyncSession, *, key_id: str) -> ApiKey | None:
 
 
 async def touch_keys(session: AsyncSession, *, key_ids: list[str], when: datetime) -> None:
-    await session.execute(update(ApiKey).where(ApiKey.id.in_(key_ids)).values(last_used_at=when))
+    """Set the keys' `last_used_at` to `when` where it is older (gateway replicas' writes may
+    land out of order: the newest stays)."""
+    newer = or_(ApiKey.last_used_at.is_(None), ApiKey.last_used_at < when)
+    await session.execute(
+        update(ApiKey).where(ApiKey.id.in_(key_ids), newer).values(last_used_at=when)
+    )

@@ -29,7 +29,7 @@ from engine.messages import EngineRequest, EngineStats
 from engine.outputs import SequenceUpdate
 from engine.request import GuidedSpec
 from gateway.remote.routing import ReplicaView, choose, prefix_key
-from gateway.served_models import ModelEngine
+from gateway.served_models import ModelEngine, scaling
 
 POLICIES = ("affinity", "least_loaded", "round_robin")
 HOLD_POLL = 0.05  # seconds between looks for a replica come up (their links run on threads)
@@ -95,15 +95,15 @@ class ReplicaPool:
 
     @property
     def num_replicas(self) -> int:
-        return sum(_replicas_of(r) for r in self.replicas)
+        return sum(scaling(r).num_ready for r in self.replicas)
 
     @property
     def num_cold_starts(self) -> int:
-        return sum(int(getattr(r, "num_cold_starts", 0)) for r in self.replicas)
+        return sum(scaling(r).num_cold_starts for r in self.replicas)
 
     @property
     def num_held(self) -> int:
-        return self._held + sum(int(getattr(r, "num_held", 0)) for r in self.replicas)
+        return self._held + sum(scaling(r).num_held for r in self.replicas)
 
     def stats(self) -> EngineStats:
         """The pool as one engine: counts summed, KV usage averaged, adapters joined."""
@@ -196,7 +196,7 @@ class ReplicaPool:
         views = []
         for i, replica in enumerate(self.replicas):
             stats = replica.stats()
-            cold = _replicas_of(replica) == 0 and hasattr(replica, "num_cold_starts")
+            cold = scaling(replica).num_ready == 0 and hasattr(replica, "num_cold_starts")
             views.append(
                 ReplicaView(
                     name=self.names[i],
@@ -228,12 +228,6 @@ class ReplicaPool:
             return None  # no full block: nothing cached to be near
         adapter = request.lora.adapter_id if request.lora is not None else None
         return prefix_key(request.cache_salt, adapter, prompt[: self.block_size])
-
-
-def _replicas_of(replica: ModelEngine) -> int:
-    """Engines ready in a replica: an engine on demand says; any other is one while ok."""
-    count = getattr(replica, "num_replicas", None)
-    return int(count) if count is not None else int(replica.health == "ok")
 
 
 def _out_of_rotation(view: ReplicaView) -> ReplicaView:

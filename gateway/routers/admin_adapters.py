@@ -26,9 +26,11 @@ from adapters.peft import WEIGHTS_FILE
 from adapters.peft_config import CONFIG_FILE, AdapterError
 from gateway.adapter_catalog import InvalidBaseModel
 from gateway.body import StrictJSONRoute
-from gateway.deps import AdminDep, TenancyDep
+from gateway.deps import AdminDep, ModelsDep, TenancyDep
+from gateway.engine_states import model_statuses, residency
 from gateway.errors import APIError
 from gateway.routers.error_schemas import ADMIN_ERRORS, error_response, not_found
+from gateway.served_models import ServedModels
 from gateway.tenancy import Tenancy
 from tenants.adapter_rows import AdapterExists, get_adapter, list_adapters
 from tenants.models import Adapter
@@ -63,6 +65,11 @@ class AdapterFromPath(BaseModel):
     path: str = Field(min_length=1, max_length=4096)
 
 
+class ResidentOn(BaseModel):
+    model: str
+    replica: str = Field(description="The replica's id, as `GET /admin/engines` lists it.")
+
+
 class AdapterPublic(BaseModel):
     model_config = ConfigDict(from_attributes=True)
 
@@ -78,6 +85,9 @@ class AdapterPublic(BaseModel):
     size_bytes: int
     status: str
     created_at: datetime
+    resident_on: list[ResidentOn] = Field(
+        default=[], description="The engines that hold its weights in a LoRA slot now."
+    )
 
 
 class AdapterList(BaseModel):
@@ -142,13 +152,15 @@ async def _owner(tenancy: Tenancy, tenant_id: str | None) -> str | None:
         415: error_response("Neither multipart/form-data nor application/json."),
     },
 )
-async def create(request: Request, tenancy: TenancyDep, _: AdminDep) -> Adapter:
+async def create(
+    request: Request, tenancy: TenancyDep, models: ModelsDep, _: AdminDep
+) -> AdapterPublic:
     content_type = request.headers.get("content-type", "").split(";")[0].strip().lower()
     try:
         if content_type == "multipart/form-data":
-            return await _upload(request, tenancy)
+            return _public([await _upload(request, tenancy)], models)[0]
         if content_type == "application/json":
-            return await _from_path(request, tenancy)
+            return _public([await _from_path(request, tenancy)], models)[0]
     except InvalidBaseModel as exc:
         raise APIError(400, str(exc), param="base_model", code="invalid_value") from exc
     except AdapterError as exc:
@@ -220,6 +232,18 @@ async def _adapter(tenancy: Tenancy, adapter_id: str) -> Adapter:
     return adapter
 
 
+def _public(adapters: list[Adapter], models: ServedModels) -> list[AdapterPublic]:
+    """The adapters as the admin REST shows them, with where each is resident now."""
+    where = residency(model_statuses(models))
+    public = []
+    for adapter in adapters:
+        shown = AdapterPublic.model_validate(adapter)
+        replicas = where.get((adapter.base_model, adapter.sha256), [])
+        shown.resident_on = [ResidentOn(model=adapter.base_model, replica=r) for r in replicas]
+        public.append(shown)
+    return public
+
+
 def _text(value: object, param: str) -> str:
     if not isinstance(value, str):
         raise APIError(400, f"{param} must be a text field", param=param)
@@ -235,17 +259,22 @@ def _save(upload: UploadFile, target: Path) -> None:
 @router.get("/adapters", response_model=AdapterList)
 async def list_all(
     tenancy: TenancyDep,
+    models: ModelsDep,
     _: AdminDep,
     tenant_id: Annotated[str | None, Query(max_length=64)] = None,
 ) -> dict[str, Any]:
-    """Every adapter, or one tenant's own."""
+    """Every adapter, or one tenant's own; `resident_on`: the engines (model, replica) whose
+    LoRA slots hold its weights now."""
     async with tenancy.db.session() as session:
-        return {"data": await list_adapters(session, owner_id=tenant_id)}
+        adapters = await list_adapters(session, owner_id=tenant_id)
+    return {"data": _public(adapters, models)}
 
 
 @router.get("/adapters/{adapter_id}", response_model=AdapterPublic)
-async def read(adapter_id: str, tenancy: TenancyDep, _: AdminDep) -> Adapter:
-    return await _adapter(tenancy, adapter_id)
+async def read(
+    adapter_id: str, tenancy: TenancyDep, models: ModelsDep, _: AdminDep
+) -> AdapterPublic:
+    return _public([await _adapter(tenancy, adapter_id)], models)[0]
 
 
 @router.delete("/adapters/{adapter_id}", status_code=204, response_class=Response)

@@ -164,6 +164,25 @@ def test_an_adapter_is_loaded_on_one_replica_and_its_requests_follow_it(
     loads = sum(e.metric("loragate:lora_loads_total") for e in engines) - loads_before
     assert loads == 1  # read from disk once, on one replica, which then served them all
 
+    # The admin REST shows the pool by url, the adapter in the slot of the replica that took it.
+    admin = {"Authorization": f"Bearer {gateway.tenancy.admin_token}"}
+    deadline = time.monotonic() + 5.0
+    while True:
+        (model,) = httpx.get(f"{gateway.base_url}/admin/engines", headers=admin).json()["data"]
+        holders = [
+            r["id"]
+            for r in model["replicas"]
+            if any(a["name"] == "sticky" for a in r["resident_adapters"])
+        ]
+        if holders or time.monotonic() > deadline:
+            break
+        time.sleep(0.02)
+    assert model["model"] == "demo" and model["routing"] == "remote"
+    assert [(r["id"], r["state"]) for r in model["replicas"]] == [(e.url, "ready") for e in engines]
+    assert len(holders) == 1
+    (sticky,) = httpx.get(f"{gateway.base_url}/admin/adapters", headers=admin).json()["data"]
+    assert sticky["resident_on"] == [{"model": "demo", "replica": holders[0]}]
+
 
 def _wait_resident(pool: ReplicaPool, timeout: float = 5.0) -> None:
     """Until some replica reports an adapter in a slot (state reaches the gateway at most

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import asyncio
 import re
-import threading
 import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -16,34 +15,14 @@ from pathlib import Path
 
 import httpx
 import pytest
+from demo_starter import CONFIG, Starter
 from live_server import Server, build_test_app, live_server
 
 from engine import EngineConfig, LLMEngine
 from engine.async_engine import AsyncEngine
 from gateway.engine_on_demand import OnDemandEngine, ScalePolicy, model_facts
 
-CONFIG = {"kv_cache_memory": 32 << 20, "max_model_len": 512, "dtype": "float32", "num_threads": 1}
 IDLE_TIMEOUT = 1.0
-
-
-class Starter:
-    """Starts a demo-model engine when the gate is open; counts and keeps what it started."""
-
-    def __init__(self, model_dir: Path) -> None:
-        self.model_dir = model_dir
-        self.gate = threading.Event()
-        self.gate.set()
-        self.fail = False
-        self.engines: list[AsyncEngine] = []
-
-    def __call__(self) -> AsyncEngine:
-        self.gate.wait()
-        if self.fail:
-            raise RuntimeError("no memory left for this model")
-        engine = AsyncEngine(LLMEngine(EngineConfig(model=str(self.model_dir), **CONFIG)))
-        engine.start()
-        self.engines.append(engine)
-        return engine
 
 
 @pytest.fixture
