@@ -10,12 +10,15 @@ from fastapi import FastAPI
 
 from gateway.admission import Admission
 from gateway.body import BodySizeLimit
+from gateway.console.headers import ConsoleHeaders
+from gateway.console.oauth import ConsoleOAuth
+from gateway.console.routes import install_console
 from gateway.errors import ErrorBoundary, install_error_handlers
 from gateway.metrics import Metrics
 from gateway.openai_serving import OpenAIServing
 from gateway.request_limits import RequestLimits
 from gateway.responses.serving import ResponsesServing
-from gateway.routers import admin, admin_adapters, lora, responses, usage
+from gateway.routers import admin, admin_adapters, admin_engines, lora, responses, usage
 from gateway.routers.openai import health_router, router
 from gateway.served_models import ModelEngine, ServedModels
 from gateway.tenancy import Tenancy
@@ -33,6 +36,7 @@ def build_app(
     limits: RequestLimits | None = None,
     metrics_max_tenants: int = 100,
     tool_call_parser: str | None = None,
+    console_oauth: ConsoleOAuth | None = None,
 ) -> FastAPI:
     app = FastAPI(
         title="loragate",
@@ -41,6 +45,7 @@ def build_app(
         redoc_url=None,
     )
     app.state.tenancy = tenancy
+    app.state.console_oauth = console_oauth
     models = app.state.models = ServedModels(engines, limits or RequestLimits())
     metrics = app.state.metrics = Metrics(models, metrics_max_tenants)
     metrics.watch_tenancy(tenancy.limiter, tenancy.ledger)
@@ -69,6 +74,7 @@ def build_app(
         max_bytes=max_body_bytes,
         overrides={ADAPTER_UPLOADS: tenancy.max_adapter_bytes},
     )
+    app.add_middleware(ConsoleHeaders)
     app.add_middleware(ErrorBoundary)
     routers = [
         router,
@@ -78,6 +84,7 @@ def build_app(
         usage.admin_router,
         usage.organization_router,
         admin_adapters.router,
+        admin_engines.router,
         health_router,
     ]
     if allow_runtime_lora_updating:
@@ -86,6 +93,7 @@ def build_app(
         routers.append(lora.router)
     for included in routers:
         app.include_router(included)
+    console_routes = install_console(app)
     # What a 405's Allow header lists (gateway.errors).
-    app.state.routes = [r for included in routers for r in included.routes]
+    app.state.routes = [r for included in routers for r in included.routes] + console_routes
     return app

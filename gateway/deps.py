@@ -1,5 +1,6 @@
 """The routes' dependencies, as `Annotated` aliases: `TenantDep` (the tenant a /v1 request
-runs as) and `AdminDep` (a verified admin token's claims).
+runs as) and `AdminDep` (a verified admin token's claims: from the Authorization header, or from the
+console's cookie).
 
 Both read the bearer token themselves (gateway.auth, gateway.admin_auth); FastAPI's
 HTTPBearer is here only so that the OpenAPI schema names the two security schemes.
@@ -13,6 +14,8 @@ from fastapi import Depends, Request, Security
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 
 from gateway.auth import RequestTenant
+from gateway.console.session import cookie_authorization
+from gateway.served_models import ServedModels
 from gateway.tenancy import Tenancy
 
 tenant_key = HTTPBearer(
@@ -30,6 +33,10 @@ def get_tenancy(request: Request) -> Tenancy:
     return request.app.state.tenancy  # type: ignore[no-any-return]
 
 
+def get_models(request: Request) -> ServedModels:
+    return request.app.state.models  # type: ignore[no-any-return]
+
+
 async def current_tenant(
     request: Request, _: Annotated[HTTPAuthorizationCredentials | None, Security(tenant_key)]
 ) -> RequestTenant:
@@ -42,9 +49,14 @@ async def current_tenant(
 def require_admin(
     request: Request, _: Annotated[HTTPAuthorizationCredentials | None, Security(admin_token)]
 ) -> dict[str, Any]:
-    return get_tenancy(request).admin.verify(request.headers.get("authorization"))
+    tenancy = get_tenancy(request)
+    authorization = request.headers.get("authorization")
+    if authorization is None:  # the console's cookie, with its CSRF rule (gateway/console)
+        authorization = cookie_authorization(request, tenancy.secret_key)
+    return tenancy.admin.verify(authorization)
 
 
 TenantDep = Annotated[RequestTenant, Depends(current_tenant)]
 AdminDep = Annotated[dict[str, Any], Depends(require_admin)]
 TenancyDep = Annotated[Tenancy, Depends(get_tenancy)]
+ModelsDep = Annotated[ServedModels, Depends(get_models)]

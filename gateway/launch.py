@@ -14,6 +14,7 @@ import typer
 from adapters.peft import describe_base
 from adapters.peft_config import AdapterError
 from engine.lora_types import LoRARequest
+from gateway.console.oauth import ConsoleOAuth
 from gateway.model_engines import model_engine, spare_pool
 from gateway.models_file import served_models
 from gateway.served_models import ModelEngine
@@ -70,6 +71,7 @@ def run_server(settings: Settings, with_progress: Callable[[Any], Any]) -> None:
         first = specs[0]
         bases = {s.name: describe_base(s.settings.model, extra_names=[s.name]) for s in specs}
         tenancy = open_tenancy(settings, bases)
+        console_oauth = ConsoleOAuth.from_settings(settings)
     except SettingsError as exc:
         raise typer.BadParameter(str(exc)) from exc
     demo, preload = asyncio.run(_start_up(tenancy, settings, modules))
@@ -98,6 +100,7 @@ def run_server(settings: Settings, with_progress: Callable[[Any], Any]) -> None:
         limits=RequestLimits(max_n=settings.max_n, max_prompt_chars=settings.max_prompt_chars),
         metrics_max_tenants=settings.metrics_max_tenants,
         tool_call_parser=settings.tool_call_parser if settings.enable_auto_tool_choice else None,
+        console_oauth=console_oauth,
     )
 
     @contextlib.asynccontextmanager

@@ -104,6 +104,16 @@ HELP: dict[str, str] = {
     "admin_jwt_jwks": "RS256: JWKS file or URL of the identity provider.",
     "admin_jwt_issuer": "Required `iss` of admin tokens.",
     "admin_jwt_audience": "Required `aud` of admin tokens.",
+    "console_oauth_authorize_url": "The console's sign-in with the identity provider: its "
+    "authorization endpoint (OAuth 2.0 code flow with PKCE; the tokens it issues must pass "
+    "--admin-jwt-jwks). Default: none (sign in by pasting an admin token).",
+    "console_oauth_token_url": "The identity provider's token endpoint.",
+    "console_oauth_client_id": "The console's client id at the identity provider.",
+    "console_oauth_client_secret": "The console's client secret, for a provider that wants "
+    "one besides PKCE. Default: none (a public client).",
+    "console_oauth_scope": "Scopes the console asks for (the admin REST needs `admin`).",
+    "console_oauth_redirect_url": "The callback registered at the provider. Default: this "
+    "server's /console/oauth/callback as the browser reaches it.",
     "usage_spool_dir": "Usage rows' durable spool. Default: loragate-spool beside a SQLite db.",
     "usage_flush_interval": "Seconds between the usage ledger's batched database writes.",
     "responses_ttl": "Seconds a stored response (/v1/responses) is kept: 30 days.",

@@ -140,6 +140,14 @@ class Settings(BaseSettings):
     admin_jwt_jwks: str | None = None
     admin_jwt_issuer: str | None = None
     admin_jwt_audience: str | None = None
+    # The console's sign-in with the identity provider (gateway/console/oauth.py): the
+    # authorization-code flow with PKCE. All three of authorize, token and client id, or none.
+    console_oauth_authorize_url: str | None = Field(default=None, max_length=2048)
+    console_oauth_token_url: str | None = Field(default=None, max_length=2048)
+    console_oauth_client_id: str | None = Field(default=None, max_length=256)
+    console_oauth_client_secret: SecretStr | None = None
+    console_oauth_scope: str = Field(default="openid admin", max_length=1024)
+    console_oauth_redirect_url: str | None = Field(default=None, max_length=2048)
     # The usage ledger's spool (tenants/ledger.py); None: `loragate-spool` beside a SQLite
     # database, else in the working directory.
     usage_spool_dir: Path | None = None
