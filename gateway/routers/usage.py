@@ -31,7 +31,7 @@ from gateway.body import StrictJSONRoute
 from gateway.deps import AdminDep, TenancyDep, TenantDep
 from gateway.errors import APIError
 from gateway.iso_time import Instant
-from gateway.routers.error_schemas import ADMIN_ERRORS, OPENAI_ERRORS
+from gateway.routers.error_schemas import ADMIN_ERRORS, OPENAI_ERRORS, error_response
 from gateway.tenancy import Tenancy
 from tenants.usage import (
     BUCKET_LIMITS,
@@ -114,7 +114,11 @@ _SUMMARY: dict[int | str, dict[str, Any]] = {
         "first), then the `other` row. CSV (a header row, then one row per group, the same "
         "columns) when asked with `Accept: text/csv`.",
         "content": {"text/csv": {"schema": {"type": "string"}}},
-    }
+    },
+    400: error_response(
+        "A parameter out of bounds, or a rule between parameters broken (`invalid_value`): "
+        "`group_by` twice must be `day` and one other; `top` needs a grouping other than day."
+    ),
 }
 
 
