@@ -3,25 +3,16 @@ by Playwright (headless; the system browser, since none can be downloaded here).
 
 from __future__ import annotations
 
-import contextlib
 import os
-import re
 import shutil
 import subprocess
-import sys
-import time
 from collections.abc import Iterator
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import httpx
 import pytest
+from console_server import VIEWPORT, ConsoleServer, serve
 
-sys.path.insert(0, str(Path(__file__).parents[1] / "gateway"))  # live_server lives there
-from live_server import TEST_SECRET, free_port  # noqa: E402
-
-MODEL = "demo"
 CHROMIUM = "/usr/bin/chromium"
 # As the machine's own probe starts it: no sandbox as root, and no background connections
 # (the machine reaches no network; Chromium's attempts would be refused, many at a time).
@@ -34,9 +25,6 @@ CHROMIUM_ARGS = [
     "--disable-component-update",
     "--disable-sync",
 ]
-VIEWPORT = {"width": 1280, "height": 800}
-# Screenshots of every page: here, or where LORAGATE_TEST_ARTIFACTS points.
-ARTIFACTS = Path(os.environ.get("LORAGATE_TEST_ARTIFACTS", "build/test-artifacts")) / "console"
 
 
 @pytest.fixture(scope="session")
@@ -57,29 +45,6 @@ def chromium() -> str:
     return CHROMIUM
 
 
-@dataclass
-class ConsoleServer:
-    url: str
-    admin_token: str
-    demo_key: str
-    log: Path
-    cwd: Path
-
-    def admin(self) -> dict[str, str]:
-        return {"Authorization": f"Bearer {self.admin_token}"}
-
-    def loragate(self, *args: str) -> str:
-        done = subprocess.run(
-            [str(Path(sys.executable).parent / "loragate"), *args],
-            cwd=self.cwd,
-            capture_output=True,
-            text=True,
-            check=True,
-            env=os.environ | {"LORAGATE_SECRET_KEY": TEST_SECRET},
-        )
-        return done.stdout.strip()
-
-
 @pytest.fixture(scope="module")
 def console_server(
     demo_model_dir: Path, tmp_path_factory: pytest.TempPathFactory
@@ -88,65 +53,6 @@ def console_server(
     with serve(demo_model_dir, tmp_path_factory.mktemp("console-serve")) as server:
         server.admin_token = server.loragate("admin", "token", "--ttl", "2h", "--subject", "ops")
         yield server
-
-
-@contextlib.contextmanager
-def serve(model_dir: Path, cwd: Path, *flags: str) -> Iterator[ConsoleServer]:
-    port = free_port()
-    url = f"http://127.0.0.1:{port}"
-    log_path = cwd / "serve.log"
-    command = [
-        str(Path(sys.executable).parent / "loragate"),
-        "serve",
-        "--model",
-        str(model_dir),
-        "--served-model-name",
-        MODEL,
-        "--port",
-        str(port),
-        "--kv-cache-memory",
-        "64MiB",
-        "--max-model-len",
-        "256",
-        "--usage-flush-interval",
-        "0.1",
-        *flags,
-    ]
-    env = os.environ | {
-        "PYTHONUNBUFFERED": "1",
-        "COLUMNS": "400",
-        "LORAGATE_SECRET_KEY": TEST_SECRET,
-    }
-    with log_path.open("wb") as log:
-        server = subprocess.Popen(
-            command, stdout=log, stderr=subprocess.STDOUT, start_new_session=True, env=env, cwd=cwd
-        )
-    try:
-        _wait_ready(url, server, log_path)
-        key = re.search(r"export LORAGATE_API_KEY=(lg-\S+)", log_path.read_text())
-        assert key is not None, log_path.read_text()
-        yield ConsoleServer(url, "", key.group(1), log_path, cwd)
-    finally:
-        server.terminate()
-        try:
-            server.wait(30)
-        except subprocess.TimeoutExpired:
-            server.kill()
-            server.wait()
-
-
-def _wait_ready(url: str, server: subprocess.Popen[bytes], log: Path) -> None:
-    deadline = time.monotonic() + 180
-    while time.monotonic() < deadline:
-        if server.poll() is not None:
-            raise AssertionError(f"loragate serve exited: {log.read_text()[-3000:]}")
-        try:
-            if httpx.get(f"{url}/health", timeout=5).json().get("status") == "ok":
-                return
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.2)
-    raise AssertionError(f"loragate serve never became healthy: {log.read_text()[-3000:]}")
 
 
 @pytest.fixture(scope="module")
@@ -189,17 +95,3 @@ def page(browser: Any) -> Iterator[Any]:
         yield opened
     finally:
         context.close()
-
-
-def screenshot(page: Any, name: str) -> Path:
-    ARTIFACTS.mkdir(parents=True, exist_ok=True)
-    path = ARTIFACTS / f"{name}.png"
-    page.screenshot(path=str(path), full_page=False)
-    return path
-
-
-def sign_in(page: Any, server: ConsoleServer) -> None:
-    page.goto(f"{server.url}/console")
-    page.get_by_label("Admin token").fill(server.admin_token)
-    page.get_by_role("button", name="Sign in").click()
-    page.get_by_role("heading", name="Tenants", exact=True).wait_for()

@@ -8,7 +8,7 @@ from typing import Any
 
 import httpx
 import pytest
-from conftest import VIEWPORT, ConsoleServer, screenshot, sign_in
+from console_server import VIEWPORT, ConsoleServer, screenshot, sign_in
 
 AXE = Path(__file__).parent / "vendor" / "axe-core" / "axe.min.js"
 PAGES = ["tenants", "tenant", "usage", "adapters", "engines"]

@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any
 
 import httpx
-from conftest import MODEL, ConsoleServer, screenshot, sign_in
+from console_server import MODEL, ConsoleServer, screenshot, sign_in
 from playwright.sync_api import expect
 
 TENANT = "acme-console"

@@ -11,7 +11,7 @@ from urllib.parse import parse_qs, urlparse
 
 import httpx
 import pytest
-from conftest import ConsoleServer, screenshot, serve
+from console_server import ConsoleServer, screenshot, serve
 from identity_provider import CLIENT_ID, IdentityProvider, identity_provider
 from live_server import free_port
 from playwright.sync_api import expect

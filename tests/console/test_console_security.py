@@ -12,7 +12,7 @@ from typing import Any
 
 import httpx
 import pytest
-from conftest import ConsoleServer
+from console_server import ConsoleServer
 from joserfc import jwt
 from joserfc.jwk import OctKey
 from live_server import TEST_SECRET, free_port

@@ -15,7 +15,7 @@ from typing import Any
 
 import httpx
 import pytest
-from conftest import MODEL, ConsoleServer, screenshot, sign_in
+from console_server import MODEL, ConsoleServer, screenshot, sign_in
 from playwright.sync_api import expect
 
 FIRST_DAY = datetime(2026, 10, 1, tzinfo=UTC)

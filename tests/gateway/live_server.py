@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import socket
+import subprocess
 import threading
 import time
 from collections.abc import AsyncIterator, Iterator
@@ -287,3 +288,20 @@ def wait_for_usage(
             assert len(rows) == count, f"{len(rows)} usage rows, expected {count}"
             return rows
         time.sleep(0.1)
+
+
+def wait_process_healthy(
+    url: str, server: subprocess.Popen[bytes], log: Path, timeout: float = 180.0
+) -> None:
+    """Until a `loragate serve` (or `engine`) process answers /health with 200; its log in the
+    failure if it exits first or never does."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        assert server.poll() is None, log.read_text()[-3000:]
+        try:
+            if httpx.get(f"{url}/health", timeout=2).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.1)
+    raise AssertionError(f"never healthy:\n{log.read_text()[-3000:]}")

@@ -12,12 +12,10 @@ from typing import Any
 
 import httpx
 import pytest
-import sqlalchemy as sa
 from live_server import Server, admin_client
+from usage_rows import insert_usage, usage_record
 
-from tenants.db import async_url
 from tenants.ledger import UsageRecord
-from tenants.models import Usage
 
 DAY1 = datetime(2026, 11, 29, 10, tzinfo=UTC)
 DAY2 = DAY1 + timedelta(days=1)
@@ -25,35 +23,13 @@ SUMS = ("num_requests", "prompt_tokens", "cached_tokens", "completion_tokens")
 
 
 def _record(n: int, tenant: str, when: datetime, **fields: Any) -> UsageRecord:
-    values: dict[str, Any] = {
-        "request_id": f"console-{tenant}-{n}",
-        "tenant_id": tenant,
-        "key_id": "key_1",
-        "model": "demo",
-        "adapter_name": None,
-        "adapter_sha256": None,
-        "prompt_tokens": 100,
-        "cached_tokens": 10,
-        "completion_tokens": 5,
-        "finish_reason": "stop",
-        "status": "ok",
-        "ttft": 0.01,
-        "latency": 0.1,
-        "created_at": when,
-    }
-    return UsageRecord(**(values | fields))
+    fields = {"key_id": "key_1", "model": "demo"} | fields
+    return usage_record(f"console-{tenant}-{n}", tenant, when, **fields)
 
 
 def _insert(server: Server, records: list[UsageRecord]) -> None:
     """Rows as the ledger writes them, straight into the server's database."""
-    url = sa.engine.make_url(async_url(server.tenancy.settings.database_url))
-    sync = {"sqlite+aiosqlite": "sqlite", "postgresql+asyncpg": "postgresql+psycopg"}
-    engine = sa.create_engine(url.set(drivername=sync[url.drivername]))
-    try:
-        with engine.begin() as conn:
-            conn.execute(sa.insert(Usage.__table__), [r.row() for r in records])
-    finally:
-        engine.dispose()
+    insert_usage(server.tenancy.settings.database_url, records)
 
 
 def _error(resp: httpx.Response) -> dict[str, Any]:

@@ -9,7 +9,6 @@ import os
 import signal
 import subprocess
 import sys
-import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
@@ -17,7 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import httpx
-from live_server import TEST_SECRET, free_port, usage_rows, wait_for_usage
+from live_server import TEST_SECRET, free_port, usage_rows, wait_for_usage, wait_process_healthy
 
 from gateway.admin_auth import mint_admin_token
 from gateway.settings import Settings
@@ -64,7 +63,7 @@ def serve(model_dir: Path, cwd: Path, *flags: str) -> Iterator[Gateway]:
     )
     url = f"http://127.0.0.1:{port}"
     try:
-        _wait_healthy(url, server, cwd / "serve.log")
+        wait_process_healthy(url, server, cwd / "serve.log")
         yield Gateway(url, server.pid)
     finally:
         if server.poll() is None:
@@ -75,19 +74,6 @@ def serve(model_dir: Path, cwd: Path, *flags: str) -> Iterator[Gateway]:
                 os.killpg(server.pid, signal.SIGKILL)
                 server.wait()
         log.close()
-
-
-def _wait_healthy(url: str, server: subprocess.Popen[bytes], log: Path) -> None:
-    deadline = time.monotonic() + 120
-    while time.monotonic() < deadline:
-        assert server.poll() is None, log.read_text()
-        try:
-            if httpx.get(f"{url}/health", timeout=2).status_code == 200:
-                return
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.1)
-    raise AssertionError(f"never healthy:\n{log.read_text()}")
 
 
 def _admin() -> dict[str, str]:

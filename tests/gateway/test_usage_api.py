@@ -11,13 +11,11 @@ from typing import Any
 import httpx
 import openai
 import pytest
-import sqlalchemy as sa
 from live_server import Server, admin_client
 from openai.types.admin.organization.usage_completions_response import UsageCompletionsResponse
+from usage_rows import insert_usage, usage_record
 
-from tenants.db import async_url
 from tenants.ledger import UsageRecord
-from tenants.models import Usage
 
 MODEL = "demo"
 DAY1 = datetime(2026, 11, 29, 22, 30, tzinfo=UTC)  # 22:30 and 23:30, then 00:30 the next day
@@ -25,35 +23,13 @@ HOUR = timedelta(hours=1)
 
 
 def _record(n: int, tenant: str, when: datetime, **fields: Any) -> UsageRecord:
-    values: dict[str, Any] = {
-        "request_id": f"req-{tenant}-{n}",
-        "tenant_id": tenant,
-        "key_id": "key_1",
-        "model": MODEL,
-        "adapter_name": None,
-        "adapter_sha256": None,
-        "prompt_tokens": 100,
-        "cached_tokens": 10,
-        "completion_tokens": 5,
-        "finish_reason": "stop",
-        "status": "ok",
-        "ttft": 0.01,
-        "latency": 0.1,
-        "created_at": when,
-    }
-    return UsageRecord(**(values | fields))
+    fields = {"key_id": "key_1", "model": MODEL} | fields
+    return usage_record(f"req-{tenant}-{n}", tenant, when, **fields)
 
 
 def _insert(server: Server, records: list[UsageRecord]) -> None:
     """Rows as the ledger writes them, straight into the server's database."""
-    url = sa.engine.make_url(async_url(server.tenancy.settings.database_url))
-    sync = {"sqlite+aiosqlite": "sqlite", "postgresql+asyncpg": "postgresql+psycopg"}
-    engine = sa.create_engine(url.set(drivername=sync[url.drivername]))
-    try:
-        with engine.begin() as conn:
-            conn.execute(sa.insert(Usage.__table__), [r.row() for r in records])
-    finally:
-        engine.dispose()
+    insert_usage(server.tenancy.settings.database_url, records)
 
 
 def _fixture_rows(server: Server) -> str:

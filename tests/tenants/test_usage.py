@@ -12,9 +12,9 @@ from typing import Any
 import pytest
 from sqlalchemy import insert
 from sqlalchemy.ext.asyncio import AsyncSession
+from usage_rows import usage_record
 
 from tenants.db import Database, upgrade
-from tenants.ledger import UsageRecord
 from tenants.models import Usage
 from tenants.usage import (
     DAY,
@@ -31,23 +31,8 @@ T0 = int(datetime(2026, 11, 29, 22, 0, tzinfo=UTC).timestamp())  # 22:00 UTC, a 
 
 
 def _row(n: int, tenant: str, epoch: int, **fields: Any) -> dict[str, Any]:
-    values: dict[str, Any] = {
-        "request_id": f"r-{tenant}-{n}",
-        "tenant_id": tenant,
-        "key_id": "key_a",
-        "model": "demo",
-        "adapter_name": None,
-        "adapter_sha256": None,
-        "prompt_tokens": 100,
-        "cached_tokens": 10,
-        "completion_tokens": 5,
-        "finish_reason": "stop",
-        "status": "ok",
-        "ttft": 0.01,
-        "latency": 0.1,
-        "created_at": datetime.fromtimestamp(epoch, UTC),
-    }
-    return UsageRecord(**(values | fields)).row()
+    when = datetime.fromtimestamp(epoch, UTC)
+    return usage_record(f"r-{tenant}-{n}", tenant, when, **fields).row()
 
 
 ROWS = [

@@ -15,9 +15,9 @@ from typing import Any
 import pytest
 from sqlalchemy import insert
 from sqlalchemy.ext.asyncio import AsyncSession
+from usage_rows import usage_record
 
 from tenants.db import Database, upgrade
-from tenants.ledger import UsageRecord
 from tenants.models import Usage
 from tenants.usage import (
     DAY,
@@ -34,23 +34,9 @@ FIELDS = {"tenant": "tenant_id", "model": "model", "adapter": "adapter_name", "k
 
 
 def _row(n: int, epoch: int, **fields: Any) -> dict[str, Any]:
-    values: dict[str, Any] = {
-        "request_id": f"r-{n}",
-        "tenant_id": "ten_a",
-        "key_id": "key_a",
-        "model": "demo",
-        "adapter_name": None,
-        "adapter_sha256": None,
-        "prompt_tokens": 100,
-        "cached_tokens": 10,
-        "completion_tokens": 5,
-        "finish_reason": "stop",
-        "status": "ok",
-        "ttft": 0.01,
-        "latency": 0.1,
-        "created_at": datetime.fromtimestamp(epoch, UTC),
-    }
-    return UsageRecord(**(values | fields)).row()
+    fields = {"tenant_id": "ten_a"} | fields
+    tenant = fields.pop("tenant_id")
+    return usage_record(f"r-{n}", tenant, datetime.fromtimestamp(epoch, UTC), **fields).row()
 
 
 # Tokens (prompt + completion) over the three days, by tenant: a 300, b 200, c 60, d 40.
