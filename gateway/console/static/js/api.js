@@ -53,16 +53,3 @@ export const api = {
   delete: (path) => call("DELETE", path),
   upload: (path, form) => call("POST", path, { form }),
 };
-
-// CSV exactly as the server writes it, for the usage page's export.
-export async function getText(path, params, accept) {
-  const url = new URL(path, location.origin);
-  for (const [name, value] of Object.entries(params || {})) {
-    for (const item of [].concat(value)) {
-      if (item !== null && item !== undefined && item !== "") url.searchParams.append(name, item);
-    }
-  }
-  const response = await fetch(url, { headers: { Accept: accept }, credentials: "same-origin" });
-  if (!response.ok) throw new ApiError(response.status, await response.json().catch(() => null));
-  return response.text();
-}
