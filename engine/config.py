@@ -32,6 +32,10 @@ class EngineConfig:
     # Admission order of waiting requests: "fair" weighs each fairness key's service (VTC,
     # engine/fairness.py); "fcfs" is arrival order, fairness keys ignored.
     scheduling_policy: str = "fair"
+    # Policy fair, while a key below its share of the service is present: the other keys'
+    # prompt chunks are cut so that a step takes about this times that key's own first step
+    # (its next request waits at most that long for the step under way; engine/scheduler.py).
+    fair_delay_ratio: float = 0.5
     seed: int = 0
     # n-gram speculative decoding (engine/spec_decode.py); None: off.
     speculative_config: SpeculativeConfig | None = None
@@ -93,6 +97,8 @@ class EngineConfig:
             raise ValueError(
                 f"scheduling_policy must be fair or fcfs, got {self.scheduling_policy!r}"
             )
+        if not 0.0 < self.fair_delay_ratio <= 100.0:
+            raise ValueError(f"fair_delay_ratio must be in (0, 100], got {self.fair_delay_ratio}")
         if self.guided_compile_timeout <= 0:
             raise ValueError("guided_compile_timeout must be positive")
         for name in ("guided_cache_size", "guided_max_schema_bytes", "guided_max_schema_depth"):

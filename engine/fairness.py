@@ -27,6 +27,16 @@ again would make being preempted a penalty that invites the next preemption). A 
 fails after being planned keeps its charges: its requests fail or are recomputed, and the
 error is at most one step's tokens.
 
+Who is below their share now: VTC's counters say who was served least since the keys became
+busy, not who is being served least at the moment, and a light key floored on every return
+from idle ties the flooding key it returns to. So each key also keeps its recent service, the
+same weighted charges decayed with a half-life of RATE_HALF_LIFE seconds. A key is *below its
+share* while it is present (requests waiting or running, or its last one left under LINGER
+seconds ago) and its recent service is under BELOW_SHARE of the most-served present key's.
+With one key present nobody is. The scheduler protects such keys (engine/scheduler.py): it
+keeps steps short while one is present, gives its prefill the step, lets it take a sequence
+slot beyond its count share, and never preempts its requests for another key's.
+
 Requests without a key share one line (key None). With `use_keys=False` (policy "fcfs")
 every request is in that one line and nothing is charged: plain first come first served.
 
@@ -39,8 +49,10 @@ ever seen, as tenants are bounded).
 
 from __future__ import annotations
 
+import math
+import time
 from collections import deque
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Collection, Iterable, Iterator
 from dataclasses import dataclass, field
 
 from engine.request import Request
@@ -48,6 +60,13 @@ from engine.request import Request
 # The paper's weights: an output token costs twice a prompt token (w_p = 1, w_q = 2).
 PREFILL_TOKEN_COST = 1.0
 DECODE_TOKEN_COST = 2.0
+
+RATE_HALF_LIFE = 5.0  # seconds: how fast a key's recent service is forgotten
+# A present key whose recent service is under this fraction of the most-served present key's
+# (per weight) is below its share: it asks for little, or is held back.
+BELOW_SHARE = 0.5
+LINGER = 2.0  # seconds a key stays present after its last request left
+PROMPT_EWMA = 0.25  # weight of the newest admitted prompt in a key's typical prompt length
 
 
 @dataclass(slots=True, eq=False)
@@ -59,6 +78,10 @@ class _Line:
     counter: float = 0.0
     num_running: int = 0
     weight: float = 1.0  # the latest request's: a tenant's weight may change between them
+    recent: float = 0.0  # weighted service, decayed (RATE_HALF_LIFE) as of recent_at
+    recent_at: float = 0.0
+    left_at: float = -math.inf  # when its last running or waiting request left
+    typical_prompt: float = 0.0  # tokens its admitted prompts computed (EWMA); 0: none yet
 
 
 class FairQueue:
@@ -69,11 +92,16 @@ class FairQueue:
     became backlogged (a snapshot: safe to take from another thread for stats).
     """
 
-    def __init__(self, *, use_keys: bool = True) -> None:
+    def __init__(
+        self, *, use_keys: bool = True, clock: Callable[[], float] = time.monotonic
+    ) -> None:
         self.use_keys = use_keys
+        self.clock = clock
         self._lines: dict[str | None, _Line] = {}
         # Lines with waiting requests, in the order they became backlogged.
         self._backlog: dict[str | None, _Line] = {}
+        # Lines present (waiting, running, or left under LINGER seconds ago), pruned lazily.
+        self._present: dict[str | None, _Line] = {}
         self._last_admitted: _Line | None = None
         self._num_waiting = 0
 
@@ -100,18 +128,25 @@ class FairQueue:
         if self.use_keys and not line.waiting and line.num_running == 0:
             line.counter = max(line.counter, self._floor())
         self._push(line, request, front=False)
+        self._present[line.key] = line
 
     def push_front(self, request: Request) -> None:
         """A request back at the head of its key's line: preempted, or taken out to be
         admitted and not admitted after all."""
         self._push(self._line(request), request, front=True)
 
-    def pop_next(self) -> Request | None:
+    def pop_next(self, only: Collection[str | None] | None = None) -> Request | None:
         """Take the next request to admit: the head of the least-served backlogged key's line
-        (ties: the older head first); None when nothing waits."""
+        (ties: the older head first), among the keys `only` if given; None when nothing
+        waits there."""
         if not self._backlog:
             return None
-        if len(self._backlog) == 1:
+        if only is not None:
+            lines = [line for line in self._backlog.values() if line.key in only]
+            if not lines:
+                return None
+            line = min(lines, key=_priority)
+        elif len(self._backlog) == 1:
             line = next(iter(self._backlog.values()))
         else:
             line = min(self._backlog.values(), key=_priority)
@@ -130,17 +165,28 @@ class FairQueue:
         self._num_waiting -= 1
         if not line.waiting:
             del self._backlog[line.key]
+        line.left_at = self.clock()
 
     # -- running requests and their service -------------------------------------------------
 
-    def admitted(self, request: Request) -> None:
+    def admitted(self, request: Request, num_prompt_tokens: int | None = None) -> None:
+        """A request started running; `num_prompt_tokens`: the prompt tokens it computes (not
+        read from the prefix cache), for its key's typical prompt; None for a recompute."""
         line = self._line(request)
         line.num_running += 1
         self._last_admitted = line
+        self._present[line.key] = line
+        if num_prompt_tokens is not None:
+            if line.typical_prompt == 0.0:
+                line.typical_prompt = float(num_prompt_tokens)
+            else:
+                line.typical_prompt += PROMPT_EWMA * (num_prompt_tokens - line.typical_prompt)
 
     def left_running(self, request: Request) -> None:
         """A running request finished or was preempted."""
-        self._line(request).num_running -= 1
+        line = self._line(request)
+        line.num_running -= 1
+        line.left_at = self.clock()
 
     def charge(self, rows: Iterable[tuple[Request, int]]) -> None:
         """Count scheduled rows' service: for each (request, tokens it computes this step),
@@ -149,6 +195,7 @@ class FairQueue:
         if not self.use_keys:
             return
         lines = self._lines
+        now = self.clock()
         for request, num_new in rows:
             start = request.num_computed_tokens
             end = start + num_new
@@ -158,19 +205,73 @@ class FairQueue:
                 new_end = min(end, request.num_prompt_tokens)
                 cost += PREFILL_TOKEN_COST * (new_end - max(start, charged))
                 request.num_charged_prompt_tokens = new_end
-            lines[request.fairness_key].counter += cost / request.fairness_weight
+            line = lines[request.fairness_key]
+            weighted = cost / request.fairness_weight
+            line.counter += weighted
+            line.recent = self._recent(line, now) + weighted
+            line.recent_at = now
 
-    def victim(self, running: list[Request]) -> Request:
+    def below_share(self) -> frozenset[str | None]:
+        """The present keys below their share now: recent service under BELOW_SHARE of the
+        most-served present key's. Empty with fewer than two keys present (or "fcfs")."""
+        if not self.use_keys or len(self._present) < 2:
+            return frozenset()
+        now = self.clock()
+        for key, line in list(self._present.items()):
+            if not line.waiting and line.num_running == 0 and now - line.left_at >= LINGER:
+                del self._present[key]
+        if len(self._present) < 2:
+            return frozenset()
+        recent = {key: self._recent(line, now) for key, line in self._present.items()}
+        bar = BELOW_SHARE * max(recent.values())
+        return frozenset(key for key, service in recent.items() if service < bar)
+
+    def typical_prompt(self, keys: Iterable[str | None]) -> float:
+        """The longest typical prompt among the keys (a waiting head's length for a key with
+        none admitted yet); 0 when nothing is known."""
+        longest = 0.0
+        for key in keys:
+            line = self._lines.get(key)
+            if line is None:
+                continue
+            typical = line.typical_prompt
+            if typical == 0.0 and line.waiting:
+                typical = float(line.waiting[0].num_tokens)
+            longest = max(longest, typical)
+        return longest
+
+    def waiting_heads(self, keys: Collection[str | None]) -> list[Request]:
+        """The head of each of these keys' lines that has requests waiting."""
+        return [line.waiting[0] for line in self._backlog.values() if line.key in keys]
+
+    def victim(
+        self,
+        running: list[Request],
+        requester: Request | None = None,
+        protected: Collection[str | None] = (),
+    ) -> Request:
         """The request to preempt: the most recently admitted running request (`running` is
-        in admission order) of the key with the highest counter among running requests."""
+        in admission order) of the key with the highest counter among running requests,
+        leaving out the `protected` keys' (those below their share) unless the requester is
+        one of theirs: a key's decode is never preempted for a more served key's work."""
         if not self.use_keys:
             return running[-1]
         lines = self._lines
+        if protected:
+            own = None if requester is None else requester.fairness_key
+            candidates = [
+                r for r in running if r.fairness_key == own or r.fairness_key not in protected
+            ]
+            running = candidates or running
         top = max(lines[r.fairness_key].counter for r in running)
         return next(r for r in reversed(running) if lines[r.fairness_key].counter == top)
 
     def slot_victim(
-        self, running: list[Request], num_slots: int, admissible: Callable[[Request], bool]
+        self,
+        running: list[Request],
+        num_slots: int,
+        admissible: Callable[[Request], bool],
+        below: Collection[str | None] = (),
     ) -> Request | None:
         """With every sequence slot taken: the running request to give up its slot, or None.
 
@@ -180,6 +281,12 @@ class FairQueue:
         (its full blocks stay in the prefix cache). A key never loses its last slot, nor one
         that would put it below its share: equal keys, or more keys than slots, never
         trade places step after step.
+
+        Beyond that, a backlogged key below its share of the service (`below`, from
+        `below_share`) takes a slot even at its count share, from the most served key not
+        below its share that holds two or more: a light tenant's burst runs as if it were
+        alone. It stops once its service reaches BELOW_SHARE of the others', and the count
+        rule never takes a slot from a key below its share, so slots do not swing back.
         """
         if not self.use_keys or len(self._backlog) == 0:
             return None
@@ -197,17 +304,28 @@ class FairQueue:
             line.num_running < max(1.0, share(line)) - 1e-9 and admissible(line.waiting[0])
             for line in self._backlog.values()
         )
-        if not starved:
+        if starved:
+            over = [
+                line
+                for line in active.values()
+                if line.key not in below
+                and line.num_running >= 2
+                and line.num_running - 1 >= share(line) - 1e-9
+            ]
+            if over:
+                top = max(over, key=lambda line: line.num_running - share(line))
+                return _newest(running, top.key)
+        if not any(
+            line.key in below and admissible(line.waiting[0]) for line in self._backlog.values()
+        ):
             return None
-        over = [
-            line
-            for line in active.values()
-            if line.num_running >= 2 and line.num_running - 1 >= share(line) - 1e-9
+        now = self.clock()
+        donors = [
+            line for line in active.values() if line.key not in below and line.num_running >= 2
         ]
-        if not over:
+        if not donors:
             return None
-        top = max(over, key=lambda line: line.num_running - share(line))
-        return next(r for r in reversed(running) if r.fairness_key == top.key)
+        return _newest(running, max(donors, key=lambda line: self._recent(line, now)).key)
 
     # -- internals --------------------------------------------------------------------------
 
@@ -229,11 +347,20 @@ class FairQueue:
         self._backlog.setdefault(line.key, line)
         self._num_waiting += 1
 
+    @staticmethod
+    def _recent(line: _Line, now: float) -> float:
+        """The line's recent service, decayed to `now`."""
+        return line.recent * math.exp2((line.recent_at - now) / RATE_HALF_LIFE)
+
     def _floor(self) -> float:
         """Where a key returning from idle starts, at least."""
         if self._backlog:
             return min(line.counter for line in self._backlog.values())
         return 0.0 if self._last_admitted is None else self._last_admitted.counter
+
+
+def _newest(running: list[Request], key: str | None) -> Request:
+    return next(r for r in reversed(running) if r.fairness_key == key)
 
 
 def _priority(line: _Line) -> tuple[float, float]:

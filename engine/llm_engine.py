@@ -104,6 +104,7 @@ class LLMEngine:
             enable_chunked_prefill=config.enable_chunked_prefill,
             lora=self.lora,
             policy=config.scheduling_policy,
+            fair_delay_ratio=config.fair_delay_ratio,
         )
         self.sequences: dict[str, _Sequence] = {}
         self.parents: dict[str, list[str]] = {}
@@ -261,6 +262,7 @@ class LLMEngine:
     # -- the step ---------------------------------------------------------------------------
 
     def step(self) -> list[SequenceUpdate]:
+        start = time.perf_counter()
         updates = self._start_grammars() if self._awaiting_grammar else []
         sched = self.scheduler.schedule()
         updates += [self._fail(request, error) for request, error in sched.failed]
@@ -281,6 +283,7 @@ class LLMEngine:
             updates += self._append_sampled(sampled, sampler_out)
         if self.speculative is not None:
             self._propose_drafts(self.speculative)
+        self.scheduler.step_cost.observe(sched.num_batched_tokens, time.perf_counter() - start)
         return updates
 
     def _append_sampled(

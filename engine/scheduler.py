@@ -11,6 +11,16 @@ admits from the least-served key first, "fcfs" in arrival order. When a running
 request cannot get a block, a victim is preempted (its blocks freed, its progress
 reset to recompute) until it can: the most recently admitted request of the
 most-served key ("fcfs": the most recently admitted request).
+
+Short steps while someone waits behind a flood (policy "fair"): while a key below its share
+of the service is present (engine/fairness.py, `below_share`), the prompt tokens of the
+other keys in a step are capped (`SchedulerOutput.prefill_cap`) so that they add at most
+`fair_delay_ratio` times the below-share key's own first step to it, both in time predicted
+from the steps measured (engine/step_cost.py): its next request, whenever it comes, waits
+no longer than that for another key's prompt in the step under way. In a step where a
+below-share key's prompt runs or is admitted, the others' prompts get none of the budget.
+Decode rows are never capped (a prompt chunk leaves each its token), and with nobody below
+their share steps are as large as max_num_batched_tokens allows.
 """
 
 from __future__ import annotations
@@ -26,6 +36,7 @@ from engine.kv_cache.manager import KVCacheManager
 from engine.lora import LoRAManager
 from engine.lora_types import LoRALoadError
 from engine.request import Request, RequestStatus
+from engine.step_cost import StepCost
 
 
 @dataclass(slots=True)
@@ -36,6 +47,8 @@ class SchedulerOutput:
     # Waiting requests that can never run (their adapter failed to load), with why.
     failed: list[tuple[Request, str]] = field(default_factory=list)
     num_batched_tokens: int = 0
+    # Prompt tokens the keys not below their share could compute this step (None: no cap).
+    prefill_cap: int | None = None
 
     @property
     def is_empty(self) -> bool:
@@ -52,17 +65,28 @@ class Scheduler:
         enable_chunked_prefill: bool,
         lora: LoRAManager | None = None,
         policy: str = "fair",
+        fair_delay_ratio: float = 0.5,
+        step_cost: StepCost | None = None,
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
         if policy not in SCHEDULING_POLICIES:
             raise ValueError(f"scheduling policy must be fair or fcfs, got {policy!r}")
+        if not fair_delay_ratio > 0:
+            raise ValueError(f"fair_delay_ratio must be positive, got {fair_delay_ratio}")
         self.kv = kv_manager
         self.lora = lora
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.enable_chunked_prefill = enable_chunked_prefill
         self.policy = policy
+        self.fair_delay_ratio = fair_delay_ratio
+        # Measured by the engine after each step; what a step of so many tokens costs.
+        self.step_cost = step_cost or StepCost()
         # Waiting requests, in one line per fairness key ("fcfs": one line for all).
-        self.waiting = FairQueue(use_keys=policy == "fair")
+        self.waiting = FairQueue(use_keys=policy == "fair", clock=clock)
+        # This step's keys below their share and what is left of its prefill cap.
+        self._below: frozenset[str | None] = frozenset()
+        self._cap_left: int | None = None
         self.running: list[Request] = []
         self.num_preemptions = 0
         self.num_fairness_preemptions = 0  # of num_preemptions: slots given to other keys
@@ -82,6 +106,8 @@ class Scheduler:
         out = SchedulerOutput()
         if self.lora is not None:
             self.lora.begin_step()
+        self._below = self.waiting.below_share()
+        out.prefill_cap = self._cap_left = self._prefill_cap()
         self._schedule_running(out)
         if not out.preempted:
             self._share_slots(out)
@@ -93,26 +119,46 @@ class Scheduler:
         return out
 
     def _schedule_running(self, out: SchedulerOutput) -> None:
-        # Invariant: running[:len(out.scheduled)] are the rows scheduled so far, in order
-        # (a victim taken back from out.scheduled leaves both lists).
-        while len(out.scheduled) < len(self.running):
+        # running[:i] have been considered (planned, or yielding this step). A preemption
+        # takes requests out of `running` anywhere, the one considered included: then i is
+        # recounted (rare; considered requests stay a prefix of `running`).
+        i = 0
+        considered: set[int] = set()
+        # Decode rows not yet planned: a prompt chunk leaves each of them its token.
+        decode_left = sum(1 for r in self.running if r.num_tokens - r.num_computed_tokens <= 1)
+        while i < len(self.running):
             budget = self.max_num_batched_tokens - out.num_batched_tokens
             if budget <= 0:
                 break
-            request = self.running[len(out.scheduled)]
-            num_new = min(request.num_tokens - request.num_computed_tokens, budget)
+            request = self.running[i]
+            considered.add(id(request))
+            remaining = request.num_tokens - request.num_computed_tokens
+            if remaining > 1:
+                num_new = self._capped(request, min(remaining, budget - decode_left))
+                if num_new <= 0:  # a prompt chunk that yields this step
+                    i += 1
+                    continue
+            else:
+                decode_left -= 1
+                num_new = min(remaining, budget)
             if request.spec_token_ids:
                 # A caught-up request verifies its drafts with its last token, as many as
                 # the budget takes (engine/spec_decode.py).
                 del request.spec_token_ids[max(0, budget - 1) :]
                 num_new += len(request.spec_token_ids)
+            num_running = len(self.running)
             if self._allocate_or_preempt(request, num_new, out):
                 out.scheduled.append((request, num_new))
                 out.num_batched_tokens += num_new
+                self._spend(request, num_new)
+            if len(self.running) == num_running:
+                i += 1
+            else:
+                i = sum(1 for r in self.running if id(r) in considered)
 
     def _allocate_or_preempt(self, request: Request, num_new: int, out: SchedulerOutput) -> bool:
         while not self.kv.allocate_slots(request, num_new):
-            victim = self.preemption_victim()
+            victim = self.preemption_victim(request)
             if victim is not request:
                 self._unschedule(out, victim)  # the fair victim may be a row planned earlier
             self.preempt(victim)
@@ -125,7 +171,9 @@ class Scheduler:
         """Policy fair, every sequence slot taken: slots go from keys above their weighted
         share to backlogged keys below it (engine/fairness.py, `slot_victim`)."""
         while len(self.running) >= self.max_num_seqs:
-            victim = self.waiting.slot_victim(self.running, self.max_num_seqs, self._admissible)
+            victim = self.waiting.slot_victim(
+                self.running, self.max_num_seqs, self._admissible, self._below
+            )
             if victim is None:
                 return
             self._unschedule(out, victim)
@@ -156,9 +204,65 @@ class Scheduler:
                 self.kv.roll_back_step([(request, num_new)])
                 return
 
-    def preemption_victim(self) -> Request:
-        """The running request to preempt when memory runs out (there must be one)."""
-        return self.waiting.victim(self.running)
+    def preemption_victim(self, requester: Request | None = None) -> Request:
+        """The running request to preempt when memory runs out for `requester` (there must be
+        one): never one of a key below its share for another key's work."""
+        return self.waiting.victim(self.running, requester, self._below)
+
+    # -- the step's prefill cap -------------------------------------------------------------
+
+    def _prefill_cap(self) -> int | None:
+        """Prompt tokens the keys not below their share may compute this step: none while a
+        below-share key's prompt runs or could be admitted; else as many as add at most
+        fair_delay_ratio x that key's own first step to the step. None: no cap (nobody below
+        their share, policy fcfs, no chunking, or too few steps measured to tell)."""
+        below = self._below
+        if not below or not self.enable_chunked_prefill:
+            return None
+        if self._below_share_prefill_due():
+            return 0
+        if not self.step_cost.fitted:
+            return None
+        # The delay a prompt chunk adds to the step under way is its tokens' time: at most
+        # fair_delay_ratio x the below-share key's own first step.
+        bound = self.fair_delay_ratio * self.step_cost.predict(
+            int(self.waiting.typical_prompt(below)) or self.kv.block_size
+        )
+        # At least a block a step: a flooding key's prompts always progress.
+        return max(self.kv.block_size, self.step_cost.marginal_tokens(bound))
+
+    def _below_share_prefill_due(self) -> bool:
+        """Does a key below its share compute prompt tokens this step: a running prompt
+        chunk, or a waiting request that could be admitted now (its gates pass, and a slot is
+        free or would be given to it)?"""
+        below = self._below
+        if any(
+            r.fairness_key in below and r.num_tokens - r.num_computed_tokens > 1
+            for r in self.running
+        ):
+            return True
+        heads = [r for r in self.waiting.waiting_heads(below) if self._admissible(r)]
+        if not heads:
+            return False
+        if len(self.running) < self.max_num_seqs:
+            return True
+        victim = self.waiting.slot_victim(self.running, self.max_num_seqs, self._admissible, below)
+        return victim is not None
+
+    def _capped(self, request: Request, num_new: int) -> int:
+        """A prompt chunk of a key not below its share, cut to what is left of the cap."""
+        if self._cap_left is None or request.fairness_key in self._below:
+            return num_new
+        return min(num_new, self._cap_left)
+
+    def _spend(self, request: Request, num_new: int) -> None:
+        """Count a planned prompt chunk against the cap (decode rows never are)."""
+        if (
+            self._cap_left is not None
+            and request.fairness_key not in self._below
+            and request.num_tokens - request.num_computed_tokens > 1
+        ):
+            self._cap_left -= num_new
 
     def _admit_waiting(self, out: SchedulerOutput) -> None:
         skipped: list[Request] = []
@@ -166,7 +270,9 @@ class Scheduler:
             budget = self.max_num_batched_tokens - out.num_batched_tokens
             if budget <= 0:
                 break
-            request = self.waiting.pop_next()
+            # With the cap spent, only keys below their share are admitted.
+            only = self._below if self._cap_left == 0 else None
+            request = self.waiting.pop_next(only)
             if request is None:
                 break
             if not all(gate(request) for gate in self.admission_gates):
@@ -182,9 +288,11 @@ class Scheduler:
                     skipped.append(request)
                     continue
             computed_blocks, num_cached = self.kv.get_computed_blocks(request)
-            num_new = request.num_tokens - num_cached
-            fits = self.enable_chunked_prefill or num_new <= budget
-            num_new = min(num_new, budget)
+            num_prompt = request.num_tokens - num_cached
+            fits = self.enable_chunked_prefill or num_prompt <= budget
+            num_new = min(num_prompt, budget)
+            if num_new > 1:
+                num_new = self._capped(request, num_new)
             if not fits or not self.kv.allocate_slots(request, num_new, computed_blocks):
                 self._release_lora(request)
                 self.waiting.push_front(request)
@@ -195,9 +303,10 @@ class Scheduler:
                 request.scheduled_time = time.monotonic()
             request.status = RequestStatus.RUNNING
             self.running.append(request)
-            self.waiting.admitted(request)
+            self.waiting.admitted(request, num_prompt if request.num_preemptions == 0 else None)
             out.scheduled.append((request, num_new))
             out.num_batched_tokens += num_new
+            self._spend(request, num_new)
             self.waiting.charge([(request, num_new)])  # the next pick sees this admission
         # Skipped requests keep their places: each goes back to the head of its key's line.
         for request in reversed(skipped):

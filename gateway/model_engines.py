@@ -58,6 +58,7 @@ def engine_config(settings: Settings) -> EngineConfig:
         max_lora_rank=s.max_lora_rank,
         max_cpu_loras=s.max_cpu_loras,
         scheduling_policy=s.scheduling_policy,
+        fair_delay_ratio=s.fair_delay_ratio,
         guided_compile_timeout=s.guided_compile_timeout,
         guided_cache_size=s.guided_cache_size,
         guided_max_schema_bytes=s.guided_max_schema_bytes,

@@ -47,6 +47,7 @@ ENGINE_KNOBS = (
     "enable_chunked_prefill",
     "max_waiting",
     "scheduling_policy",
+    "fair_delay_ratio",
     "dtype",
     "quantization",
     "speculative_config",

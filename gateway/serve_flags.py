@@ -45,6 +45,9 @@ HELP: dict[str, str] = {
     "enable_chunked_prefill": "Split long prompts across steps.",
     "max_waiting": "Queued requests before 503.",
     "scheduling_policy": "fair (tenants share the batch by weight, VTC) or fcfs.",
+    "fair_delay_ratio": "Policy fair, while a tenant below its share is active: other tenants' "
+    "prompt chunks are cut so that a step takes about this times that tenant's own first step "
+    "(its next first token waits at most that long for the step under way).",
     "dtype": "auto (CPU: bfloat16 with AVX-512 BF16 or AMX, else float32), float32, bfloat16, "
     "float16.",
     "speculative_config": 'n-gram speculative decoding, vLLM\'s JSON: {"method": "ngram", '

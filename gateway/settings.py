@@ -75,6 +75,7 @@ class Settings(BaseSettings):
     enable_chunked_prefill: bool = True
     max_waiting: int = 1024
     scheduling_policy: Literal["fair", "fcfs"] = "fair"
+    fair_delay_ratio: float = 0.5
     dtype: str = "auto"
     quantization: Literal["int8"] | None = None
     # vLLM's JSON, e.g. {"method": "ngram", "num_speculative_tokens": 4, ...}; None: off.

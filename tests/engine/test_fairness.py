@@ -9,80 +9,14 @@ from collections import Counter
 from pathlib import Path
 
 import pytest
+from fair_scheduling import add, admitted, finish_done, ids, make_scheduler, run_step
 
 from engine import EngineConfig, LLMEngine, SamplingParams
 from engine.async_engine import AsyncEngine
 from engine.fairness import DECODE_TOKEN_COST, PREFILL_TOKEN_COST
-from engine.kv_cache.manager import KVCacheManager
 from engine.messages import EngineRequest
 from engine.request import Request, RequestStatus
 from engine.scheduler import Scheduler, SchedulerOutput
-
-
-def make_scheduler(
-    policy: str = "fair",
-    num_blocks: int = 100,
-    block_size: int = 4,
-    budget: int = 64,
-    max_seqs: int = 16,
-    caching: bool = True,
-) -> Scheduler:
-    kv = KVCacheManager(num_blocks, block_size, caching)
-    return Scheduler(
-        kv,
-        max_num_seqs=max_seqs,
-        max_num_batched_tokens=budget,
-        enable_chunked_prefill=True,
-        policy=policy,
-    )
-
-
-def add(
-    sched: Scheduler,
-    rid: str,
-    num_tokens: int,
-    key: str | None = None,
-    weight: float = 1.0,
-    first: int = 0,
-    max_tokens: int = 100,
-) -> Request:
-    request = Request(
-        rid,
-        list(range(first, first + num_tokens)),
-        SamplingParams(max_tokens=max_tokens),
-        None,
-        fairness_key=key,
-        fairness_weight=weight,
-    )
-    sched.add_request(request)
-    return request
-
-
-def run_step(out: SchedulerOutput, next_token: int = 7) -> list[Request]:
-    """What the engine does after a forward; returns the rows that sampled a token."""
-    sampled = []
-    for request, n in out.scheduled:
-        request.num_computed_tokens += n
-        if request.num_computed_tokens == request.num_tokens:
-            request.all_token_ids.append(next_token)
-            sampled.append(request)
-    return sampled
-
-
-def finish_done(sched: Scheduler, sampled: list[Request]) -> None:
-    for request in sampled:
-        assert request.sampling_params.max_tokens is not None
-        if request.num_output_tokens >= request.sampling_params.max_tokens:
-            sched.finish(request, RequestStatus.FINISHED_LENGTH)
-
-
-def ids(requests: list[Request]) -> list[str]:
-    return [r.request_id for r in requests]
-
-
-def admitted(out: SchedulerOutput) -> list[str]:
-    return [r.request_id for r, _ in out.scheduled]
-
 
 # -- admission order ----------------------------------------------------------------------------
 
@@ -257,7 +191,7 @@ def trace(policy: str, keyed: bool, seed: int = 3) -> list[tuple]:
     """A random workload with arrivals, chunking, finishes and preemptions: every step's
     plan, victims and waiting line."""
     rng = random.Random(seed)
-    sched = make_scheduler(policy, num_blocks=24, block_size=4, budget=24, max_seqs=5)
+    sched = make_scheduler(policy, num_blocks=20, block_size=4, budget=24, max_seqs=5)
     keys = ["A", "B", "C", None]
     steps: list[tuple] = []
     next_id = 0
