@@ -66,7 +66,7 @@ RATE_HALF_LIFE = 5.0  # seconds: how fast a key's recent service is forgotten
 # (per weight) is below its share: it asks for little, or is held back.
 BELOW_SHARE = 0.5
 LINGER = 2.0  # seconds a key stays present after its last request left
-PROMPT_EWMA = 0.25  # weight of the newest admitted prompt in a key's typical prompt length
+PROMPT_EWMA = 0.25  # weight of the newest request in a key's typical prompt and output
 
 
 @dataclass(slots=True, eq=False)
@@ -82,6 +82,7 @@ class _Line:
     recent_at: float = 0.0
     left_at: float = -math.inf  # when its last running or waiting request left
     typical_prompt: float = 0.0  # tokens its admitted prompts computed (EWMA); 0: none yet
+    typical_output: float = 0.0  # tokens its finished requests generated (EWMA); 0: none yet
 
 
 class FairQueue:
@@ -177,16 +178,15 @@ class FairQueue:
         self._last_admitted = line
         self._present[line.key] = line
         if num_prompt_tokens is not None:
-            if line.typical_prompt == 0.0:
-                line.typical_prompt = float(num_prompt_tokens)
-            else:
-                line.typical_prompt += PROMPT_EWMA * (num_prompt_tokens - line.typical_prompt)
+            line.typical_prompt = _ewma(line.typical_prompt, num_prompt_tokens)
 
-    def left_running(self, request: Request) -> None:
+    def left_running(self, request: Request, finished: bool = False) -> None:
         """A running request finished or was preempted."""
         line = self._line(request)
         line.num_running -= 1
         line.left_at = self.clock()
+        if finished:
+            line.typical_output = _ewma(line.typical_output, request.num_output_tokens)
 
     def charge(self, rows: Iterable[tuple[Request, int]]) -> None:
         """Count scheduled rows' service: for each (request, tokens it computes this step),
@@ -239,6 +239,23 @@ class FairQueue:
                 typical = float(line.waiting[0].num_tokens)
             longest = max(longest, typical)
         return longest
+
+    def prompt_need(
+        self, running: list[Request], num_slots: int, below: Collection[str | None]
+    ) -> float:
+        """Prompt tokens a step must compute for the keys not `below` their share to keep the
+        slots the below-share keys leave them decoding: a prompt per output's worth of steps
+        a slot, at the highest typical prompt / typical output among those keys that have
+        prompts to compute (a key with nothing finished yet: output 16, a guess that errs
+        towards more prompt)."""
+        free = num_slots - sum(1 for r in running if r.fairness_key in below)
+        prompting = {r.fairness_key for r in running if r.num_tokens - r.num_computed_tokens > 1}
+        prompting.update(line.key for line in self._backlog.values())
+        ratio = 0.0
+        for key in prompting - set(below):
+            line = self._lines[key]
+            ratio = max(ratio, line.typical_prompt / max(1.0, line.typical_output or 16.0))
+        return ratio * free
 
     def waiting_heads(self, keys: Collection[str | None]) -> list[Request]:
         """The head of each of these keys' lines that has requests waiting."""
@@ -357,6 +374,10 @@ class FairQueue:
         if self._backlog:
             return min(line.counter for line in self._backlog.values())
         return 0.0 if self._last_admitted is None else self._last_admitted.counter
+
+
+def _ewma(typical: float, value: int) -> float:
+    return float(value) if typical == 0.0 else typical + PROMPT_EWMA * (value - typical)
 
 
 def _newest(running: list[Request], key: str | None) -> Request:

@@ -213,9 +213,10 @@ class Scheduler:
 
     def _prefill_cap(self) -> int | None:
         """Prompt tokens the keys not below their share may compute this step: none while a
-        below-share key's prompt runs or could be admitted; else as many as add at most
-        fair_delay_ratio x that key's own first step to the step. None: no cap (nobody below
-        their share, policy fcfs, no chunking, or too few steps measured to tell)."""
+        below-share key's prompt runs or could be admitted; else as many as keep the step
+        within fair_delay_ratio x that key's own first step, or as the others' decode rows
+        need to stay fed, whichever is more. None: no cap (nobody below their share, policy
+        fcfs, no chunking, or too few steps measured to tell)."""
         below = self._below
         if not below or not self.enable_chunked_prefill:
             return None
@@ -223,13 +224,21 @@ class Scheduler:
             return 0
         if not self.step_cost.fitted:
             return None
-        # The delay a prompt chunk adds to the step under way is its tokens' time: at most
-        # fair_delay_ratio x the below-share key's own first step.
-        bound = self.fair_delay_ratio * self.step_cost.predict(
+        # The step under way when the below-share key's next request comes is what it waits
+        # for: at most fair_delay_ratio x its own first step...
+        target = self.fair_delay_ratio * self.step_cost.predict(
             int(self.waiting.typical_prompt(below)) or self.kv.block_size
         )
-        # At least a block a step: a flooding key's prompts always progress.
-        return max(self.kv.block_size, self.step_cost.marginal_tokens(bound))
+        decode_rows = sum(
+            1 + len(r.spec_token_ids)
+            for r in self.running
+            if r.num_tokens - r.num_computed_tokens <= 1
+        )
+        within = self.step_cost.marginal_tokens(target - self.step_cost.predict(decode_rows))
+        # ...but never so short that the other keys' decode rows run dry of prompts: their
+        # throughput is kept, their first tokens wait. And at least a block a step.
+        need = int(self.waiting.prompt_need(self.running, self.max_num_seqs, below))
+        return max(self.kv.block_size, within, need)
 
     def _below_share_prefill_due(self) -> bool:
         """Does a key below its share compute prompt tokens this step: a running prompt
@@ -354,7 +363,7 @@ class Scheduler:
         """Take a request out of the queues and free its blocks (kept in the prefix cache)."""
         if request.status == RequestStatus.RUNNING:
             self.running.remove(request)
-            self.waiting.left_running(request)
+            self.waiting.left_running(request, finished=True)
         elif not request.is_finished:
             with contextlib.suppress(ValueError):
                 self.waiting.remove(request)

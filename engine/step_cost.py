@@ -64,7 +64,7 @@ class StepCost:
         """How many tokens add `seconds` to a step (its fixed cost already paid)."""
         if self._per_token <= 0.0:
             return 0
-        return int(seconds / self._per_token)
+        return int(seconds / self._per_token + 1e-6)  # 8.5 ms / 0.5 ms is 17, not 16.99
 
     def _refit(self) -> None:
         n = self._n

@@ -30,7 +30,7 @@ TOY_RUNS = {
     "spec-decode": ["--repeat", "1", "--max-num-seqs", "2", "--dtype", "float32"],
     "quantization": ["--repeat", "1", "--max-tokens", "4", "--dtype", "float32"],
     "agreement": ["--max-tokens", "4", "--dtype", "float32"],
-    "fairness": ["--duration", "1", "--drain", "10", "--output-len", "4"],
+    "fairness": ["--duration", "1", "--drain", "10", "--output-len", "4", "--rounds", "1"],
 }  # fmt: skip
 
 

@@ -64,7 +64,7 @@ def prefill_of(out: SchedulerOutput, key: str) -> int:
 def test_the_cap_engages_only_while_a_key_below_its_share_is_present() -> None:
     clock = Clock()
     sched = scheduler(clock)
-    add(sched, "a0", 300, key="A")
+    add(sched, "a0", 400, key="A")
     # A alone: nobody is below a share, each step is the whole budget.
     for _ in range(3):
         out = sched.schedule()
@@ -75,20 +75,40 @@ def test_the_cap_engages_only_while_a_key_below_its_share_is_present() -> None:
     out = sched.schedule()
     assert out.prefill_cap == 0 and plan(out) == [("b0", 40)]
     run_step(out)
-    # B decodes: A's chunks are cut to add at most half of B's own first step (22 ms) to a
-    # step: 11 ms, 22 tokens.
+    # B decodes. Half B's own first step (22 ms) is 11 ms: 17 prompt tokens beside B's decode
+    # row. But A's decode must stay fed: a 400-token prompt per 16 outputs (none finished
+    # yet) for the 3 slots B leaves is 75 tokens a step.
     for _ in range(2):
         out = sched.schedule()
-        assert out.prefill_cap == 22 and plan(out) == [("a0", 22), ("b0", 1)]
+        assert out.prefill_cap == 75 and plan(out) == [("a0", 63), ("b0", 1)]
         finish_done(sched, run_step(out))
     assert b0.is_finished
-    # B has gone, but could come back: the cap stays LINGER seconds, then releases.
+    # B has gone, but could come back: the cap stays LINGER seconds (A may have 4 slots
+    # now: 100 tokens, more than the budget), then releases.
     out = sched.schedule()
-    assert out.prefill_cap == 22 and plan(out) == [("a0", 22)]
+    assert out.prefill_cap == 100 and plan(out) == [("a0", 64)]
     run_step(out)
     clock.now += LINGER
+    add(sched, "a1", 100, key="A", first=7000)
     out = sched.schedule()
-    assert out.prefill_cap is None and plan(out) == [("a0", 42)]
+    assert out.prefill_cap is None and plan(out) == [("a0", 18), ("a1", 46)]
+
+
+def test_the_step_is_kept_within_the_delay_ratio_when_the_flood_needs_less() -> None:
+    clock = Clock()
+    sched = scheduler(clock)
+    a0 = add(sched, "a0", 16, key="A", max_tokens=64)
+    while not a0.is_finished:  # A's history: 16-token prompts, 64-token outputs
+        finish_done(sched, run_step(sched.schedule()))
+    add(sched, "a1", 300, key="A", first=1000)
+    for _ in range(3):
+        run_step(sched.schedule())
+    add(sched, "b0", 40, key="B", first=5000, max_tokens=3)
+    run_step(sched.schedule())
+    # A needs 3 slots x (87 / 64) = 4 prompt tokens a step (its typical prompt is 87 now):
+    # the time bound, 17 tokens, is the cap.
+    out = sched.schedule()
+    assert out.prefill_cap == 17 and plan(out) == [("a1", 17), ("b0", 1)]
 
 
 def test_the_cap_stays_off_between_keys_served_alike() -> None:
@@ -126,11 +146,13 @@ def test_a_below_share_request_gets_its_first_token_in_its_first_step_under_a_fl
     sched = scheduler(clock)
     computed: Counter[str | None] = Counter()
     finished_a: Counter[int] = Counter()
-    for i in range(40):
-        add(sched, f"a{i}", 90, key="A", first=100 * i, max_tokens=8)
     first_token_steps = []
     b_requests: list[tuple[int, Request]] = []
+    num_a = 0
     for step in range(300):
+        while sum(r.fairness_key == "A" for r in sched.waiting) < 8:  # A never runs dry
+            add(sched, f"a{num_a}", 90, key="A", first=100 * num_a, max_tokens=8)
+            num_a += 1
         if step % 15 == 5:
             b = add(sched, f"b{step}", 12, key="B", first=9000 + step, max_tokens=4)
             b_requests.append((step, b))
