@@ -77,16 +77,16 @@ def test_the_cap_engages_only_while_a_key_below_its_share_is_present() -> None:
     run_step(out)
     # B decodes. Half B's own first step (22 ms) is 11 ms: 17 prompt tokens beside B's decode
     # row. But A's decode must stay fed: a 400-token prompt per 16 outputs (none finished
-    # yet) for the 3 slots B leaves is 75 tokens a step.
+    # yet) for the 3 slots B leaves is 75 tokens a step, twice that with the margin.
     for _ in range(2):
         out = sched.schedule()
-        assert out.prefill_cap == 75 and plan(out) == [("a0", 63), ("b0", 1)]
+        assert out.prefill_cap == 150 and plan(out) == [("a0", 63), ("b0", 1)]
         finish_done(sched, run_step(out))
     assert b0.is_finished
     # B has gone, but could come back: the cap stays LINGER seconds (A may have 4 slots
-    # now: 100 tokens, more than the budget), then releases.
+    # now: 200 tokens, more than the budget), then releases.
     out = sched.schedule()
-    assert out.prefill_cap == 100 and plan(out) == [("a0", 64)]
+    assert out.prefill_cap == 200 and plan(out) == [("a0", 64)]
     run_step(out)
     clock.now += LINGER
     add(sched, "a1", 100, key="A", first=7000)
@@ -105,8 +105,8 @@ def test_the_step_is_kept_within_the_delay_ratio_when_the_flood_needs_less() -> 
         run_step(sched.schedule())
     add(sched, "b0", 40, key="B", first=5000, max_tokens=3)
     run_step(sched.schedule())
-    # A needs 3 slots x (87 / 64) = 4 prompt tokens a step (its typical prompt is 87 now):
-    # the time bound, 17 tokens, is the cap.
+    # A needs 3 slots x (87 / 64) = 4 prompt tokens a step, 8 with the margin (its typical
+    # prompt is 87 now): the time bound, 17 tokens, is the cap.
     out = sched.schedule()
     assert out.prefill_cap == 17 and plan(out) == [("a1", 17), ("b0", 1)]
 
