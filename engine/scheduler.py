@@ -19,8 +19,9 @@ other keys in a step are capped (`SchedulerOutput.prefill_cap`) so that they add
 from the steps measured (engine/step_cost.py): its next request, whenever it comes, waits
 no longer than that for another key's prompt in the step under way. In a step where a
 below-share key's prompt runs or is admitted, the others' prompts get none of the budget.
-Decode rows are never capped (a prompt chunk leaves each its token), and with nobody below
-their share steps are as large as max_num_batched_tokens allows.
+Decode rows are never capped (another key's prompt chunk leaves each below-share decode row
+its token), and with nobody below their share steps are as large as max_num_batched_tokens
+allows.
 """
 
 from __future__ import annotations
@@ -130,8 +131,15 @@ class Scheduler:
         # recounted (rare; considered requests stay a prefix of `running`).
         i = 0
         considered: set[int] = set()
-        # Decode rows not yet planned: a prompt chunk leaves each of them its token.
-        decode_left = sum(1 for r in self.running if r.num_tokens - r.num_computed_tokens <= 1)
+        # Below-share keys' decode rows not yet planned: another key's prompt chunk leaves
+        # each of them its token (with nobody below their share, chunks take what they find,
+        # as they always have: the rows behind a full chunk wait a step).
+        below = self._below
+        decode_left = sum(
+            1
+            for r in self.running
+            if r.fairness_key in below and r.num_tokens - r.num_computed_tokens <= 1
+        )
         while i < len(self.running):
             budget = self.max_num_batched_tokens - out.num_batched_tokens
             if budget <= 0:
@@ -140,12 +148,14 @@ class Scheduler:
             considered.add(id(request))
             remaining = request.num_tokens - request.num_computed_tokens
             if remaining > 1:
-                num_new = self._capped(request, min(remaining, budget - decode_left))
+                reserve = 0 if request.fairness_key in below else decode_left
+                num_new = self._capped(request, min(remaining, budget - reserve))
                 if num_new <= 0:  # a prompt chunk that yields this step
                     i += 1
                     continue
             else:
-                decode_left -= 1
+                if request.fairness_key in below:
+                    decode_left -= 1
                 num_new = min(remaining, budget)
             if request.spec_token_ids:
                 # A caught-up request verifies its drafts with its last token, as many as

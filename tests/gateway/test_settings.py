@@ -7,6 +7,7 @@ from pathlib import Path
 
 import pytest
 
+from gateway.model_engines import engine_config
 from gateway.settings import MAKE_A_SECRET, Settings, SettingsError
 
 
@@ -80,3 +81,13 @@ def test_the_limiter_knobs_reach_the_limiter(
     assert limiter.key_prefix == "lg-knobs" and limiter.lease == 42.0
     assert limiter.redis.connection_pool.connection_kwargs["socket_timeout"] == 1.5
     assert limiter.fallback.lease == 42.0
+
+
+def test_the_fair_delay_ratio_reaches_the_engine_and_is_bounded(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setenv("LORAGATE_FAIR_DELAY_RATIO", "1.5")
+    assert engine_config(Settings(model="m")).fair_delay_ratio == 1.5
+    assert engine_config(Settings(model="m", fair_delay_ratio=0.25)).fair_delay_ratio == 0.25
+    with pytest.raises(ValueError, match="fair_delay_ratio"):
+        engine_config(Settings(model="m", fair_delay_ratio=0.0))
