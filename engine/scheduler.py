@@ -14,11 +14,13 @@ most-served key ("fcfs": the most recently admitted request).
 
 Short steps while someone waits behind a flood (policy "fair"): while a key below its share
 of the service is present (engine/fairness.py, `below_share`), the prompt tokens of the
-other keys in a step are capped (`SchedulerOutput.prefill_cap`) so that they add at most
-`fair_delay_ratio` times the below-share key's own first step to it, both in time predicted
-from the steps measured (engine/step_cost.py): its next request, whenever it comes, waits
-no longer than that for another key's prompt in the step under way. In a step where a
-below-share key's prompt runs or is admitted, the others' prompts get none of the budget.
+other keys in a step are capped (`SchedulerOutput.prefill_cap`) so that the step takes at
+most `fair_delay_ratio` times the below-share key's own first step, in time predicted from
+the steps measured (engine/step_cost.py): its next request, whenever it comes, waits no
+longer than that for the step under way. The cap never goes below twice the prompt tokens
+the other keys' decode slots consume (their throughput holds; their first tokens wait). In
+a step where a below-share key's prompt runs or is admitted, the others' prompts get none
+of the budget.
 Decode rows are never capped (another key's prompt chunk leaves each below-share decode row
 its token), and with nobody below their share steps are as large as max_num_batched_tokens
 allows.
@@ -266,7 +268,14 @@ class Scheduler:
             for r in self.running
         ):
             return True
-        heads = [r for r in self.waiting.waiting_heads(below) if self._admissible(r)]
+        # A head whose first chunk could not get its blocks would hold the others' prompts
+        # back for nothing (they might be what holds the blocks): it waits like anyone.
+        free_tokens = self.kv.num_free_blocks * self.kv.block_size
+        heads = [
+            r
+            for r in self.waiting.waiting_heads(below)
+            if self._admissible(r) and min(r.num_tokens, self.max_num_batched_tokens) <= free_tokens
+        ]
         if not heads:
             return False
         if len(self.running) < self.max_num_seqs:
