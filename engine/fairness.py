@@ -208,8 +208,10 @@ class FairQueue:
             line = lines[request.fairness_key]
             weighted = cost / request.fairness_weight
             line.counter += weighted
-            line.recent = self._recent(line, now) + weighted
-            line.recent_at = now
+            if line.recent_at != now:  # decayed once per line per call, not per row
+                line.recent = self._recent(line, now)
+                line.recent_at = now
+            line.recent += weighted
 
     def below_share(self) -> frozenset[str | None]:
         """The present keys below their share now: recent service under BELOW_SHARE of the

@@ -137,10 +137,14 @@ class Scheduler:
         # each of them its token (with nobody below their share, chunks take what they find,
         # as they always have: the rows behind a full chunk wait a step).
         below = self._below
-        decode_left = sum(
-            1
-            for r in self.running
-            if r.fairness_key in below and r.num_tokens - r.num_computed_tokens <= 1
+        decode_left = (
+            sum(
+                1
+                for r in self.running
+                if r.fairness_key in below and r.num_tokens - r.num_computed_tokens <= 1
+            )
+            if below
+            else 0
         )
         while i < len(self.running):
             budget = self.max_num_batched_tokens - out.num_batched_tokens
