@@ -40,9 +40,12 @@ class EngineConfig:
     # n-gram speculative decoding (engine/spec_decode.py); None: off.
     speculative_config: SpeculativeConfig | None = None
     enable_lora: bool = True
-    max_loras: int = 4  # adapters resident on the device (and so per step)
+    max_loras: int = 4  # adapters resident at once (and so per step), at most
     max_lora_rank: int = 16
-    max_cpu_loras: int = 16  # adapters kept in CPU memory (LRU) beyond the device slots
+    max_cpu_loras: int = 16  # adapters kept in CPU memory (LRU) beyond the resident ones
+    # Bytes of the pool resident adapters live in (engine/lora_pool.py), each at its own rank;
+    # None: max_loras adapters of max_lora_rank.
+    lora_memory: int | None = None
     num_threads: int | None = None  # torch intra-op threads; None: torch's default
     # Threads for steps whose linears are large (model_runner.LARGE_STEP_TOKEN_PARAMS: prompt
     # prefills, and decode steps of a real model) and for every step's vocabulary projection:
@@ -78,11 +81,10 @@ class EngineConfig:
             raise ValueError(f"max_loras must be positive, got {self.max_loras}")
         if self.max_lora_rank < 1:
             raise ValueError(f"max_lora_rank must be positive, got {self.max_lora_rank}")
-        if self.max_cpu_loras < self.max_loras:
-            raise ValueError(
-                f"max_cpu_loras ({self.max_cpu_loras}) must be at least "
-                f"max_loras ({self.max_loras})"
-            )
+        if self.max_cpu_loras < 0:
+            raise ValueError(f"max_cpu_loras must not be negative, got {self.max_cpu_loras}")
+        if self.lora_memory is not None and self.lora_memory <= 0:
+            raise ValueError("lora_memory must be positive")
         if self.dtype not in ("auto", "float32", "bfloat16", "float16"):
             raise ValueError(
                 f"dtype must be auto, float32, bfloat16 or float16, got {self.dtype!r}"

@@ -91,12 +91,24 @@ class LLMEngine:
                 max_loras=config.max_loras,
                 max_lora_rank=config.max_lora_rank,
                 max_cpu_loras=config.max_cpu_loras,
+                lora_memory=config.lora_memory,
                 loader=lora_loader,
                 device=self.runner.device,
                 dtype=self.runner.dtype,
                 kernels=self.runner.kernels,
             )
             self.runner.lora = self.lora
+            logger.info(
+                "LoRA pool: %.1f MiB (%s), %d rank units: %d adapters of rank %d, at most %d "
+                "resident; %d more kept in CPU memory",
+                self.lora.pool_bytes / 2**20,
+                self.runner.dtype,
+                self.lora.pool.num_units,
+                self.lora.pool.num_units // config.max_lora_rank,
+                config.max_lora_rank,
+                config.max_loras,
+                config.max_cpu_loras,
+            )
         self.scheduler = Scheduler(
             self.kv,
             max_num_seqs=config.max_num_seqs,

@@ -1,6 +1,7 @@
-"""LoRA adapters inside the engine: device slots, the CPU cache, and each step's adapters
-(`LoRAStep`). What an adapter is (engine/lora_types.py) is kept apart, for the many modules
-that only name one.
+"""LoRA adapters inside the engine: which adapter holds which slot, the CPU cache and
+the loader thread (`LoRAManager`), and each step's adapters (`LoRAStep`). Their weights
+live in engine/lora_pool.py's pool; what an adapter is (engine/lora_types.py) is kept
+apart, for the many modules that only name one.
 
 The engine never reads adapter files itself: it is handed a loader (the
 gateway wires `adapters.peft`) that turns a `LoRARequest` into `LoRAWeights`.
@@ -9,6 +10,7 @@ gateway wires `adapters.peft`) that turns a `LoRARequest` into `LoRAWeights`.
 from __future__ import annotations
 
 from collections import OrderedDict
+from collections.abc import Iterable
 from concurrent.futures import Future, ThreadPoolExecutor
 from types import ModuleType
 from typing import Any
@@ -16,6 +18,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from engine.lora_pool import LoRAPool
 from engine.lora_types import (
     FusedTarget,
     LoRALoader,
@@ -25,68 +28,47 @@ from engine.lora_types import (
     PackedLoRA,
 )
 from kernels.dispatch import TORCH_KERNELS, Kernels
-from kernels.lora import LoRAGroup, add_lora, add_lora_masked, slot_mask
-
-# Steps of at most this many tokens with more than one adapter (or base rows) take
-# the masked dense path: its cost grows with tokens x max_loras, its op count not at all.
-MASKED_MAX_TOKENS = 256
-# Steps whose adapted tokens form at most this many runs of one slot take the grouped path
-# (two ops per run, each at its adapter's own rank), whatever their size.
-MAX_GROUPED_RUNS = 8
+from kernels.lora import LoRAGroup, add_lora
 
 
 class LoRAStep:
     """The adapters of one forward pass: which tokens run under which slot.
 
-    Built once per step; every LoRA-targeted linear of every layer calls `apply`.
-    Small steps with several adapters take the masked dense path (a fixed three
-    ops per linear), large ones the grouped path (work proportional to tokens).
+    Built once per step; every LoRA-targeted linear of every layer calls `apply`. With the
+    C++ kernels the step is its runs of rows under one slot (the runner orders rows by slot,
+    so an adapter's tokens are a run or two); with triton, each slot's tokens gathered
+    wherever they are; on the torch path, a group per slot.
     """
 
-    __slots__ = ("manager", "groups", "masks", "runs", "triton")
+    __slots__ = ("pool", "groups", "runs", "triton", "triton_ops")
 
     def __init__(
         self,
-        manager: LoRAManager,
+        pool: LoRAPool,
         groups: list[LoRAGroup],
-        masks: list[torch.Tensor] | None,
-        runs: tuple[list[int], list[int], list[int]] | None = None,
+        runs: torch.Tensor | None = None,
         triton: tuple[Any, list[Any]] | None = None,
+        triton_ops: ModuleType | None = None,
     ) -> None:
-        self.manager = manager
+        self.pool = pool
         self.groups = groups
-        self.masks = masks  # per target, for the dense path; None: grouped
-        self.runs = runs  # (slots, starts, ends) for the C++ grouped path; None: torch
-        # (kernels.triton LoRABatch, a SlotLayout per target: widths and module blocks)
+        self.runs = runs  # [n, 3] int64 (slot, start, end) for the C++ op; None: not native
+        # (kernels.triton LoRABatch, a SlotLayout per target: rows, widths, module blocks)
         self.triton = triton
+        self.triton_ops = triton_ops
 
     def apply(self, layer: int, target: int, x: torch.Tensor, y: torch.Tensor) -> None:
         """y += the step's adapters' contribution for fused target `target` of `layer`."""
-        m = self.manager
-        a, b = m.lora_a[target][layer], m.lora_b[target][layer]
+        pool = self.pool
+        a, b = pool.layer_a[target][layer], pool.layer_b[target][layer]
         if self.runs is not None:
-            slots, starts, ends = self.runs
-            torch.ops.loragate.add_lora_runs(
-                y, x, a, b, slots, starts, ends, m.widths[target], m.flat_segments[target]
-            )
+            torch.ops.loragate.add_lora_sgmv(y, x, a, b, self.runs, pool.tables[target])
         elif self.triton is not None:
-            assert m.triton is not None
+            assert self.triton_ops is not None
             batch, layouts = self.triton
-            m.triton.add_lora(y, x, a, b, layouts[target], batch)
-        elif self.masks is not None:
-            add_lora_masked(y, x, a, b, self.masks[target])
+            self.triton_ops.add_lora(y, x, a, b, layouts[target], batch)
         else:
-            add_lora(y, x, a, b, self.groups, m.widths[target])
-
-
-def _flatten(per_slot: list[list[tuple[int, int, int, int]]]) -> list[int]:
-    """[count, then 4 ints per segment] for each slot in turn."""
-    flat: list[int] = []
-    for segments in per_slot:
-        flat.append(len(segments))
-        for segment in segments:
-            flat.extend(segment)
-    return flat
+            add_lora(y, x, a, b, self.groups, pool.offsets[target], pool.widths[target])
 
 
 class _Slot:
@@ -98,21 +80,41 @@ class _Slot:
         self.last_used = 0
 
 
+def pool_units(
+    targets: list[FusedTarget],
+    num_layers: int,
+    dtype: torch.dtype,
+    *,
+    max_loras: int,
+    max_lora_rank: int,
+    lora_memory: int | None,
+) -> int:
+    """Rank units in the pool: `lora_memory` bytes' worth, or without a budget
+    `max_loras` adapters of `max_lora_rank` (the padded slots' size, for mixed ranks room
+    for more)."""
+    if lora_memory is None:
+        return max_loras * max_lora_rank
+    unit = LoRAPool.unit_bytes(targets, num_layers, dtype)
+    units = lora_memory // unit
+    if units < max_lora_rank:
+        raise ValueError(
+            f"lora_memory ({lora_memory} bytes) holds no adapter of max_lora_rank "
+            f"{max_lora_rank}: one takes {unit * max_lora_rank} bytes on this model"
+        )
+    return units
+
+
 class LoRAManager:
-    """Where every adapter lives: `max_loras` device slots, `max_cpu_loras` CPU
-    copies (LRU), the rest on disk.
+    """Where every adapter lives: up to `max_loras` resident in the pool (as many as its
+    bytes hold, each at its own rank), `max_cpu_loras` more as CPU copies (LRU), the rest
+    on disk.
 
-    Slots hold stacked A and B per layer and fused linear, padded to
-    `max_lora_rank`: A as [max_loras, modules * max_rank, in], B transposed as
-    [max_loras, modules * max_rank, out], the scaling folded into B. A slot of
-    rank r packs its modules' rows at stride r, so its first `width` rows are
-    all of it and the rest is never read.
-
-    Loads from disk run on one background thread; the engine thread only polls
-    and copies CPU weights into a slot. A slot used by a running request is
-    pinned; eviction takes the least recently used unpinned slot. When every
-    slot is pinned, the oldest waiting request reserves the slot with the
-    fewest pins, which admits no new requests until it drains.
+    Loads from disk run on one background thread, for the requests being admitted and,
+    ahead of them, for the ones waiting (`prefetch`); the engine thread only polls and
+    copies CPU weights into the pool. A slot used by a running request is pinned; room is
+    made by evicting the least recently used unpinned adapters (their weights go back to
+    the CPU cache). When pins leave no room, the oldest waiting request reserves the
+    pinned slot with the fewest pins, which admits no new requests until it drains.
     """
 
     def __init__(
@@ -126,6 +128,7 @@ class LoRAManager:
         loader: LoRALoader | None,
         device: torch.device,
         dtype: torch.dtype,
+        lora_memory: int | None = None,
         kernels: Kernels = TORCH_KERNELS,
     ) -> None:
         self.targets = targets
@@ -136,40 +139,36 @@ class LoRAManager:
         self.loader = loader
         self.device = device
         self.dtype = dtype
-        # Per fused target, every layer's slots in one tensor: a slot installs with one
-        # copy per target, and layer i's stack is the contiguous view [i].
-        self.lora_a = [self._slot_stack(len(t.modules), t.in_features) for t in targets]
-        self.lora_b = [self._slot_stack(len(t.modules), t.out_features) for t in targets]
-        # widths[target][slot]: rows of that slot's A/B in use (0: not adapted);
-        # _written: rows that may be non-zero (an evicted adapter's stay until overwritten).
-        self.widths = [[0] * max_loras for _ in targets]
-        self._written = [[0] * max_loras for _ in targets]
-        # segments[target][slot]: (first row, last row + 1, first column, last column + 1) of
-        # each module's block of B (the rest of B is zero); flat for the C++ op.
-        self.segments: list[list[list[tuple[int, int, int, int]]]] = [
-            [[] for _ in range(max_loras)] for _ in targets
-        ]
-        self.flat_segments = [_flatten(t) for t in self.segments]
+        units = pool_units(
+            targets,
+            num_layers,
+            dtype,
+            max_loras=max_loras,
+            max_lora_rank=max_lora_rank,
+            lora_memory=lora_memory,
+        )
+        self.pool = LoRAPool(
+            targets, num_layers, num_slots=max_loras, num_units=units, device=device, dtype=dtype
+        )
         self.slots = [_Slot() for _ in range(max_loras)]
         self.slot_of: dict[str, int] = {}
+        # Adapters in CPU memory that are not resident: a resident one's weights are the pool's.
         self.cpu_cache: OrderedDict[str, PackedLoRA] = OrderedDict()
         self.loading: dict[str, Future[PackedLoRA]] = {}
         self.reserved: dict[int, str] = {}  # slot -> adapter waiting for it to drain
         self._pending_unload: set[str] = set()
         self._clock = 0
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="lora-loader")
-        self.native = kernels.native  # the C++ grouped op (kernels.native)
+        self.native = kernels.native  # the C++ op (kernels.native)
         self.triton: ModuleType | None = kernels.triton  # kernels.triton.ops
         self._triton_layouts: list[Any] | None = None  # per target; remade after slots change
-        self.num_loads = 0  # installs into a slot
+        self.num_loads = 0  # installs into the pool
         self.num_disk_loads = 0
+        self.num_evictions = 0
 
-    def _slot_stack(self, num_modules: int, features: int) -> torch.Tensor:
-        """[layers, slots, modules * max_rank, features], zeroed: per fused target, every
-        layer's slots in one tensor, so a slot installs with one copy per target and
-        layer i's stack is the contiguous view [i]."""
-        shape = (self.num_layers, self.max_loras, num_modules * self.max_lora_rank, features)
-        return torch.zeros(shape, dtype=self.dtype, device=self.device)
+    @property
+    def pool_bytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in [*self.pool.pool_a, *self.pool.pool_b])
 
     # -- residency --------------------------------------------------------------------------
 
@@ -179,19 +178,22 @@ class LoRAManager:
 
     def acquire(self, lora: LoRARequest) -> int | None:
         """The slot holding `lora`, pinned for one request; None while it loads or
-        waits for a slot. Raises LoRALoadError when its load failed."""
+        waits for room. Raises LoRALoadError when its load failed."""
         adapter_id = lora.adapter_id
         slot = self.slot_of.get(adapter_id)
         if slot is None:
             weights = self._cpu_weights(lora)
             if weights is None:
                 return None
-            slot = self._free_slot(adapter_id)
+            # Out of the cache while room is made, so the evictions do not push it out.
+            cached = self.cpu_cache.pop(adapter_id, None)
+            slot = self._make_room(adapter_id, weights.rank)
             if slot is None:
+                if cached is not None:
+                    self._cache(cached)
                 return None
             self._install(slot, weights)
             self.loading.pop(adapter_id, None)
-            self._cache(weights)
         elif slot in self.reserved and self.reserved[slot] != adapter_id:
             return None  # draining for a waiting adapter
         state = self.slots[slot]
@@ -201,18 +203,30 @@ class LoRAManager:
         return slot
 
     def load_now(self, lora: LoRARequest) -> int:
-        """Load `lora` into a free or unpinned slot on the calling thread (start-up
-        preloading, benchmarks); returns the slot, unpinned."""
+        """Load `lora` into the pool on the calling thread (start-up preloading,
+        benchmarks); returns its slot, unpinned."""
         slot = self.slot_of.get(lora.adapter_id)
         if slot is not None:
             return slot
-        weights = self.cpu_cache.get(lora.adapter_id) or self._load(lora)
-        self._cache(weights)
-        slot = self._free_slot(lora.adapter_id)
+        weights = self.cpu_cache.pop(lora.adapter_id, None) or self._load(lora)
+        slot = self._make_room(lora.adapter_id, weights.rank)
         if slot is None:
             raise LoRALoadError("every LoRA slot is in use")
         self._install(slot, weights)
         return slot
+
+    def prefetch(self, loras: Iterable[LoRARequest]) -> None:
+        """Start reading the adapters of waiting requests from disk, in the order given,
+        while loads in flight stay within `max_cpu_loras`."""
+        for lora in loras:
+            if len(self.loading) >= self.max_cpu_loras:
+                return
+            adapter_id = lora.adapter_id
+            if adapter_id in self.slot_of or adapter_id in self.cpu_cache:
+                continue
+            if adapter_id not in self.loading and self.loader is not None:
+                self.loading[adapter_id] = self._executor.submit(self._load, lora)
+                self.num_disk_loads += 1
 
     def release(self, slot: int) -> None:
         state = self.slots[slot]
@@ -220,7 +234,7 @@ class LoRAManager:
         assert state.pins >= 0, "LoRA slot released more often than acquired"
         if state.pins == 0 and state.adapter_id in self._pending_unload:
             self._pending_unload.discard(state.adapter_id)
-            self._evict_slot(slot)
+            self._evict_slot(slot, keep=False)
 
     def abandon(self, adapter_id: str) -> None:
         """No waiting request wants this adapter any more (they were aborted): drop
@@ -228,8 +242,7 @@ class LoRAManager:
         self.loading.pop(adapter_id, None)
 
     def unload(self, adapter_id: str) -> None:
-        """Drop an adapter's CPU copy and device slot now, or once its running
-        requests finish."""
+        """Drop an adapter's CPU copy and slot now, or once its running requests finish."""
         self.cpu_cache.pop(adapter_id, None)
         self.loading.pop(adapter_id, None)
         slot = self.slot_of.get(adapter_id)
@@ -238,7 +251,7 @@ class LoRAManager:
         if self.slots[slot].pins:
             self._pending_unload.add(adapter_id)
         else:
-            self._evict_slot(slot)
+            self._evict_slot(slot, keep=False)
 
     def _cpu_weights(self, lora: LoRARequest) -> PackedLoRA | None:
         """The adapter's weights if in CPU memory (cached, or loaded and not yet
@@ -314,58 +327,68 @@ class LoRAManager:
             packed.append(entries)
         return PackedLoRA(weights.adapter_id, r, packed)
 
-    def _free_slot(self, adapter_id: str) -> int | None:
+    def _evictable(self, slot: int, adapter_id: str) -> bool:
+        state = self.slots[slot]
+        return (
+            state.adapter_id is not None
+            and state.pins == 0
+            and self.reserved.get(slot, adapter_id) == adapter_id
+        )
+
+    def _lru_evictable(self, adapter_id: str) -> int | None:
+        candidates = [i for i in self.slot_of.values() if self._evictable(i, adapter_id)]
+        return min(candidates, key=lambda i: self.slots[i].last_used) if candidates else None
+
+    def _make_room(self, adapter_id: str, units: int) -> int | None:
+        """A free slot and `units` free in a row of the pool for `adapter_id`, evicting the
+        least recently used unpinned adapters as needed; None when pins leave too little (the
+        slot with the fewest pins is then reserved for this adapter to drain)."""
         free = [
             i for i, s in enumerate(self.slots) if s.adapter_id is None and i not in self.reserved
         ]
-        if free:
-            return free[0]
-        unpinned = [
-            i
-            for i, s in enumerate(self.slots)
-            if s.pins == 0 and self.reserved.get(i, adapter_id) == adapter_id
-        ]
-        if unpinned:
-            slot = min(unpinned, key=lambda i: self.slots[i].last_used)
-            self._evict_slot(slot)
-            return slot
-        if adapter_id not in self.reserved.values():
-            candidates = [i for i in range(self.max_loras) if i not in self.reserved]
-            if candidates:
-                self.reserved[min(candidates, key=lambda i: self.slots[i].pins)] = adapter_id
-        return None
+        slot = free[0] if free else None
+        if slot is None:
+            victim = self._lru_evictable(adapter_id)
+            if victim is not None:
+                self._evict_slot(victim)
+                slot = victim
+        while slot is not None and self.pool.hole(units) is None:
+            if self.pool.free_units >= units:
+                self.pool.compact()
+                self._triton_layouts = None
+                continue
+            victim = self._lru_evictable(adapter_id)
+            if victim is None:
+                slot = None
+                break
+            self._evict_slot(victim)
+        if slot is None:
+            self._reserve_for(adapter_id)
+        return slot
 
-    def _evict_slot(self, slot: int) -> None:
+    def _reserve_for(self, adapter_id: str) -> None:
+        if adapter_id in self.reserved.values():
+            return
+        candidates = [i for i in self.slot_of.values() if i not in self.reserved]
+        if candidates:
+            self.reserved[min(candidates, key=lambda i: self.slots[i].pins)] = adapter_id
+
+    def _evict_slot(self, slot: int, *, keep: bool = True) -> None:
+        """Free the slot; with `keep`, its weights go back to the CPU cache."""
         state = self.slots[slot]
         if state.adapter_id is not None:
             del self.slot_of[state.adapter_id]
+            if keep and self.max_cpu_loras > 0:
+                self._cache(self.pool.extract(slot))
+            self.num_evictions += 1
         state.adapter_id = None
-        for widths in self.widths:
-            widths[slot] = 0
+        self.pool.release(slot)
         self._triton_layouts = None
 
     def _install(self, slot: int, packed: PackedLoRA) -> None:
-        r = packed.rank
-        for t, target in enumerate(self.targets):
-            a_slot, b_slot = self.lora_a[t][:, slot], self.lora_b[t][:, slot]
-            columns = {name: (start, end) for name, start, end in target.modules}
-            segments = []
-            for i, (name, a, b) in enumerate(packed.modules[t]):
-                rows = slice(i * r, (i + 1) * r)
-                start, end = columns[name]
-                segments.append((i * r, (i + 1) * r, start, end))
-                a_slot[:, rows].copy_(a, non_blocking=True)
-                b_slot[:, rows, start:end].copy_(b, non_blocking=True)
-                b_slot[:, rows, :start].zero_()  # B's other modules' columns
-                b_slot[:, rows, end:].zero_()
-            width = len(packed.modules[t]) * r
-            written = self._written[t][slot]
-            if written > width:  # the masked path reads past `width`: it must be zero
-                a_slot[:, width:written].zero_()
-                b_slot[:, width:written].zero_()
-            self.widths[t][slot] = self._written[t][slot] = width
-            self.segments[t][slot] = segments
-            self.flat_segments[t] = _flatten(self.segments[t])
+        placed = self.pool.place(slot, packed)
+        assert placed, "_make_room leaves a hole for the adapter"
+        self.cpu_cache.pop(packed.adapter_id, None)
         self.slots[slot].adapter_id = packed.adapter_id
         self.slot_of[packed.adapter_id] = slot
         self._triton_layouts = None
@@ -381,36 +404,32 @@ class LoRAManager:
             # The kernels gather each slot's tokens wherever they are: one segment per slot.
             batch = self.triton.lora_batch(torch.from_numpy(token_slots), self.device)
             if self._triton_layouts is None:
+                pool = self.pool
                 self._triton_layouts = self.triton.slot_layouts(
-                    self.widths, self.segments, self.max_lora_rank, self.device
+                    pool.offsets, pool.widths, pool.segments, self.max_lora_rank, self.device
                 )
-            return LoRAStep(self, [], None, triton=(batch, self._triton_layouts))
+            return LoRAStep(
+                self.pool, [], triton=(batch, self._triton_layouts), triton_ops=self.triton
+            )
         # Runs of equal slots: the model runner orders rows by slot when it can, and then
-        # each adapter's tokens are a slice or two, which the grouped path takes at the
-        # cost of its own rank alone.
-        changes = np.flatnonzero(np.diff(token_slots, prepend=token_slots[0] - 1)).tolist()
-        runs = [
-            (int(token_slots[start]), start, end)
-            for start, end in zip(changes, [*changes[1:], len(token_slots)], strict=True)
-            if token_slots[start] >= 0
-        ]
-        if len(runs) <= MAX_GROUPED_RUNS:
-            groups = [LoRAGroup(slot, slice(a, b)) for slot, a, b in runs]
-            if not self.native:
-                return LoRAStep(self, groups, None)
-            slots, firsts, ends = (list(column) for column in zip(*runs, strict=True))
-            return LoRAStep(self, groups, None, (slots, firsts, ends))
-        if len(token_slots) <= MASKED_MAX_TOKENS:
-            index = torch.from_numpy(token_slots).to(self.device)
-            masks = [
-                slot_mask(index, self.max_loras, a.shape[2]).to(self.dtype) for a in self.lora_a
-            ]
-            return LoRAStep(self, [], masks)
+        # each adapter's tokens are a run or two.
+        starts = np.flatnonzero(np.diff(token_slots, prepend=token_slots[0] - 1))
+        ends = np.append(starts[1:], len(token_slots))
+        run_slots = token_slots[starts]
+        adapted = run_slots >= 0
+        if self.native:
+            runs = np.stack([run_slots[adapted], starts[adapted], ends[adapted]], axis=1)
+            return LoRAStep(self.pool, [], runs=torch.from_numpy(np.ascontiguousarray(runs)))
         groups = []
-        for slot in np.unique(token_slots[token_slots >= 0]).tolist():
-            rows = torch.from_numpy(np.flatnonzero(token_slots == slot)).to(self.device)
-            groups.append(LoRAGroup(slot, rows))
-        return LoRAStep(self, groups, None)
+        for slot in np.unique(run_slots[adapted]).tolist():
+            mine = run_slots == slot
+            if mine.sum() == 1:
+                i = int(np.flatnonzero(mine)[0])
+                groups.append(LoRAGroup(slot, slice(int(starts[i]), int(ends[i]))))
+            else:
+                rows = torch.from_numpy(np.flatnonzero(token_slots == slot)).to(self.device)
+                groups.append(LoRAGroup(slot, rows))
+        return LoRAStep(self.pool, groups)
 
     @property
     def cpu_cache_bytes(self) -> int:

@@ -125,6 +125,10 @@ class Scheduler:
         # Admitting new work in a step that had to preempt would only thrash.
         if not out.preempted:
             self._admit_waiting(out)
+        if self.lora is not None and self.waiting:
+            # Adapters of requests still waiting start loading now, not when they reach
+            # the head of the line.
+            self.lora.prefetch(r.lora for r in self.waiting if r.lora is not None)
         return out
 
     def _schedule_running(self, out: SchedulerOutput) -> None:
@@ -209,9 +213,7 @@ class Scheduler:
             return False
         if request.lora is None:
             return True
-        return self.lora is not None and any(
-            s.adapter_id == request.adapter_id for s in self.lora.slots
-        )
+        return self.lora is not None and request.adapter_id in self.lora.slot_of
 
     def _unschedule(self, out: SchedulerOutput, request: Request) -> None:
         """Take a request's row back out of the step's plan, if it has one. Allocating its

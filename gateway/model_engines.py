@@ -57,6 +57,7 @@ def engine_config(settings: Settings) -> EngineConfig:
         max_loras=s.max_loras,
         max_lora_rank=s.max_lora_rank,
         max_cpu_loras=s.max_cpu_loras,
+        lora_memory=parse_bytes(s.lora_memory) if s.lora_memory else None,
         scheduling_policy=s.scheduling_policy,
         fair_delay_ratio=s.fair_delay_ratio,
         guided_compile_timeout=s.guided_compile_timeout,

@@ -61,6 +61,7 @@ ENGINE_KNOBS = (
     "kernels",
     "max_loras",
     "max_cpu_loras",
+    "lora_memory",
     "guided_compile_timeout",
     "guided_cache_size",
     "guided_max_schema_bytes",

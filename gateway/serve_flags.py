@@ -66,7 +66,9 @@ HELP: dict[str, str] = {
     "enable_lora": "LoRA slots on the device.",
     "max_loras": "Adapters resident on the device.",
     "max_lora_rank": "The largest adapter rank accepted.",
-    "max_cpu_loras": "Adapters cached in CPU memory.",
+    "max_cpu_loras": "Adapters kept in CPU memory beyond the resident ones.",
+    "lora_memory": "Bytes of the pool resident adapters share, each at its own rank (2GiB); "
+    "--max-loras still caps their number. Default: max-loras adapters of max-lora-rank.",
     "lora_modules": "Public adapters registered at start: name=path, as many as needed (with a "
     "models file: of its first model).",
     "allow_runtime_lora_updating": "Serve vLLM's /v1/load_lora_adapter (admin token).",

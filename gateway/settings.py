@@ -92,6 +92,7 @@ class Settings(BaseSettings):
     max_loras: int = 4
     max_lora_rank: int = 16
     max_cpu_loras: int = 16
+    lora_memory: str | None = None
     lora_modules: Annotated[list[str], NoDecode] = Field(default_factory=list)
     allow_runtime_lora_updating: bool = False
     guided_compile_timeout: float = 10.0

@@ -43,7 +43,7 @@ OPS = (
     "prefill_attention",
     "rms_norm",
     "add_rms_norm",
-    "add_lora_runs",
+    "add_lora_sgmv",
     "quantize_rows",
     "dequantize_mm",
     "int8_linear",

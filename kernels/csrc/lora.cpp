@@ -1,12 +1,24 @@
-// Multi-LoRA for a step whose rows are ordered by adapter slot: one call per LoRA-targeted
-// linear adds, for each run of rows [start, end) under one slot,
-//     y[start:end] += (x[start:end] @ A[slot, :width].T) @ B[slot, :width]
-// at each adapter's own width. kernels/lora.py's add_lora is the specification. A decode step
-// has a handful of rows per adapter and widths of a few dozen: BLAS calls of that size cost
-// tens of microseconds each in setup, so float32 runs are plain vectorized loops (shrink:
-// dot products; expand: row updates with y's row in cache); others go to at::mm.
+// Multi-LoRA for one step (SGMV for prompt runs, BGMV for decode rows): one call per
+// LoRA-targeted linear adds, for each run of rows [start, end) under one slot,
+//     y[start:end] += (x[start:end] @ A[slot].T) @ B[slot]
+// at that adapter's own rank. kernels/lora.py's add_lora is the specification.
+//
+// The adapters live in one pool of rows per linear (engine/lora_pool.py), not in slots padded
+// to the largest rank: slot s owns rows [offset, offset + width) of pool_a [rows, in] and
+// pool_b [rows, out], and its modules' blocks of B are listed as segments, so only those are
+// read (a q/k/v adapter's B is zero outside each module's columns).
+//
+//     table[slot] = offset, width, (k0, k1, c0, c1) x 3     rows and columns of each block,
+//                                                           k relative to offset; k0 == k1: none
+//     runs[i]     = slot, start, end                        the step's rows under one slot
+//
+// The cost is each run's rows times its own rank, whatever the number of distinct adapters.
+// A run of many rows (a prompt chunk) is two GEMMs through ATen (oneDNN, threaded, AMX for
+// bf16); short runs (decode rows, one or two per adapter) are too small for a GEMM's setup and
+// go to vectorized loops, spread over the threads run by run.
 
 #include <ATen/ATen.h>
+#include <ATen/Parallel.h>
 #include <torch/library.h>
 
 #include <vector>
@@ -17,108 +29,172 @@ namespace {
 
 using namespace loragate;
 
-// A module's block of B: rows [k0, k1) are non-zero only in columns [c0, c1).
+constexpr int64_t kSegments = 3;  // modules in one fused linear at most (q, k, v)
+constexpr int64_t kTableColumns = 2 + 4 * kSegments;
+// Runs at least this long take the GEMM path (bench: loragate-bench lora-kernel).
+constexpr int64_t kGemmRows = 12;
+// The loop path keeps a run's shrunk activations on the stack.
+constexpr int64_t kMaxLoopRows = kGemmRows - 1;
+constexpr int64_t kMaxWidth = 1024;
+
 struct Segment {
   int64_t k0, k1, c0, c1;
 };
 
-// y[c0:c1] += shrunk[k0:k1] @ b[k0:k1, c0:c1], holding 64 columns of y in registers across
-// the block's rows, so y is read and written once rather than once per rank.
-inline void expand(float* y, const float* b, const float* shrunk, int64_t out, Segment s) {
+struct SlotView {
+  int64_t offset, width, count;
+  Segment segments[kSegments];
+};
+
+SlotView slot_view(const int64_t* row, int64_t pool_rows, int64_t out) {
+  SlotView v{row[0], row[1], 0, {}};
+  TORCH_CHECK(v.offset >= 0 && v.width >= 0 && v.offset + v.width <= pool_rows,
+              "add_lora_sgmv: slot rows out of the pool");
+  for (int64_t j = 0; j < kSegments; ++j) {
+    const int64_t* s = row + 2 + 4 * j;
+    if (s[1] <= s[0]) continue;
+    TORCH_CHECK(0 <= s[0] && s[1] <= v.width && 0 <= s[2] && s[2] <= s[3] && s[3] <= out,
+                "add_lora_sgmv: segment out of range");
+    v.segments[v.count++] = {s[0], s[1], s[2], s[3]};
+  }
+  return v;
+}
+
+// shrunk[r, k] = x[r] . a[k], rounded to T as the reference's product is. The loop over k
+// is outside, so that a row of A is read from memory once for the run's rows.
+template <typename T>
+void shrink(const T* x, int64_t x_row, int64_t rows, const T* a, int64_t width, int64_t in,
+            float* shrunk) {
+  for (int64_t k = 0; k < width; ++k) {
+    const T* ak = a + k * in;
+    for (int64_t r = 0; r < rows; ++r) shrunk[r * width + k] = dot(x + r * x_row, ak, in);
+  }
+  if constexpr (!std::is_same_v<T, float>) {
+    for (int64_t i = 0; i < rows * width; ++i) shrunk[i] = to_float(static_cast<T>(shrunk[i]));
+  }
+}
+
+// y[r, c0:c1] += shrunk[r, k0:k1] @ b[k0:k1, c0:c1], 64 columns of y held in registers across
+// the block's rows, y read and written once, rounded once.
+template <typename T>
+void expand(T* y, int64_t y_row, int64_t rows, const T* b, int64_t out, const float* shrunk,
+            int64_t width, Segment s) {
   int64_t c = s.c0;
   for (; c + 64 <= s.c1; c += 64) {
-    vec8 acc[8];
-    for (int v = 0; v < 8; ++v) acc[v] = load8(y + c + 8 * v);
-    for (int64_t k = s.k0; k < s.k1; ++k) {
-      const float w = shrunk[k];
-      const float* bk = b + k * out + c;
-      for (int v = 0; v < 8; ++v) acc[v] += w * load8(bk + 8 * v);
+    for (int64_t r = 0; r < rows; ++r) {
+      T* yr = y + r * y_row + c;
+      const float* sr = shrunk + r * width;
+      vec8 acc[8];
+      for (int v = 0; v < 8; ++v) acc[v] = load8(yr + 8 * v);
+      for (int64_t k = s.k0; k < s.k1; ++k) {
+        const float w = sr[k];
+        const T* bk = b + k * out + c;
+        for (int v = 0; v < 8; ++v) acc[v] += w * load8(bk + 8 * v);
+      }
+      for (int v = 0; v < 8; ++v) store8(yr + 8 * v, acc[v]);
     }
-    for (int v = 0; v < 8; ++v) store8(y + c + 8 * v, acc[v]);
   }
-  for (int64_t k = s.k0; k < s.k1; ++k) axpy(y + c, b + k * out + c, shrunk[k], s.c1 - c);
-}
-
-// y[r] += (x[r] @ a.T) @ b for the run's rows; a: [width, in], b: [width, out], rows of each
-// contiguous; only the modules' blocks of b are read.
-void run_float(float* y, int64_t y_row, const float* x, int64_t x_row, int64_t rows,
-               const float* a, const float* b, int64_t width, int64_t in, int64_t out,
-               const std::vector<Segment>& segments) {
-  float shrunk[256];
+  const int64_t tail = s.c1 - c;
+  if (tail == 0) return;
+  float acc[64];
   for (int64_t r = 0; r < rows; ++r) {
-    const float* xr = x + r * x_row;
-    for (int64_t k = 0; k < width; ++k) shrunk[k] = dot(xr, a + k * in, in);
-    for (const Segment& s : segments) expand(y + r * y_row, b, shrunk, out, s);
+    T* yr = y + r * y_row + c;
+    const float* sr = shrunk + r * width;
+    widen(yr, acc, tail);
+    for (int64_t k = s.k0; k < s.k1; ++k) axpy(acc, b + k * out + c, sr[k], tail);
+    narrow(acc, yr, tail);
   }
 }
 
-// The segments of `slot` in the flat list [count, 4 ints per segment] per slot; the whole
-// [0, width) x [0, out) block when the list says nothing.
-std::vector<Segment> segments_of(at::IntArrayRef flat, int64_t slot, int64_t width,
-                                 int64_t out) {
-  size_t i = 0;
-  for (int64_t s = 0; s < slot && i < flat.size(); ++s) i += 1 + 4 * flat[i];
-  std::vector<Segment> result;
-  if (i < flat.size()) {
-    const int64_t count = flat[i];
-    TORCH_CHECK(i + 1 + 4 * count <= flat.size(), "add_lora_runs: segment list too short");
-    for (int64_t j = 0; j < count; ++j) {
-      const int64_t* v = flat.data() + i + 1 + 4 * j;
-      TORCH_CHECK(0 <= v[0] && v[0] <= v[1] && v[1] <= width && 0 <= v[2] && v[2] <= v[3] &&
-                      v[3] <= out,
-                  "add_lora_runs: segment out of range");
-      result.push_back({v[0], v[1], v[2], v[3]});
-    }
-  }
-  if (result.empty()) result.push_back({0, width, 0, out});
-  return result;
+template <typename T>
+void run_loop(at::Tensor& y, const at::Tensor& x, const T* pool_a, const T* pool_b,
+              const SlotView& v, int64_t start, int64_t rows) {
+  const int64_t in = x.size(1), out = y.size(1);
+  float shrunk[kMaxLoopRows * kMaxWidth];
+  const T* xs = x.data_ptr<T>() + start * x.stride(0);
+  T* ys = y.data_ptr<T>() + start * y.stride(0);
+  shrink(xs, x.stride(0), rows, pool_a + v.offset * in, v.width, in, shrunk);
+  for (int64_t j = 0; j < v.count; ++j)
+    expand(ys, y.stride(0), rows, pool_b + v.offset * out, out, shrunk, v.width, v.segments[j]);
 }
 
-void add_lora_runs(at::Tensor y, const at::Tensor& x, const at::Tensor& lora_a,
-                   const at::Tensor& lora_b, at::IntArrayRef slots, at::IntArrayRef starts,
-                   at::IntArrayRef ends, at::IntArrayRef widths, at::IntArrayRef segments) {
-  TORCH_CHECK(x.dim() == 2 && y.dim() == 2 && x.size(0) == y.size(0), "add_lora_runs: x/y rows");
-  TORCH_CHECK(lora_a.dim() == 3 && lora_b.dim() == 3 && lora_a.size(0) == lora_b.size(0) &&
-                  lora_a.size(1) == lora_b.size(1) && lora_a.size(2) == x.size(1) &&
-                  lora_b.size(2) == y.size(1),
-              "add_lora_runs: stacks must be [slots, width, in] and [slots, width, out]");
-  TORCH_CHECK(slots.size() == starts.size() && starts.size() == ends.size(),
-              "add_lora_runs: one slot, start and end per run");
-  const int64_t num_slots = lora_a.size(0), max_width = lora_a.size(1), rows = x.size(0);
-  TORCH_CHECK(static_cast<int64_t>(widths.size()) == num_slots, "add_lora_runs: widths");
-  for (size_t i = 0; i < slots.size(); ++i) {
-    const int64_t slot = slots[i], start = starts[i], end = ends[i];
+void run_gemm(at::Tensor& y, const at::Tensor& x, const at::Tensor& pool_a,
+              const at::Tensor& pool_b, const SlotView& v, int64_t start, int64_t rows) {
+  const at::Tensor shrunk =
+      at::mm(x.narrow(0, start, rows), pool_a.narrow(0, v.offset, v.width).t());
+  at::Tensor ys = y.narrow(0, start, rows);
+  for (int64_t j = 0; j < v.count; ++j) {
+    const Segment& s = v.segments[j];
+    ys.narrow(1, s.c0, s.c1 - s.c0)
+        .addmm_(shrunk.narrow(1, s.k0, s.k1 - s.k0),
+                pool_b.narrow(0, v.offset + s.k0, s.k1 - s.k0).narrow(1, s.c0, s.c1 - s.c0));
+  }
+}
+
+void add_lora_sgmv(at::Tensor y, const at::Tensor& x, const at::Tensor& pool_a,
+                   const at::Tensor& pool_b, const at::Tensor& runs, const at::Tensor& table) {
+  TORCH_CHECK(x.dim() == 2 && y.dim() == 2 && x.size(0) == y.size(0), "add_lora_sgmv: x/y rows");
+  TORCH_CHECK(x.stride(1) == 1 && y.stride(1) == 1, "add_lora_sgmv: x and y rows contiguous");
+  TORCH_CHECK(pool_a.dim() == 2 && pool_b.dim() == 2 && pool_a.size(0) == pool_b.size(0) &&
+                  pool_a.size(1) == x.size(1) && pool_b.size(1) == y.size(1) &&
+                  pool_a.is_contiguous() && pool_b.is_contiguous(),
+              "add_lora_sgmv: pools must be contiguous [rows, in] and [rows, out]");
+  TORCH_CHECK(x.scalar_type() == y.scalar_type() && x.scalar_type() == pool_a.scalar_type() &&
+                  x.scalar_type() == pool_b.scalar_type(),
+              "add_lora_sgmv: x, y and the pools share one dtype");
+  TORCH_CHECK(runs.scalar_type() == at::kLong && runs.dim() == 2 && runs.size(1) == 3 &&
+                  runs.is_contiguous() && !runs.is_cuda(),
+              "add_lora_sgmv: runs must be a contiguous int64 [n, 3] CPU tensor");
+  TORCH_CHECK(table.scalar_type() == at::kLong && table.dim() == 2 &&
+                  table.size(1) == kTableColumns && table.is_contiguous() && !table.is_cuda(),
+              "add_lora_sgmv: table must be a contiguous int64 [slots, 14] CPU tensor");
+  const int64_t num_runs = runs.size(0), num_slots = table.size(0), rows = x.size(0);
+  const int64_t pool_rows = pool_a.size(0), out = y.size(1);
+  const int64_t* run = runs.data_ptr<int64_t>();
+  const int64_t* tab = table.data_ptr<int64_t>();
+
+  // Validate everything before touching y: a bad run fails the call, not half of it.
+  const bool vectorized = x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16;
+  std::vector<SlotView> views(num_runs);
+  std::vector<int64_t> loops;  // runs for the loop path
+  std::vector<char> looped(num_runs, 0);
+  for (int64_t i = 0; i < num_runs; ++i) {
+    const int64_t slot = run[3 * i], start = run[3 * i + 1], end = run[3 * i + 2];
     TORCH_CHECK(slot >= 0 && slot < num_slots && 0 <= start && start < end && end <= rows,
-                "add_lora_runs: run out of range");
-    const int64_t width = widths[slot];
-    TORCH_CHECK(width >= 0 && width <= max_width, "add_lora_runs: width out of range");
-    if (width == 0) continue;
-    const bool plain = x.scalar_type() == at::kFloat && y.scalar_type() == at::kFloat &&
-                       lora_a.scalar_type() == at::kFloat && lora_b.scalar_type() == at::kFloat &&
-                       x.stride(1) == 1 && y.stride(1) == 1 && lora_a.is_contiguous() &&
-                       lora_b.is_contiguous() && width <= 256;
-    if (plain) {
-      const int64_t in = x.size(1), out = y.size(1);
-      run_float(y.data_ptr<float>() + start * y.stride(0), y.stride(0),
-                x.data_ptr<float>() + start * x.stride(0), x.stride(0), end - start,
-                lora_a.data_ptr<float>() + slot * max_width * in,
-                lora_b.data_ptr<float>() + slot * max_width * out, width, in, out,
-                segments_of(segments, slot, width, out));
-      continue;
+                "add_lora_sgmv: run out of range");
+    views[i] = slot_view(tab + slot * kTableColumns, pool_rows, out);
+    if (views[i].width == 0) continue;
+    if (vectorized && end - start < kGemmRows && views[i].width <= kMaxWidth) {
+      loops.push_back(i);
+      looped[i] = 1;
     }
-    const at::Tensor xs = x.narrow(0, start, end - start);
-    const at::Tensor shrunk = at::mm(xs, lora_a.select(0, slot).narrow(0, 0, width).t());
-    at::Tensor ys = y.narrow(0, start, end - start);
-    ys.addmm_(shrunk, lora_b.select(0, slot).narrow(0, 0, width));
   }
+  for (int64_t i = 0; i < num_runs; ++i) {
+    const int64_t start = run[3 * i + 1], n = run[3 * i + 2] - start;
+    if (views[i].width > 0 && !looped[i]) run_gemm(y, x, pool_a, pool_b, views[i], start, n);
+  }
+  if (loops.empty()) return;
+  // Runs are disjoint rows of y: threads take whole runs.
+  at::parallel_for(0, static_cast<int64_t>(loops.size()), 1, [&](int64_t begin, int64_t stop) {
+    for (int64_t j = begin; j < stop; ++j) {
+      const int64_t i = loops[j], start = run[3 * i + 1], n = run[3 * i + 2] - start;
+      if (x.scalar_type() == at::kFloat) {
+        run_loop<float>(y, x, pool_a.data_ptr<float>(), pool_b.data_ptr<float>(), views[i],
+                        start, n);
+      } else {
+        run_loop<c10::BFloat16>(y, x, pool_a.data_ptr<c10::BFloat16>(),
+                                pool_b.data_ptr<c10::BFloat16>(), views[i], start, n);
+      }
+    }
+  });
 }
 
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(loragate, m) {
   m.def(
-      "add_lora_runs(Tensor(a!) y, Tensor x, Tensor lora_a, Tensor lora_b, int[] slots, "
-      "int[] starts, int[] ends, int[] widths, int[] segments) -> ()");
+      "add_lora_sgmv(Tensor(a!) y, Tensor x, Tensor pool_a, Tensor pool_b, Tensor runs, "
+      "Tensor table) -> ()");
 }
 
-TORCH_LIBRARY_IMPL(loragate, CPU, m) { m.impl("add_lora_runs", &add_lora_runs); }
+TORCH_LIBRARY_IMPL(loragate, CPU, m) { m.impl("add_lora_sgmv", &add_lora_sgmv); }

@@ -1,7 +1,7 @@
 """Multi-LoRA over a mixed batch: shrink (x @ A[slot].T) then expand (@ B[slot]) per token.
 
-    lora_a[slots, max_width, in], lora_b[slots, max_width, out]   (B transposed, scaled)
-    widths[slots]: rows of each slot in use (0: not adapted by this target)
+    lora_a[rows, in], lora_b[rows, out]   the pool (engine/lora_pool.py; B transposed, scaled)
+    offsets[slots], widths[slots]: each slot's rows [offset, offset + width) (0: not adapted)
 
 The step's adapted tokens are handed over grouped by slot (`LoRABatch`): `order` lists
 their row indices slot by slot, segment s owning order[starts[s]:starts[s + 1]] under
@@ -12,10 +12,10 @@ under no adapter (slot -1) are in no segment and are never touched.
 Both kernels run one program per (segment, tile of BLOCK_M tokens, ...); a grid sized
 by the longest segment leaves programs past a shorter one's end to return at once.
 shrink: ... x rank tile, looping over `in`, reading each slot's first `width` rows of A
-only, so a rank-4 adapter in a rank-16 stack reads rank-4 bytes. expand: ... x output
+only, so a rank-4 adapter reads rank-4 bytes. expand: ... x output
 tile of BLOCK_N columns, reading for each column only the rows of B that can be non-zero
-there. Fused q/k/v and gate/up stacks (engine/lora.py) hold module i of a rank-r slot at
-rows [i*r, (i+1)*r) of A and B, B zero outside that module's columns; a `SlotLayout`
+there. Fused q/k/v and gate/up pools hold module i of a rank-r slot at rows
+[i*r, (i+1)*r) from the slot's first row, B zero outside that module's columns; a `SlotLayout`
 lists each slot's (first row, end row, first column, end column) blocks, and an output
 tile reads only the blocks whose columns it overlaps: a third of q/k/v's B, half of
 gate/up's, rather than their zeros too.
@@ -41,26 +41,31 @@ MAX_MODULES = 3
 
 @dataclass(frozen=True, slots=True)
 class SlotLayout:
-    """One fused target's slots, on the device: widths [slots] int32 (rows of A/B in use),
-    blocks [slots, MAX_MODULES, 4] int32 (row0, row1, col0, col1; unused ones all zero)."""
+    """One fused target's slots, on the device: offsets [slots] int32 (a slot's first row of
+    the pool), widths [slots] int32 (its rows), blocks [slots, MAX_MODULES, 4] int32 (row0,
+    row1, col0, col1 relative to the first row; unused ones all zero)."""
 
+    offsets: torch.Tensor
     widths: torch.Tensor
     blocks: torch.Tensor
     max_rank: int  # the largest row1 - row0: sizes the expand's rank tile
+    max_width: int  # the largest width: sizes the shrink's output
 
 
 def slot_layouts(
+    offsets: list[list[int]],
     widths: list[list[int]],
     blocks: list[list[list[tuple[int, int, int, int]]]],
     max_rank: int,
     device: torch.device,
 ) -> list[SlotLayout]:
-    """Layouts of every fused target (widths[target][slot], blocks[target][slot]: the
-    engine's LoRAManager.widths and .segments) in one copy to the device."""
+    """Layouts of every fused target (offsets, widths and blocks [target][slot]: the
+    engine's LoRAPool.offsets, .widths and .segments) in one copy to the device."""
     targets, slots = len(widths), len(widths[0])
-    host = torch.zeros(targets, slots * (1 + 4 * MAX_MODULES), dtype=torch.int32)
-    host[:, :slots] = torch.tensor(widths, dtype=torch.int32)
-    table = host[:, slots:].view(targets, slots, MAX_MODULES, 4)
+    host = torch.zeros(targets, slots * (2 + 4 * MAX_MODULES), dtype=torch.int32)
+    host[:, :slots] = torch.tensor(offsets, dtype=torch.int32)
+    host[:, slots : 2 * slots] = torch.tensor(widths, dtype=torch.int32)
+    table = host[:, 2 * slots :].view(targets, slots, MAX_MODULES, 4)
     for t, per_slot in enumerate(blocks):
         for slot, entries in enumerate(per_slot):
             for j, entry in enumerate(entries):
@@ -69,17 +74,21 @@ def slot_layouts(
     return [
         SlotLayout(
             dev[t, :slots],
-            dev[t, slots:].view(slots, MAX_MODULES, 4),
+            dev[t, slots : 2 * slots],
+            dev[t, 2 * slots :].view(slots, MAX_MODULES, 4),
             max_rank,
+            max(1, max(widths[t])),
         )
         for t in range(targets)
     ]
 
 
-def dense_layout(widths: list[int], out_features: int, device: torch.device) -> SlotLayout:
-    """A stack with one module per slot: B's first `width` rows over every column."""
+def dense_layout(
+    offsets: list[int], widths: list[int], out_features: int, device: torch.device
+) -> SlotLayout:
+    """A pool with one module per slot: B's `width` rows over every column."""
     blocks = [[[(0, w, 0, out_features)] if w else [] for w in widths]]
-    return slot_layouts([widths], blocks, max(widths), device)[0]
+    return slot_layouts([offsets], [widths], blocks, max(widths), device)[0]
 
 
 @dataclass(frozen=True, slots=True)
@@ -123,13 +132,13 @@ def lora_batch(token_slots: list[int] | torch.Tensor, device: torch.device) -> L
 def _shrink_kernel(  # type: ignore[no-untyped-def]  # triton reads annotations
     x,
     lora_a,
+    offsets,
     widths,
     order,
     starts,
     seg_slots,
     xa,
     stride_xt,
-    stride_as,
     stride_ar,
     stride_xa,
     in_features,
@@ -145,6 +154,7 @@ def _shrink_kernel(  # type: ignore[no-untyped-def]  # triton reads annotations
     seg_len = tl.load(starts + seg + 1) - seg_start
     slot = tl.load(seg_slots + seg).to(tl.int64)
     width = tl.load(widths + slot)
+    first = tl.load(offsets + slot).to(tl.int64)
     if (tile * BLOCK_M >= seg_len) | (r_tile * BLOCK_R >= width):
         return
     m = tile * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -163,7 +173,7 @@ def _shrink_kernel(  # type: ignore[no-untyped-def]  # triton reads annotations
             other=0.0,
         )
         at = tl.load(
-            lora_a + slot * stride_as + r[None, :] * stride_ar + k[:, None],
+            lora_a + (first + r[None, :]) * stride_ar + k[:, None],
             mask=k_mask[:, None] & r_mask[None, :],
             other=0.0,
         )
@@ -179,6 +189,7 @@ def _shrink_kernel(  # type: ignore[no-untyped-def]  # triton reads annotations
 def _expand_kernel(  # type: ignore[no-untyped-def]  # triton reads annotations
     xa,
     lora_b,
+    offsets,
     widths,
     blocks,
     order,
@@ -186,7 +197,6 @@ def _expand_kernel(  # type: ignore[no-untyped-def]  # triton reads annotations
     seg_slots,
     y,
     stride_xa,
-    stride_bs,
     stride_br,
     stride_yt,
     out_features,
@@ -203,6 +213,7 @@ def _expand_kernel(  # type: ignore[no-untyped-def]  # triton reads annotations
     seg_len = tl.load(starts + seg + 1) - seg_start
     slot = tl.load(seg_slots + seg).to(tl.int64)
     width = tl.load(widths + slot)
+    first = tl.load(offsets + slot).to(tl.int64)
     if (tile * BLOCK_M >= seg_len) | (width == 0):
         return
     m = tile * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -229,7 +240,7 @@ def _expand_kernel(  # type: ignore[no-untyped-def]  # triton reads annotations
             )
             cols = n_mask & (n >= c0) & (n < c1)
             b = tl.load(
-                lora_b + slot * stride_bs + r[:, None] * stride_br + n[None, :],
+                lora_b + (first + r[:, None]) * stride_br + n[None, :],
                 mask=r_mask[:, None] & cols[None, :],
                 other=0.0,
             )
@@ -240,29 +251,31 @@ def _expand_kernel(  # type: ignore[no-untyped-def]  # triton reads annotations
     tl.store(y_ptrs, (old.to(tl.float32) + acc).to(y.dtype.element_ty), mask=mask)
 
 
-def _check_stack(name: str, stack: torch.Tensor, widths: torch.Tensor) -> None:
-    check(stack.dim() == 3, f"{name} must be [slots, max_width, features]")
-    check_float(name, stack)
-    check(stack.stride(2) == 1, f"{name} must be contiguous in its features")
-    check_index("widths", widths, 1)
-    check(widths.dtype == torch.int32, "widths must be int32")
-    check(widths.shape[0] == stack.shape[0], "one width per slot")
+def _check_pool(name: str, pool: torch.Tensor, layout: SlotLayout) -> None:
+    check(pool.dim() == 2, f"{name} must be [rows, features]")
+    check_float(name, pool)
+    check(pool.stride(1) == 1, f"{name} must be contiguous in its features")
+    for what in ("offsets", "widths"):
+        index = getattr(layout, what)
+        check_index(what, index, 1)
+        check(index.dtype == torch.int32, f"{what} must be int32")
+    check(layout.offsets.shape == layout.widths.shape, "one offset and one width per slot")
 
 
 def lora_shrink(
-    x: torch.Tensor, lora_a: torch.Tensor, widths: torch.Tensor, batch: LoRABatch
+    x: torch.Tensor, lora_a: torch.Tensor, layout: SlotLayout, batch: LoRABatch
 ) -> torch.Tensor:
-    """xa[j, :w] = x[order[j]] @ lora_a[slot(j), :w].T, in x's dtype: [num_adapted, max_width],
-    in `order`'s order; columns past a slot's width are left unwritten (expand never reads them)."""
+    """xa[j, :w] = x[order[j]] @ A(slot(j)).T, in x's dtype: [num_adapted, max_width], in
+    `order`'s order; columns past a slot's width are left unwritten (expand never reads them)."""
     check(x.dim() == 2 and x.stride(1) == 1, "x must be [tokens, in], contiguous in `in`")
-    _check_stack("lora_a", lora_a, widths)
+    _check_pool("lora_a", lora_a, layout)
     check(
-        lora_a.shape[2] == x.shape[1],
-        f"lora_a takes {lora_a.shape[2]} features, x has {x.shape[1]}",
+        lora_a.shape[1] == x.shape[1],
+        f"lora_a takes {lora_a.shape[1]} features, x has {x.shape[1]}",
     )
     check(lora_a.dtype == x.dtype, f"lora_a is {lora_a.dtype}, x {x.dtype}")
-    same_device(x, lora_a, widths, batch.order)
-    max_width = lora_a.shape[1]
+    same_device(x, lora_a, layout.offsets, layout.widths, batch.order)
+    max_width = layout.max_width
     xa = torch.empty(batch.order.shape[0], max_width, dtype=x.dtype, device=x.device)
     on_gpu = x.device.type == "cuda"
     block_m, block_r, block_k = 16, 16, 128 if on_gpu else 32
@@ -270,14 +283,14 @@ def lora_shrink(
     _shrink_kernel[grid](
         x,
         lora_a,
-        widths,
+        layout.offsets,
+        layout.widths,
         batch.order,
         batch.starts,
         batch.slots,
         xa,
         x.stride(0),
         lora_a.stride(0),
-        lora_a.stride(1),
         xa.stride(0),
         x.shape[1],
         BLOCK_M=block_m,
@@ -291,23 +304,22 @@ def lora_shrink(
 def lora_expand(
     y: torch.Tensor, xa: torch.Tensor, lora_b: torch.Tensor, layout: SlotLayout, batch: LoRABatch
 ) -> None:
-    """y[order[j]] += xa[j, :w] @ lora_b[slot(j), :w], in place (each slot's blocks only)."""
+    """y[order[j]] += xa[j, :w] @ B(slot(j)), in place (each slot's blocks only)."""
     check(y.dim() == 2 and y.stride(1) == 1, "y must be [tokens, out], contiguous in `out`")
-    widths = layout.widths
-    _check_stack("lora_b", lora_b, widths)
+    _check_pool("lora_b", lora_b, layout)
     check(
-        layout.blocks.shape == (lora_b.shape[0], MAX_MODULES, 4)
+        layout.blocks.shape == (layout.widths.shape[0], MAX_MODULES, 4)
         and layout.blocks.dtype == torch.int32
         and layout.blocks.is_contiguous(),
         f"layout blocks must be [slots, {MAX_MODULES}, 4] int32, contiguous",
     )
     check(
-        lora_b.shape[2] == y.shape[1],
-        f"lora_b gives {lora_b.shape[2]} features, y has {y.shape[1]}",
+        lora_b.shape[1] == y.shape[1],
+        f"lora_b gives {lora_b.shape[1]} features, y has {y.shape[1]}",
     )
     check(lora_b.dtype == y.dtype == xa.dtype, "y, xa and lora_b must share a dtype")
-    check(xa.shape == (batch.order.shape[0], lora_b.shape[1]), "xa must be lora_shrink's output")
-    same_device(y, xa, lora_b, widths, layout.blocks, batch.order)
+    check(xa.shape == (batch.order.shape[0], layout.max_width), "xa must be lora_shrink's output")
+    same_device(y, xa, lora_b, layout.offsets, layout.widths, layout.blocks, batch.order)
     out_features = y.shape[1]
     on_gpu = y.device.type == "cuda"
     block_m, block_n = 16, 128 if on_gpu else 64
@@ -319,7 +331,8 @@ def lora_expand(
     _expand_kernel[grid](
         xa,
         lora_b,
-        widths,
+        layout.offsets,
+        layout.widths,
         layout.blocks,
         batch.order,
         batch.starts,
@@ -327,7 +340,6 @@ def lora_expand(
         y,
         xa.stride(0),
         lora_b.stride(0),
-        lora_b.stride(1),
         y.stride(0),
         out_features,
         BLOCK_M=block_m,
@@ -347,4 +359,4 @@ def add_lora(
     batch: LoRABatch,
 ) -> None:
     """y += each adapted token's own adapter update (`kernels.lora.add_lora`'s contract)."""
-    lora_expand(y, lora_shrink(x, lora_a, layout.widths, batch), lora_b, layout, batch)
+    lora_expand(y, lora_shrink(x, lora_a, layout, batch), lora_b, layout, batch)

@@ -92,8 +92,8 @@ def test_every_fused_target_matches_the_specification(dtype: torch.dtype, step: 
     reference, mine = manager(dtype, torch.device("cpu"), False), manager(dtype, DEVICE, True)
     # What the triton kernels must never read is poisoned: rows past a slot's width, and the
     # blocks of B outside each module's own columns (zero in the engine's fused stacks).
-    for stack in [*mine.lora_a, *mine.lora_b]:
-        stack.masked_fill_(stack == 0, float("nan"))
+    for pool in [*mine.pool.pool_a, *mine.pool.pool_b]:
+        pool.masked_fill_(pool == 0, float("nan"))
     ref_step, my_step = reference.step_context(slots), mine.step_context(slots)
     if step == "all-base":
         assert ref_step is None and my_step is None
@@ -129,16 +129,18 @@ def test_grouping_of_a_step() -> None:
 def test_widths_bound_what_is_read() -> None:
     """Rows past a slot's width are never read: garbage there changes nothing."""
     g = torch.Generator().manual_seed(0)
-    a, b = torch.randn(2, 16, 32, generator=g), torch.randn(2, 16, 48, generator=g)
+    # A pool of 32 rows: slot 0 at rows 16..20, slot 1 (width 0) at row 0.
+    a, b = torch.randn(32, 32, generator=g), torch.randn(32, 48, generator=g)
     x, y = torch.randn(5, 32, generator=g), torch.zeros(5, 48)
-    widths = [4, 0]
+    offsets, widths = [16, 0], [4, 0]
     expected = y.clone()
-    add_lora(expected, x, a, b, [LoRAGroup(0, slice(0, 3)), LoRAGroup(1, slice(3, 5))], widths)
+    groups = [LoRAGroup(0, slice(0, 3)), LoRAGroup(1, slice(3, 5))]
+    add_lora(expected, x, a, b, groups, offsets, widths)
     batch = lora_batch(torch.tensor([0, 0, 0, 1, 1]), DEVICE)
     assert batch is not None
     out = y.to(DEVICE)
-    a[0, 4:] = b[0, 4:] = float("nan")  # past slot 0's width
-    layout = dense_layout(widths, 48, DEVICE)
+    a[:16] = b[:16] = a[20:] = b[20:] = float("nan")  # every row but slot 0's
+    layout = dense_layout(offsets, widths, 48, DEVICE)
     triton_add_lora(out, x.to(DEVICE), a.to(DEVICE), b.to(DEVICE), layout, batch)
     torch.testing.assert_close(out.cpu(), expected, rtol=2e-5, atol=2e-5)
     assert out[3:].eq(0).all()
