@@ -12,6 +12,11 @@ import sys
 BENCHMARKS: dict[str, tuple[str, str]] = {
     "offline": ("bench.offline", "our engine vs Hugging Face generate on W1/W2/Wv, or W3"),
     "lora": ("bench.lora", "multi-LoRA W3 vs base-only W1 and vs peft"),
+    "lora-scale": (
+        "bench.lora_scale",
+        "S-LoRA's trace: 1000 adapters, power-law picks, vs one adapter; TTFT by residency",
+    ),
+    "lora-kernel": ("bench.lora_kernel", "the multi-LoRA op against the linears it rides on"),
     "serve": ("bench.serve", "load-test any OpenAI-compatible server"),
     "containment": ("bench.containment", "W1 clean and with one request failing its steps"),
     "upload": ("bench.upload", "time to register an adapter through the admin REST"),

@@ -5,8 +5,8 @@
 //
 // The adapters live in one pool of rows per linear (engine/lora_pool.py), not in slots padded
 // to the largest rank: slot s owns rows [offset, offset + width) of pool_a [rows, in] and
-// pool_b [rows, out], and its modules' blocks of B are listed as segments, so only those are
-// read (a q/k/v adapter's B is zero outside each module's columns).
+// pool_b [rows, out], and its modules' blocks of B are listed as segments: B is zero outside
+// them (a q/k/v adapter's module i touches only its columns), and the loops read only them.
 //
 //     table[slot] = offset, width, (k0, k1, c0, c1) x 3     rows and columns of each block,
 //                                                           k relative to offset; k0 == k1: none
@@ -118,17 +118,14 @@ void run_loop(at::Tensor& y, const at::Tensor& x, const T* pool_a, const T* pool
     expand(ys, y.stride(0), rows, pool_b + v.offset * out, out, shrunk, v.width, v.segments[j]);
 }
 
+// A prompt run: two GEMMs. The expand covers every column of y: B is zero outside each
+// module's columns (engine/lora_pool.py keeps it so), and one contiguous GEMM beats one per
+// module's column block on strided views (3.4x in bfloat16 at 512 rows of q/k/v).
 void run_gemm(at::Tensor& y, const at::Tensor& x, const at::Tensor& pool_a,
               const at::Tensor& pool_b, const SlotView& v, int64_t start, int64_t rows) {
   const at::Tensor shrunk =
       at::mm(x.narrow(0, start, rows), pool_a.narrow(0, v.offset, v.width).t());
-  at::Tensor ys = y.narrow(0, start, rows);
-  for (int64_t j = 0; j < v.count; ++j) {
-    const Segment& s = v.segments[j];
-    ys.narrow(1, s.c0, s.c1 - s.c0)
-        .addmm_(shrunk.narrow(1, s.k0, s.k1 - s.k0),
-                pool_b.narrow(0, v.offset + s.k0, s.k1 - s.k0).narrow(1, s.c0, s.c1 - s.c0));
-  }
+  y.narrow(0, start, rows).addmm_(shrunk, pool_b.narrow(0, v.offset, v.width));
 }
 
 void add_lora_sgmv(at::Tensor y, const at::Tensor& x, const at::Tensor& pool_a,

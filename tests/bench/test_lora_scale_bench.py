@@ -1,0 +1,82 @@
+"""`loragate-bench lora-scale` at toy size on the demo model, so that it cannot rot: S-LoRA's
+trace over a catalog of 40 adapters, 24 requests of at most 32 + 16 tokens, 4 device slots.
+The figures mean nothing here; the work each run does, the adapters it touches and the
+tables must be what was asked."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from rich_tables import rows_starting
+
+from bench.__main__ import main
+from bench.lora_scale import parse_size
+from bench.lora_scale_trace import TraceSpec, catalog_ranks, make_trace
+
+TOY = [
+    "--num-adapters", "40", "--num-requests", "24", "--max-input", "32", "--max-output", "16",
+    "--max-loras", "4", "--threads", "1",
+]  # fmt: skip
+WHERE = ("slot", "cpu", "disk", "base")
+
+
+def test_lora_scale_at_toy_size(
+    demo_model_dir: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """All at once, then again with Poisson arrivals and peft, on the adapter files the first
+    run wrote (the second writes none)."""
+    store, out = tmp_path / "adapters", tmp_path / "lora-scale.json"
+    args = ["lora-scale", "--model", str(demo_model_dir), *TOY, "--adapters-dir", str(store)]
+    main([*args, "--json", str(out)])
+    result = json.loads(out.read_text())
+    runs = result["runs"]
+    assert list(runs) == ["(a) mixed", "(b) one r16", "(c) base"]
+    touched = result["touched"]
+    assert 1 < touched <= 24
+    [folder] = store.iterdir()
+    assert len(list(folder.iterdir())) == touched + 1  # files for the touched and the r16 one
+    work = {run["output_tokens"] for run in runs.values()}
+    assert len(work) == 1 and work.pop() >= 24 * 8  # the same work, every token asked for
+    for run in runs.values():
+        assert run["errors"] == 0 and run["unserved"] == 0
+        assert sum(group["n"] for group in run["ttft_s"].values()) == 24
+    mixed = runs["(a) mixed"]
+    assert mixed["disk_loads"] == touched  # each read once: they all fit the CPU cache (16)
+    assert set(mixed["ttft_s"]) <= {"disk", "base"}  # all at once: nothing was loaded yet
+    assert runs["(b) one r16"]["disk_loads"] == 1 and runs["(c) base"]["loads"] == 0
+    printed = capsys.readouterr().out
+    assert f"{touched} touched" in printed and f"files for the {touched}" in printed
+    assert rows_starting(printed, "(a) mixed") and "(a)/(b) output tok/s" in printed
+
+    main([*args, "--rate", "200", "--skip-base", "--peft"])
+    printed = capsys.readouterr().out
+    assert f"(0 written, {touched + 1} reused)" in printed
+    assert [row[0] for row in rows_starting(printed, "(d) peft mixed")] == ["(d) peft mixed"]
+    ttft_rows = [row for row in rows_starting(printed, "(a) mixed") if row[1] in WHERE]
+    assert ttft_rows  # the TTFT table has (a)'s groups
+
+
+def test_the_trace_is_seeded_and_follows_its_spec() -> None:
+    spec = TraceSpec(
+        num_adapters=50, ranks=(8, 64), num_tenants=10, num_requests=400, alpha=1.0,
+        base_fraction=0.05, input_len=(8, 40), output_len=(8, 30), max_model_len=48, rate=10.0,
+        seed=3,
+    )  # fmt: skip
+    trace = make_trace(spec, vocab_size=1000, special_ids=[0, 1, 2])
+    assert trace == make_trace(spec, vocab_size=1000, special_ids=[0, 1, 2])
+    assert catalog_ranks(20, (8, 64), 3) == trace.catalog_ranks[:20]  # a smaller catalog's
+    assert set(trace.catalog_ranks) == {8, 64}
+    for prompt, out in zip(trace.prompts, trace.output_lens, strict=True):
+        assert 8 <= len(prompt) <= 40 and 1 <= out <= 30 and len(prompt) + out <= 48
+        assert not {0, 1, 2} & set(prompt)
+    assert trace.arrivals[0] == 0 and trace.arrivals == sorted(trace.arrivals)
+    adapted = [a for a in trace.adapters if a is not None]
+    assert 0 < len(trace.adapters) - len(adapted) < 40  # about 5 % on the base model
+    assert adapted.count(0) > adapted.count(1) > adapted.count(10)  # popularity by index
+
+
+def test_sizes_parse_in_powers_of_1024() -> None:
+    assert parse_size("2GiB") == 2 << 30 and parse_size("512MiB") == 512 << 20
+    assert parse_size("1.5G") == 3 << 29 and parse_size("1048576") == 1 << 20
