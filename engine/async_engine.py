@@ -68,6 +68,8 @@ def engine_stats(engine: LLMEngine) -> EngineStats:
         stats.resident_adapter_ids = sorted(lora.slot_of)
         stats.cached_adapter_ids = sorted(lora.cpu_cache)
         stats.lora_disk_loads = lora.num_disk_loads
+        stats.lora_evictions = lora.num_evictions
+        stats.lora_pool_usage = 1.0 - lora.pool.free_units / lora.pool.num_units
     return stats
 
 

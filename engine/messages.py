@@ -102,6 +102,8 @@ class EngineStats:
     resident_adapter_ids: list[str] = field(default_factory=list)  # in a slot now (routing)
     cached_adapter_ids: list[str] = field(default_factory=list)  # in CPU memory, read from disk
     lora_disk_loads: int = 0
+    lora_evictions: int = 0  # adapters taken out of the pool to make room
+    lora_pool_usage: float = 0.0  # fraction of the LoRA pool's rank units holding adapters
 
 
 @dataclass(frozen=True, slots=True)

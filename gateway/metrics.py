@@ -122,6 +122,18 @@ _LORA_SERIES: tuple[tuple[str, _Kind, str, str], ...] = (
         "lora_slots_used",
     ),
     ("loragate:lora_loads", _COUNTER, "Adapters read from disk.", "lora_disk_loads"),
+    (
+        "loragate:lora_evictions",
+        _COUNTER,
+        "Adapters evicted from the LoRA pool to make room.",
+        "lora_evictions",
+    ),
+    (
+        "loragate:lora_pool_usage_perc",
+        _GAUGE,
+        "Fraction of the LoRA pool's memory holding adapters.",
+        "lora_pool_usage",
+    ),
 )
 # spec_decode's (drafts, draft tokens, accepted tokens), in that order
 _SPEC_DECODE_SERIES: tuple[tuple[str, str], ...] = (

@@ -118,11 +118,13 @@ class ReplicaPool:
             "num_failed_requests",
             "lora_slots_used",
             "lora_disk_loads",
+            "lora_evictions",
             "num_kv_blocks",
         ):
             setattr(total, field, sum(getattr(s, field) for s in each))
         total.block_size = max(s.block_size for s in each)  # one model: one block size
         total.kv_cache_usage = sum(s.kv_cache_usage for s in each) / len(each)
+        total.lora_pool_usage = sum(s.lora_pool_usage for s in each) / len(each)
         loras = [s.max_loras for s in each if s.max_loras is not None]
         total.max_loras = sum(loras) if loras else None
         total.running_adapters = sorted({a for s in each for a in s.running_adapters})

@@ -221,3 +221,11 @@ def test_metrics_report_adapter_slots_and_loads(server: Server) -> None:
         if line.startswith(f'loragate:lora_loads_total{{model_name="{MODEL}"}} ')
     ]
     assert loads and float(loads[0].split()[1]) >= 1.0
+    # The pool holds at least that adapter, and its two slots' worth at most.
+    usage = [
+        line
+        for line in text.splitlines()
+        if line.startswith(f'loragate:lora_pool_usage_perc{{model_name="{MODEL}"}} ')
+    ]
+    assert usage and 0.0 < float(usage[0].split()[1]) <= 1.0
+    assert f'loragate:lora_evictions_total{{model_name="{MODEL}"}} ' in text
