@@ -37,7 +37,7 @@ SOURCES = [
     _CSRC / "int8_gemm.cpp",
     _CSRC / "layer_ops.cpp",
 ]
-HEADERS = [_CSRC / "simd.h", _CSRC / "decode_attention_bf16.h"]
+HEADERS = [_CSRC / "simd.h", _CSRC / "decode_attention_bf16.h", _CSRC / "lora_avx512.h"]
 OPS = (
     "decode_attention",
     "prefill_attention",

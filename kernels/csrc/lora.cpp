@@ -23,6 +23,7 @@
 
 #include <vector>
 
+#include "lora_avx512.h"
 #include "simd.h"
 
 namespace {
@@ -31,10 +32,12 @@ using namespace loragate;
 
 constexpr int64_t kSegments = 3;  // modules in one fused linear at most (q, k, v)
 constexpr int64_t kTableColumns = 2 + 4 * kSegments;
-// Runs at least this long take the GEMM path (bench: loragate-bench lora-kernel).
-constexpr int64_t kGemmRows = 12;
+// Runs at least this long take the GEMM path: where a rank-16 and a rank-64 gate/up run cost
+// the same both ways on AVX-512 BF16 (oneDNN's bf16 GEMM costs ~60 us whatever its size
+// below that; float32's ~10 us).
+inline int64_t gemm_rows(at::ScalarType dtype) { return dtype == at::kBFloat16 ? 16 : 12; }
 // The loop path keeps a run's shrunk activations on the stack.
-constexpr int64_t kMaxLoopRows = kGemmRows - 1;
+constexpr int64_t kMaxLoopRows = 15;
 constexpr int64_t kMaxWidth = 1024;
 
 struct Segment {
@@ -67,7 +70,13 @@ void shrink(const T* x, int64_t x_row, int64_t rows, const T* a, int64_t width, 
             float* shrunk) {
   for (int64_t k = 0; k < width; ++k) {
     const T* ak = a + k * in;
-    for (int64_t r = 0; r < rows; ++r) shrunk[r * width + k] = dot(x + r * x_row, ak, in);
+    for (int64_t r = 0; r < rows; ++r) {
+#ifdef LORAGATE_LORA_AVX512
+      shrunk[r * width + k] = dot512(x + r * x_row, ak, in);
+#else
+      shrunk[r * width + k] = dot(x + r * x_row, ak, in);
+#endif
+    }
   }
   if constexpr (!std::is_same_v<T, float>) {
     for (int64_t i = 0; i < rows * width; ++i) shrunk[i] = to_float(static_cast<T>(shrunk[i]));
@@ -79,6 +88,10 @@ void shrink(const T* x, int64_t x_row, int64_t rows, const T* a, int64_t width, 
 template <typename T>
 void expand(T* y, int64_t y_row, int64_t rows, const T* b, int64_t out, const float* shrunk,
             int64_t width, Segment s) {
+#ifdef LORAGATE_LORA_AVX512
+  for (int64_t r = 0; r < rows; ++r)
+    expand_row512(y + r * y_row, b, out, shrunk + r * width, s.k0, s.k1, s.c0, s.c1);
+#else
   int64_t c = s.c0;
   for (; c + 64 <= s.c1; c += 64) {
     for (int64_t r = 0; r < rows; ++r) {
@@ -104,6 +117,7 @@ void expand(T* y, int64_t y_row, int64_t rows, const T* b, int64_t out, const fl
     for (int64_t k = s.k0; k < s.k1; ++k) axpy(acc, b + k * out + c, sr[k], tail);
     narrow(acc, yr, tail);
   }
+#endif
 }
 
 template <typename T>
@@ -155,13 +169,14 @@ void add_lora_sgmv(at::Tensor y, const at::Tensor& x, const at::Tensor& pool_a,
   std::vector<SlotView> views(num_runs);
   std::vector<int64_t> loops;  // runs for the loop path
   std::vector<char> looped(num_runs, 0);
+  const int64_t loop_rows = std::min(gemm_rows(x.scalar_type()), kMaxLoopRows + 1);
   for (int64_t i = 0; i < num_runs; ++i) {
     const int64_t slot = run[3 * i], start = run[3 * i + 1], end = run[3 * i + 2];
     TORCH_CHECK(slot >= 0 && slot < num_slots && 0 <= start && start < end && end <= rows,
                 "add_lora_sgmv: run out of range");
     views[i] = slot_view(tab + slot * kTableColumns, pool_rows, out);
     if (views[i].width == 0) continue;
-    if (vectorized && end - start < kGemmRows && views[i].width <= kMaxWidth) {
+    if (vectorized && end - start < loop_rows && views[i].width <= kMaxWidth) {
       loops.push_back(i);
       looped[i] = 1;
     }
