@@ -38,7 +38,8 @@ def never_stop(config: Any) -> Any:
     """HF's equivalent of ignore_eos: no EOS at all, so EOS is sampled like any token.
 
     (`min_new_tokens` would ban EOS instead, and pick a different token where EOS
-    is the argmax.)
+    is the argmax.) transformers 5 refills a config's None EOS from the model's own config:
+    `generate` needs `eos_token_id=None` as a keyword too (hf_generate passes it).
     """
     config = copy.deepcopy(config)
     config.eos_token_id = None
@@ -57,6 +58,7 @@ def hf_generate(
             max_new_tokens=output_len,
             do_sample=False,
             pad_token_id=tokenizer.pad_token_id,
+            eos_token_id=None,
             **kwargs,
         )
     return out[:, enc["input_ids"].shape[1] :]

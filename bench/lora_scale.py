@@ -5,7 +5,7 @@
         [--max-input 512] [--max-output 256] [--adapters-dir DIR] [--dtype auto]
         [--max-loras N] [--max-cpu-loras N] [--max-lora-rank 64] [--max-num-seqs N]
         [--max-num-batched-tokens N] [--lora-memory 2GiB] [--skip-base] [--peft]
-        [--json FILE]
+        [--verify-peft K] [--verify-max-output N] [--json FILE]
 
 The catalog and trace are bench/lora_scale_trace.py's: N all-linear adapters of ranks drawn
 from --ranks, owned by --tenants tenants round-robin; each request picks adapter k with
@@ -24,7 +24,9 @@ first token, split by where its adapter was when it arrived (a device slot, the 
 disk), adapter loads into a slot and from disk per second, and the process's peak resident
 memory during each run (VmHWM, reset before each run). `--peft` adds peft on (a)'s
 requests in static batches in arrival order (each batch as long as its longest output;
-only the requests' own tokens count), as bench/lora.py does.
+only the requests' own tokens count), as bench/lora.py does. `--verify-peft K` checks (a)
+token for token against peft's greedy output on K of its adapted requests drawn at random
+(bench/lora_scale_verify.py), and so runs the engine in float32.
 """
 
 from __future__ import annotations
@@ -56,6 +58,7 @@ from bench.lora_scale_trace import (
     make_trace,
     store_dir,
 )
+from bench.lora_scale_verify import Verification, rank_table, verify_peft
 from bench.workloads import new_progress
 
 GOAL = 0.8  # (a) / (b) output tok/s at N=1000 on SmolLM2, bfloat16
@@ -76,13 +79,15 @@ class RunResult:
     errors: int = 0
     ttft: dict[str, list[float]] = field(default_factory=dict)  # where -> seconds
     unserved: int = 0  # requests that never got a token (errors)
+    token_ids: list[list[int]] = field(default_factory=list)  # per request (not in the JSON)
 
     @property
     def tok_s(self) -> float:
         return self.output_tokens / self.wall_s if self.wall_s else 0.0
 
     def as_json(self) -> dict[str, Any]:
-        out = {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name != "ttft"}
+        names = [f.name for f in dataclasses.fields(self) if f.name not in ("ttft", "token_ids")]
+        out = {name: getattr(self, name) for name in names}
         out["tok_s"] = self.tok_s
         out["ttft_s"] = {w: _quantiles(v) | {"n": len(v)} for w, v in self.ttft.items()}
         return out
@@ -181,7 +186,7 @@ def run_trace(
     num = len(trace.prompts)
     where = [""] * num
     first_token: list[float | None] = [None] * num
-    result = RunResult(label)
+    result = RunResult(label, token_ids=[[] for _ in range(num)])
     task = progress.add_task(label, total=num)
     loads0, disk_loads0 = manager.num_loads, manager.num_disk_loads
     evictions0 = getattr(manager, "num_evictions", 0)
@@ -206,6 +211,7 @@ def run_trace(
             if update.new_token_ids and first_token[i] is None:
                 first_token[i] = now
             result.output_tokens += len(update.new_token_ids)
+            result.token_ids[i].extend(update.new_token_ids)
             if update.finished:
                 finished += 1
                 result.errors += update.error is not None
@@ -428,6 +434,35 @@ def describe(
     ]
 
 
+def describe_check(args: argparse.Namespace, check: Verification, forced: bool) -> str:
+    dtype = "float32 (--dtype auto overridden)" if forced else "float32"
+    cap = "" if check.max_output is None else f", at most {check.max_output} output tokens each"
+    return (
+        f"--verify-peft {check.asked}: the engine in {dtype}; {len(check.checks)} of the "
+        f"{check.adapted} adapted requests (seed {args.seed}) checked against peft's greedy "
+        f"output, one request at a time{cap}"
+    )
+
+
+def exact_dtype(args: argparse.Namespace) -> bool:
+    """--verify-peft compares tokens exactly, which holds in float32 only: the engine runs in
+    float32 then. True if --dtype auto was overridden to get it."""
+    if args.verify_peft is None:
+        if args.verify_max_output is not None:
+            raise SystemExit("--verify-max-output goes with --verify-peft K")
+        return False
+    if args.verify_peft < 1 or (args.verify_max_output is not None and args.verify_max_output < 1):
+        raise SystemExit("--verify-peft and --verify-max-output take positive counts")
+    if args.dtype not in ("auto", "float32"):
+        raise SystemExit(
+            f"--verify-peft compares (a)'s tokens with peft's exactly, which needs float32: "
+            f"drop --dtype {args.dtype} (or say --dtype float32)"
+        )
+    forced = args.dtype == "auto"
+    args.dtype = "float32"
+    return forced
+
+
 # -- the command ------------------------------------------------------------------------------
 
 
@@ -461,6 +496,20 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--skip-base", action="store_true", help="leave out run (c), base only")
     p.add_argument("--peft", action="store_true", help="add peft on (a) in static batches")
     p.add_argument("--peft-batch-size", type=int, default=16)
+    p.add_argument(
+        "--verify-peft",
+        type=int,
+        default=None,
+        metavar="K",
+        help="check (a)'s greedy tokens on K random adapted requests against peft (float32)",
+    )
+    p.add_argument(
+        "--verify-max-output",
+        type=int,
+        default=None,
+        metavar="N",
+        help="compare only the first N output tokens of each checked request",
+    )
     engine = p.add_argument_group("engine knobs, passed to LLM")
     engine.add_argument("--dtype", default="auto")
     engine.add_argument("--max-loras", type=int, default=None)
@@ -480,6 +529,7 @@ def main(argv: list[str] | None = None) -> None:
     args = _parser().parse_args(argv)
     if max(args.ranks) > args.max_lora_rank:
         raise SystemExit(f"--ranks go up to {max(args.ranks)}, above --max-lora-rank")
+    forced = exact_dtype(args)
     if args.adapters_dir is None:
         args.adapters_dir = Path(tempfile.mkdtemp(prefix="loragate-bench-lora-scale-"))
     console = Console() if Console().is_terminal else Console(width=150)
@@ -523,7 +573,16 @@ def main(argv: list[str] | None = None) -> None:
         runs.sort(key=lambda r: r.label)
         if args.peft:
             runs.append(run_peft(args, trace, catalog, engine.runner.dtype, progress))
+        check: Verification | None = None
+        if args.verify_peft is not None:
+            mixed_run = next(r for r in runs if r.label == "(a) mixed")
+            check = verify_peft(
+                args.model, trace, catalog.paths, mixed_run.token_ids, args.verify_peft,
+                args.seed, args.verify_max_output, progress,
+            )  # fmt: skip
     lines = describe(args, trace, catalog, engine, load_before)
+    if check is not None:
+        lines.append(describe_check(args, check, forced))
     for line in lines:
         console.print(line, highlight=False)
     console.print(runs_table("lora-scale: output throughput", runs))
@@ -536,6 +595,10 @@ def main(argv: list[str] | None = None) -> None:
         f"bfloat16: {verdict} here, at N={args.num_adapters}{bound})",
         highlight=False,
     )
+    if check is not None:
+        if check.checks:
+            console.print(rank_table(check))
+        console.print(check.verdict(), highlight=False)
     if args.json:
         out = {
             "args": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
@@ -545,6 +608,8 @@ def main(argv: list[str] | None = None) -> None:
             "runs": {r.label: r.as_json() for r in runs},
             "ratio_a_b": ratio,
         }
+        if check is not None:
+            out["verify_peft"] = check.as_json()
         args.json.write_text(json.dumps(out, indent=2))
     assert engine.lora is not None
     engine.lora.shutdown()

@@ -14,6 +14,7 @@ from rich_tables import rows_starting
 from bench.__main__ import main
 from bench.lora_scale import parse_size
 from bench.lora_scale_trace import TraceSpec, catalog_ranks, make_trace
+from bench.lora_scale_verify import first_difference, pick_requests
 
 TOY = [
     "--num-adapters", "40", "--num-requests", "24", "--max-input", "32", "--max-output", "16",
@@ -25,8 +26,8 @@ WHERE = ("slot", "cpu", "disk", "base")
 def test_lora_scale_at_toy_size(
     demo_model_dir: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    """All at once, then again with Poisson arrivals and peft, on the adapter files the first
-    run wrote (the second writes none)."""
+    """All at once, then again with Poisson arrivals, peft, and (a) checked token for token
+    against peft, on the adapter files the first run wrote (the second writes none)."""
     store, out = tmp_path / "adapters", tmp_path / "lora-scale.json"
     args = ["lora-scale", "--model", str(demo_model_dir), *TOY, "--adapters-dir", str(store)]
     main([*args, "--json", str(out)])
@@ -50,9 +51,14 @@ def test_lora_scale_at_toy_size(
     assert f"{touched} touched" in printed and f"files for the {touched}" in printed
     assert rows_starting(printed, "(a) mixed") and "(a)/(b) output tok/s" in printed
 
-    main([*args, "--rate", "200", "--skip-base", "--peft"])
+    check = ["--verify-peft", "6", "--verify-max-output", "8"]
+    main([*args, "--rate", "200", "--skip-base", "--peft", *check, "--json", str(out)])
     printed = capsys.readouterr().out
     assert f"(0 written, {touched + 1} reused)" in printed
+    verified = json.loads(out.read_text())["verify_peft"]
+    assert verified["checked"] == verified["equal"] == 6 and verified["first_mismatch"] is None
+    assert "6 of 6 equal peft, the first 8 tokens of each" in printed
+    assert "the engine in float32 (--dtype auto overridden)" in printed
     assert [row[0] for row in rows_starting(printed, "(d) peft mixed")] == ["(d) peft mixed"]
     ttft_rows = [row for row in rows_starting(printed, "(a) mixed") if row[1] in WHERE]
     assert ttft_rows  # the TTFT table has (a)'s groups
@@ -75,6 +81,28 @@ def test_the_trace_is_seeded_and_follows_its_spec() -> None:
     adapted = [a for a in trace.adapters if a is not None]
     assert 0 < len(trace.adapters) - len(adapted) < 40  # about 5 % on the base model
     assert adapted.count(0) > adapted.count(1) > adapted.count(10)  # popularity by index
+
+
+def test_verify_peft_draws_adapted_requests_and_needs_float32(demo_model_dir: Path) -> None:
+    spec = TraceSpec(
+        num_adapters=50, ranks=(8, 64), num_tenants=10, num_requests=100, alpha=1.0,
+        base_fraction=0.2, input_len=(8, 16), output_len=(8, 16), max_model_len=48, rate=0.0,
+        seed=5,
+    )  # fmt: skip
+    trace = make_trace(spec, vocab_size=1000, special_ids=[0])
+    picks = pick_requests(trace, 30, seed=5)
+    assert picks == pick_requests(trace, 30, seed=5) == sorted(set(picks)) and len(picks) == 30
+    assert all(trace.adapters[i] is not None for i in picks)
+    adapted = [i for i, a in enumerate(trace.adapters) if a is not None]
+    assert pick_requests(trace, 1000, seed=5) == adapted  # K above the pool: all of it
+    assert first_difference([1, 2, 3], [1, 2, 3, 9], 3) is None
+    assert first_difference([1, 2, 3], [1, 5, 3], 3) == (1, 2, 5)
+    assert first_difference([1], [1, 4], 2) == (1, None, 4)  # the engine's output ended
+    model = ["lora-scale", "--model", str(demo_model_dir), "--verify-peft", "2"]
+    with pytest.raises(SystemExit, match="needs float32: drop --dtype bfloat16"):
+        main([*model, "--dtype", "bfloat16"])
+    with pytest.raises(SystemExit, match="goes with --verify-peft"):
+        main([*model[:3], "--verify-max-output", "4"])
 
 
 def test_sizes_parse_in_powers_of_1024() -> None:

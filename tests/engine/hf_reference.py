@@ -34,10 +34,13 @@ def greedy(
     model: Any, prompts: list[list[int]], max_new_tokens: int, ignore_eos: bool = True
 ) -> list[list[int]]:
     config = model.generation_config
+    eos = {}
     if ignore_eos:
         # Our ignore_eos samples EOS like any token; min_new_tokens would ban it instead.
+        # transformers 5 refills a config's None EOS from the model's: the keyword too.
         config = copy.deepcopy(config)
         config.eos_token_id = None
+        eos = {"eos_token_id": None}
     outs = []
     for prompt in prompts:
         ids = torch.tensor([prompt])
@@ -48,6 +51,7 @@ def greedy(
             max_new_tokens=max_new_tokens,
             do_sample=False,
             pad_token_id=0,
+            **eos,
         )
         outs.append(gen[0, len(prompt) :].tolist())
     return outs
