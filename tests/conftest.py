@@ -7,7 +7,7 @@ import contextlib
 import os
 import shutil
 import subprocess
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
@@ -72,6 +72,32 @@ def demo_adapters(
         name: build_demo_adapter(demo_model_dir, root / name, rank=rank, targets=targets, seed=seed)
         for name, rank, targets, seed in DEMO_ADAPTERS
     }
+
+
+@pytest.fixture(scope="session")
+def demo_adapter(
+    demo_model_dir: Path, tmp_path_factory: pytest.TempPathFactory
+) -> Callable[..., Path]:
+    """`demo_adapter(rank, targets="all", seed=1, rslora=False)`: a demo-model adapter's path,
+    built by peft on first use.
+
+    Shared by every test of the session, so tests copy it before changing anything.
+    """
+    from adapters.demo import build_demo_adapter
+
+    root = tmp_path_factory.mktemp("demo-adapter")
+    built: dict[tuple[int, str, int, bool], Path] = {}
+
+    def get(rank: int, targets: str = "all", *, seed: int = 1, rslora: bool = False) -> Path:
+        key = (rank, targets, seed, rslora)
+        if key not in built:
+            name = f"r{rank}-{targets}-seed{seed}" + ("-rslora" if rslora else "")
+            built[key] = build_demo_adapter(
+                demo_model_dir, root / name, rank=rank, targets=targets, seed=seed, rslora=rslora
+            )
+        return built[key]
+
+    return get
 
 
 # -- databases ----------------------------------------------------------------------------------

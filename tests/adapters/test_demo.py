@@ -19,7 +19,7 @@ from adapters.demo import UPDATE_STRENGTH, build_demo_adapter, clone_adapter
 from adapters.peft import CONFIG_FILE, WEIGHTS_FILE, describe_base, load_peft_adapter
 from gateway.cli import app
 
-DemoAdapter = Callable[..., Path]  # the demo_adapter fixture (conftest.py)
+DemoAdapter = Callable[..., Path]  # the demo_adapter fixture (tests/conftest.py)
 
 PROMPTS = [
     "The capital of France is",

@@ -33,7 +33,7 @@ from adapters.peft import (
 )
 from engine.lora_types import LORA_TARGETS, LoRAWeights
 
-DemoAdapter = Callable[..., Path]  # the demo_adapter fixture (conftest.py)
+DemoAdapter = Callable[..., Path]  # the demo_adapter fixture (tests/conftest.py)
 BLOCK = {"q_proj": "self_attn", "k_proj": "self_attn", "v_proj": "self_attn"}
 BLOCK |= {"o_proj": "self_attn", "gate_proj": "mlp", "up_proj": "mlp", "down_proj": "mlp"}
 # Names as peft 0.21 saves them.

@@ -7,6 +7,8 @@ from __future__ import annotations
 import gc
 import os
 import shutil
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -79,6 +81,87 @@ def test_a_mixed_batch_of_five_adapters_and_the_base_model_matches_peft(
     # The adapters matter: base outputs differ from every adapter's.
     base = hf_greedy(demo_model_dir, prompts[:2], MAX_NEW)
     assert base != [o.outputs[0].token_ids for o in outputs[:2]]
+
+
+# Sixteen adapters (twice the eight a step once held), of ranks 8 to 64 on all projections
+# and on attention only: each is built by peft (seed 100 + its index).
+MIXED_RANKS = [(rank, targets) for targets in ("all", "attention") for rank in (8, 16, 32, 64)] * 2
+
+
+@dataclass
+class MixedRankCase:
+    """A short prompt per adapter and one for the base model, then long prompts under four
+    adapters of every rank and the base model; each request's peft (or transformers) greedy
+    output."""
+
+    registry: AdapterRegistry
+    prompts: list[list[int]]
+    loras: list[LoRARequest | None]
+    expected: list[list[int]]
+    num_short: int
+
+
+@pytest.fixture(scope="module")
+def mixed_rank_case(demo_model_dir: Path, demo_adapter: Callable[..., Path]) -> MixedRankCase:
+    registry = AdapterRegistry(describe_base(demo_model_dir), max_lora_rank=64)
+    paths = {
+        f"m{i}-r{rank}-{targets}": demo_adapter(rank, targets, seed=100 + i)
+        for i, (rank, targets) in enumerate(MIXED_RANKS)
+    }
+    adapters = [registry.register(name, path) for name, path in paths.items()]
+    loras: list[LoRARequest | None] = [*adapters, None]
+    num_short = len(loras)
+    prompts = random_prompts([3 + i % 6 for i in range(num_short)], seed=9)
+    # Ranks 8, 16, 32 and 64; 70 to 150 tokens, chunked over several steps.
+    loras += [adapters[0], adapters[5], adapters[10], adapters[15], None]
+    prompts += random_prompts([70, 150, 95, 120, 60], seed=10)
+    expected = [
+        hf_greedy(demo_model_dir, [prompt], MAX_NEW)[0]
+        if lora is None
+        else peft_greedy(demo_model_dir, paths[lora.name], [prompt], MAX_NEW)[0]
+        for prompt, lora in zip(prompts, loras, strict=True)
+    ]
+    return MixedRankCase(registry, prompts, loras, expected, num_short)
+
+
+@pytest.mark.parametrize("cpu_kernels", [True, False], ids=["native", "torch"])
+def test_sixteen_adapters_of_ranks_8_to_64_in_one_step_match_peft(
+    demo_model_dir: Path, mixed_rank_case: MixedRankCase, cpu_kernels: bool
+) -> None:
+    case = mixed_rank_case
+    llm = make_llm(
+        demo_model_dir,
+        case.registry,
+        max_loras=16,
+        max_lora_rank=64,
+        max_num_batched_tokens=128,
+        cpu_kernels=cpu_kernels,
+    )
+    # Adapters load off the engine thread: one token under each first, so that all sixteen
+    # are in their slots when the batch comes.
+    adapters = case.loras[: case.num_short - 1]
+    warm = SamplingParams(max_tokens=1, temperature=0.0)
+    llm.generate([[7]] * len(adapters), warm, lora_request=adapters)
+    engine = llm.engine
+    for i, (prompt, lora) in enumerate(zip(case.prompts, case.loras, strict=True)):
+        engine.add_request(str(i), prompt, GREEDY, lora=lora)
+    outputs: list[list[int]] = [[] for _ in case.prompts]
+    first_step: dict[int, int] = {}
+    step = 0
+    while engine.has_unfinished_requests():
+        step += 1
+        for update in engine.step():
+            i = int(update.request_id)
+            first_step.setdefault(i, step)
+            outputs[i] += update.new_token_ids
+    # Every short prompt in the first step: sixteen adapters of four ranks and the base model
+    # in one forward pass; then their decode rows beside the long prompts' chunks (128 tokens
+    # a step: each long prompt's prefill spans two steps or more).
+    assert [first_step[i] for i in range(case.num_short)] == [1] * case.num_short
+    assert min(first_step[i] for i in range(case.num_short, len(case.prompts))) >= 2
+    for i, (lora, got, expected) in enumerate(zip(case.loras, outputs, case.expected, strict=True)):
+        assert got == expected, (i, lora and lora.name)
+    assert engine.kv.num_free_blocks == 512
 
 
 def cached_tokens(llm: LLM, prompt: list[int], lora: LoRARequest | None) -> tuple[int, list[int]]:

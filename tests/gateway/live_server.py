@@ -1,12 +1,16 @@
 """A live uvicorn server on 127.0.0.1 for tests that talk HTTP with the real openai client,
-with a tenancy of its own: a database, a tenant and its key, an admin token."""
+with a tenancy of its own: a database, a tenant and its key, an admin token; and `loragate
+serve` itself, as a process (serve_process)."""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import os
+import signal
 import socket
 import subprocess
+import sys
 import threading
 import time
 from collections.abc import AsyncIterator, Iterator
@@ -243,11 +247,11 @@ def register_public(app: FastAPI, name: str, path: Path) -> None:
     asyncio.run(add())
 
 
-def admin_client(server: Server) -> httpx.Client:
+def admin_client(server: Server | ServeProcess) -> httpx.Client:
     return httpx.Client(base_url=server.base_url, headers=server.admin_headers, timeout=60)
 
 
-def new_tenant(server: Server, name: str, **fields: object) -> tuple[str, str]:
+def new_tenant(server: Server | ServeProcess, name: str, **fields: object) -> tuple[str, str]:
     """A tenant made through the admin REST, and a key for it: (tenant id, key)."""
     with admin_client(server) as admin:
         created = admin.post("/admin/tenants", json={"name": name} | fields)
@@ -305,3 +309,68 @@ def wait_process_healthy(
             pass
         time.sleep(0.1)
     raise AssertionError(f"never healthy:\n{log.read_text()[-3000:]}")
+
+
+@dataclass(frozen=True)
+class ServeProcess:
+    """A `loragate serve` process: its URL, its process group, and admin credentials that it
+    accepts (a token signed with TEST_SECRET)."""
+
+    url: str
+    pid: int
+
+    @property
+    def base_url(self) -> str:
+        return self.url
+
+    @property
+    def admin_headers(self) -> dict[str, str]:
+        token = mint_admin_token(Settings(secret_key=TEST_SECRET), 3600)
+        return {"Authorization": f"Bearer {token}"}
+
+
+@contextlib.contextmanager
+def serve_process(model_dir: Path, cwd: Path, *flags: str) -> Iterator[ServeProcess]:
+    """`loragate serve` of `model_dir` as `demo` in `cwd` (its SQLite database and adapter
+    store), in a process group of its own, until the block exits: a 64 MiB KV pool, 256-token
+    context, no demo tenant; `flags` after those (a later flag wins)."""
+    port = free_port()
+    cwd.mkdir(parents=True, exist_ok=True)
+    command = [
+        str(Path(sys.executable).parent / "loragate"),
+        "serve",
+        "--model",
+        str(model_dir),
+        "--served-model-name",
+        "demo",
+        "--port",
+        str(port),
+        "--kv-cache-memory",
+        "64MiB",
+        "--max-model-len",
+        "256",
+        "--no-demo-tenant",
+        *flags,
+    ]
+    log = (cwd / "serve.log").open("ab")
+    server = subprocess.Popen(
+        command,
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        start_new_session=True,
+        cwd=cwd,
+        env=os.environ | {"LORAGATE_SECRET_KEY": TEST_SECRET, "PYTHONUNBUFFERED": "1"},
+    )
+    url = f"http://127.0.0.1:{port}"
+    try:
+        wait_process_healthy(url, server, cwd / "serve.log")
+        yield ServeProcess(url, server.pid)
+    finally:
+        if server.poll() is None:
+            os.killpg(server.pid, signal.SIGTERM)
+            try:
+                server.wait(30)
+            except subprocess.TimeoutExpired:
+                os.killpg(server.pid, signal.SIGKILL)
+                server.wait()
+        log.close()

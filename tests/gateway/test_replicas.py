@@ -7,87 +7,15 @@ from __future__ import annotations
 import json
 import os
 import signal
-import subprocess
-import sys
-from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
-from contextlib import contextmanager
-from dataclasses import dataclass
 from pathlib import Path
 
 import httpx
-from live_server import TEST_SECRET, free_port, usage_rows, wait_for_usage, wait_process_healthy
-
-from gateway.admin_auth import mint_admin_token
-from gateway.settings import Settings
+from live_server import new_tenant, serve_process, usage_rows, wait_for_usage
 
 MODEL = "demo"
-
-
-@dataclass(frozen=True)
-class Gateway:
-    url: str
-    pid: int
-
-
-@contextmanager
-def serve(model_dir: Path, cwd: Path, *flags: str) -> Iterator[Gateway]:
-    """A `loragate serve` process (its own process group) until the block exits."""
-    port = free_port()
-    cwd.mkdir(parents=True, exist_ok=True)
-    command = [
-        str(Path(sys.executable).parent / "loragate"),
-        "serve",
-        "--model",
-        str(model_dir),
-        "--served-model-name",
-        MODEL,
-        "--port",
-        str(port),
-        "--kv-cache-memory",
-        "64MiB",
-        "--max-model-len",
-        "256",
-        "--no-engine-process",
-        "--no-demo-tenant",
-        *flags,
-    ]
-    log = (cwd / "serve.log").open("ab")
-    server = subprocess.Popen(
-        command,
-        stdout=log,
-        stderr=subprocess.STDOUT,
-        start_new_session=True,
-        cwd=cwd,
-        env=os.environ | {"LORAGATE_SECRET_KEY": TEST_SECRET, "PYTHONUNBUFFERED": "1"},
-    )
-    url = f"http://127.0.0.1:{port}"
-    try:
-        wait_process_healthy(url, server, cwd / "serve.log")
-        yield Gateway(url, server.pid)
-    finally:
-        if server.poll() is None:
-            os.killpg(server.pid, signal.SIGTERM)
-            try:
-                server.wait(30)
-            except subprocess.TimeoutExpired:
-                os.killpg(server.pid, signal.SIGKILL)
-                server.wait()
-        log.close()
-
-
-def _admin() -> dict[str, str]:
-    token = mint_admin_token(Settings(secret_key=TEST_SECRET), 3600)
-    return {"Authorization": f"Bearer {token}"}
-
-
-def _tenant(url: str, name: str, **limits: object) -> tuple[str, str]:
-    with httpx.Client(base_url=url, headers=_admin(), timeout=30) as admin:
-        tenant = admin.post("/admin/tenants", json={"name": name} | limits)
-        assert tenant.status_code == 201, tenant.text
-        key = admin.post(f"/admin/tenants/{tenant.json()['id']}/keys", json={})
-        assert key.status_code == 201, key.text
-    return tenant.json()["id"], key.json()["key"]
+# Each gateway runs its engine loop in a thread of its own process.
+IN_PROCESS = "--no-engine-process"
 
 
 def _complete(url: str, key: str) -> httpx.Response:
@@ -108,11 +36,13 @@ def test_two_replicas_on_one_redis_hold_the_limit_exactly(
     # --redis-timeout 5: a stall on a busy machine must not fall back to per-replica limits.
     shared = ("--database-url", database_url, "--redis-url", redis_url, "--redis-timeout", "5")
     with (
-        serve(demo_model_dir, tmp_path / "a", *shared) as first,
-        serve(demo_model_dir, tmp_path / "b", *shared, "--no-db-upgrade") as second,
+        serve_process(demo_model_dir, tmp_path / "a", IN_PROCESS, *shared) as first,
+        serve_process(
+            demo_model_dir, tmp_path / "b", IN_PROCESS, *shared, "--no-db-upgrade"
+        ) as second,
     ):
         a, b = first.url, second.url
-        tenant_id, key = _tenant(a, "replicated", rpm_limit=5)
+        tenant_id, key = new_tenant(first, "replicated", rpm_limit=5)
         with ThreadPoolExecutor(8) as pool:
             answers = list(pool.map(lambda i: _complete((a, b)[i % 2], key), range(24)))
         codes = [r.status_code for r in answers]
@@ -128,10 +58,11 @@ def test_a_killed_gateway_loses_no_usage_row(
     """SIGKILL after N answered requests, with the database writer an hour away from its
     next batch: every row was in the fsynced spool before its answer went out, and the
     restarted gateway writes all N."""
-    database = ("--database-url", database_url)
+    database = (IN_PROCESS, "--database-url", database_url)
     answered = []
-    with serve(demo_model_dir, tmp_path / "gw", *database, "--usage-flush-interval", "60") as gw:
-        tenant_id, key = _tenant(gw.url, "killed")
+    flags = (*database, "--usage-flush-interval", "60")
+    with serve_process(demo_model_dir, tmp_path / "gw", *flags) as gw:
+        tenant_id, key = new_tenant(gw, "killed")
         for _ in range(8):
             resp = _complete(gw.url, key)
             assert resp.status_code == 200
@@ -147,6 +78,6 @@ def test_a_killed_gateway_loses_no_usage_row(
         answered.append(json.loads(first_chunk)["id"])
         assert usage_rows(database_url, tenant_id=tenant_id) == []  # only in the spool yet
         os.killpg(gw.pid, signal.SIGKILL)
-    with serve(demo_model_dir, tmp_path / "gw", *database, "--usage-flush-interval", "0.2"):
+    with serve_process(demo_model_dir, tmp_path / "gw", *database, "--usage-flush-interval", "0.2"):
         rows = wait_for_usage(database_url, len(answered), tenant_id=tenant_id)
     assert sorted(r["request_id"] for r in rows) == sorted(answered)
