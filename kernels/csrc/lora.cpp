@@ -13,14 +13,17 @@
 //     runs[i]     = slot, start, end                        the step's rows under one slot
 //
 // The cost is each run's rows times its own rank, whatever the number of distinct adapters.
-// A run of many rows (a prompt chunk) is two GEMMs through ATen (oneDNN, threaded, AMX for
-// bf16); short runs (decode rows, one or two per adapter) are too small for a GEMM's setup and
-// go to vectorized loops, spread over the threads run by run.
+// A run of many rows (a prompt chunk) is two GEMMs through ATen (oneDNN, AMX for bf16); short
+// runs (decode rows, one or two per adapter) are too small for a GEMM's setup and go to
+// vectorized loops. The threads take runs as they finish the last one.
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
+#include <ATen/ThreadLocalState.h>
 #include <torch/library.h>
 
+#include <algorithm>
+#include <atomic>
 #include <vector>
 
 #include "lora_avx512.h"
@@ -181,23 +184,43 @@ void add_lora_sgmv(at::Tensor y, const at::Tensor& x, const at::Tensor& pool_a,
       looped[i] = 1;
     }
   }
-  for (int64_t i = 0; i < num_runs; ++i) {
+  // GEMM runs first, longest first, then the loops: the workers take the next one as they
+  // finish, so a step's prompt runs and decode rows share the threads.
+  std::vector<int64_t> tasks;
+  for (int64_t i = 0; i < num_runs; ++i)
+    if (views[i].width > 0 && !looped[i]) tasks.push_back(i);
+  std::sort(tasks.begin(), tasks.end(), [&](int64_t a, int64_t b) {
+    return run[3 * a + 2] - run[3 * a + 1] > run[3 * b + 2] - run[3 * b + 1];
+  });
+  const size_t num_gemms = tasks.size();
+  tasks.insert(tasks.end(), loops.begin(), loops.end());
+  auto task = [&](int64_t i) {
     const int64_t start = run[3 * i + 1], n = run[3 * i + 2] - start;
-    if (views[i].width > 0 && !looped[i]) run_gemm(y, x, pool_a, pool_b, views[i], start, n);
-  }
-  if (loops.empty()) return;
-  // Runs are disjoint rows of y: threads take whole runs.
-  at::parallel_for(0, static_cast<int64_t>(loops.size()), 1, [&](int64_t begin, int64_t stop) {
-    for (int64_t j = begin; j < stop; ++j) {
-      const int64_t i = loops[j], start = run[3 * i + 1], n = run[3 * i + 2] - start;
-      if (x.scalar_type() == at::kFloat) {
-        run_loop<float>(y, x, pool_a.data_ptr<float>(), pool_b.data_ptr<float>(), views[i],
-                        start, n);
-      } else {
-        run_loop<c10::BFloat16>(y, x, pool_a.data_ptr<c10::BFloat16>(),
-                                pool_b.data_ptr<c10::BFloat16>(), views[i], start, n);
-      }
+    if (!looped[i]) {
+      run_gemm(y, x, pool_a, pool_b, views[i], start, n);
+    } else if (x.scalar_type() == at::kFloat) {
+      run_loop<float>(y, x, pool_a.data_ptr<float>(), pool_b.data_ptr<float>(), views[i], start,
+                      n);
+    } else {
+      run_loop<c10::BFloat16>(y, x, pool_a.data_ptr<c10::BFloat16>(),
+                              pool_b.data_ptr<c10::BFloat16>(), views[i], start, n);
     }
+  };
+  // A lone prompt run is one GEMM pair that threads itself; several are each too small to
+  // (oneDNN's bf16 GEMM costs ~25 us below a few hundred rows), so they run side by side.
+  const int64_t workers = std::min<int64_t>(at::get_num_threads(), tasks.size());
+  if (workers <= 1 || (num_gemms == 1 && tasks.size() == 1)) {
+    for (int64_t i : tasks) task(i);
+    return;
+  }
+  // Runs are disjoint rows of y: each worker takes whole runs. The GEMMs' ATen calls need
+  // the caller's thread-local state (inference mode: y may be an inference tensor).
+  std::atomic<size_t> next{0};
+  const at::ThreadLocalState caller;
+  at::parallel_for(0, workers, 1, [&](int64_t begin, int64_t stop) {
+    const at::ThreadLocalStateGuard guard(caller);
+    for (int64_t w = begin; w < stop; ++w)
+      for (size_t k = next++; k < tasks.size(); k = next++) task(tasks[k]);
   });
 }
 

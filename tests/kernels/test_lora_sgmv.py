@@ -69,8 +69,17 @@ def reference(
 RUNS = [(0, 0, 1), (2, 1, 3), (1, 3, 14), (3, 14, 16), (4, 18, 30), (0, 30, 70), (5, 70, 71)]
 
 
+@pytest.fixture(params=[1, 2], ids=["1 thread", "2 threads"])
+def threads(request: pytest.FixtureRequest):
+    """Runs one after another, or taken by two workers as they finish (oneDNN inside)."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(request.param)
+    yield request.param
+    torch.set_num_threads(before)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64])
-def test_runs_match_the_specification_at_mixed_ranks(dtype: torch.dtype) -> None:
+def test_runs_match_the_specification_at_mixed_ranks(dtype: torch.dtype, threads: int) -> None:
     ranks = [8, 4, 16, 2, 64, 32]
     modules = [[0, 1, 2], [0, 2], [1], [], [0, 1, 2], [2]]  # slot 3 adapts nothing here
     a, b, table, offsets, widths = pool(ranks, modules, dtype)
@@ -79,7 +88,9 @@ def test_runs_match_the_specification_at_mixed_ranks(dtype: torch.dtype) -> None
     base = torch.randn(73, OUT, generator=g).to(dtype)
     expected = reference(base, x, a, b, RUNS, offsets, widths)
     got = base.clone()
-    torch.ops.loragate.add_lora_sgmv(got, x, a, b, torch.tensor(RUNS), table)
+    with torch.inference_mode():  # as the engine calls it: y an inference tensor
+        got = got.clone()
+        torch.ops.loragate.add_lora_sgmv(got, x, a, b, torch.tensor(RUNS), table)
     # Both round the shrunk activations to the dtype; sums in another order differ by a few
     # units in the last place of the update's scale.
     tol = {torch.float32: 1e-5, torch.bfloat16: 2e-2, torch.float64: 1e-12}[dtype]
@@ -88,7 +99,7 @@ def test_runs_match_the_specification_at_mixed_ranks(dtype: torch.dtype) -> None
     assert torch.equal(got[16:18], base[16:18]) and torch.equal(got[71:], base[71:])
 
 
-def test_many_slots_in_one_call() -> None:
+def test_many_slots_in_one_call(threads: int) -> None:
     """Sixty adapters, a decode row each and a prompt run for some: one call, each row its own
     adapter's update (Punica's BGMV/SGMV case: cost by rows and ranks, not by slots)."""
     ranks = [(8, 16, 32, 64)[i % 4] for i in range(60)]
