@@ -136,6 +136,9 @@ class LoRAManager:
         self.max_loras = max_loras
         self.max_lora_rank = max_lora_rank
         self.max_cpu_loras = max_cpu_loras
+        # Loads in flight (their weights wait in `loading` until a slot takes them): at least
+        # one, so that an engine keeping no CPU copies still loads.
+        self.max_loads = max(1, max_cpu_loras)
         self.loader = loader
         self.device = device
         self.dtype = dtype
@@ -211,15 +214,16 @@ class LoRAManager:
         weights = self.cpu_cache.pop(lora.adapter_id, None) or self._load(lora)
         slot = self._make_room(lora.adapter_id, weights.rank)
         if slot is None:
+            self._cache(weights)
             raise LoRALoadError("every LoRA slot is in use")
         self._install(slot, weights)
         return slot
 
     def prefetch(self, loras: Iterable[LoRARequest]) -> None:
         """Start reading the adapters of waiting requests from disk, in the order given,
-        while loads in flight stay within `max_cpu_loras`."""
+        while loads in flight stay within `max_cpu_loras` (one at least)."""
         for lora in loras:
-            if len(self.loading) >= self.max_cpu_loras:
+            if len(self.loading) >= self.max_loads:
                 return
             adapter_id = lora.adapter_id
             if adapter_id in self.slot_of or adapter_id in self.cpu_cache:
@@ -268,7 +272,7 @@ class LoRAManager:
             # Loaded weights wait in `loading` until a slot takes them: bounding it
             # bounds that memory and keeps a queue of many cold adapters from
             # loading them all only to evict them unused.
-            if len(self.loading) >= self.max_cpu_loras:
+            if len(self.loading) >= self.max_loads:
                 return None
             self.loading[adapter_id] = self._executor.submit(self._load, lora)
             self.num_disk_loads += 1

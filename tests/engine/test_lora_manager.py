@@ -290,6 +290,16 @@ def test_prefetch_loads_waiting_adapters_within_the_bound() -> None:
     assert manager.num_disk_loads == 3
 
 
+def test_an_engine_keeping_no_cpu_copies_still_loads_one_adapter_at_a_time() -> None:
+    manager = make_manager(max_loras=1, max_cpu_loras=0)
+    manager.prefetch([lora("a"), lora("b")])
+    assert set(manager.loading) == {"sha-a"}
+    manager.release(acquire_when_loaded(manager, lora("a")))
+    manager.release(acquire_when_loaded(manager, lora("b")))  # a evicted, and not kept
+    assert set(manager.slot_of) == {"sha-b"} and not manager.cpu_cache
+    assert manager.num_disk_loads == 2
+
+
 def test_a_narrower_adapter_where_a_wider_one_was_computes_only_its_own_update() -> None:
     modules = ("q_proj", "k_proj", "v_proj")
 
