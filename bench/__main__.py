@@ -16,6 +16,10 @@ BENCHMARKS: dict[str, tuple[str, str]] = {
         "bench.lora_scale",
         "S-LoRA's trace: 1000 adapters, power-law picks, vs one adapter; TTFT by residency",
     ),
+    "lora-scale-vs-vllm": (
+        "bench.lora_scale_vs_vllm",
+        "lora-scale's trace over HTTP: loragate serve and vLLM-CPU with --enable-lora",
+    ),
     "lora-kernel": ("bench.lora_kernel", "the multi-LoRA op against the linears it rides on"),
     "serve": ("bench.serve", "load-test any OpenAI-compatible server"),
     "containment": ("bench.containment", "W1 clean and with one request failing its steps"),

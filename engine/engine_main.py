@@ -11,6 +11,7 @@ import logging
 import os
 import pickle
 import signal
+import sys
 import threading
 import time
 from collections.abc import Iterator, Sequence
@@ -38,27 +39,27 @@ STATS_INTERVAL = 0.05
 OMP_SPIN_COUNT = "10000"
 
 
-def _omp_wait_settings() -> dict[str, str]:
+def omp_wait_settings() -> dict[str, str]:
     """OpenMP reads these when the child loads torch; a setting of the user's is kept."""
     if "OMP_WAIT_POLICY" in os.environ or "GOMP_SPINCOUNT" in os.environ:
         return {}
     return {"GOMP_SPINCOUNT": OMP_SPIN_COUNT}
 
 
-# os.environ is the whole process's: one start at a time (the spare pool's refill and an
+# os.environ is the whole process's: one start at a time (the zygote's restart and an
 # engine's restart may each start a process).
-_environ_lock = threading.Lock()
+environ_lock = threading.Lock()
 
 
 def start_process(process: BaseProcess) -> None:
     """Start a spawned engine (or spare) process with the environment its OpenMP reads when
     it imports torch."""
-    with _environ_lock, _environ(**_omp_wait_settings()):
+    with environ_lock, environ(**omp_wait_settings()):
         process.start()
 
 
 @contextlib.contextmanager
-def _environ(**values: str) -> Iterator[None]:
+def environ(**values: str) -> Iterator[None]:
     saved = {name: os.environ.get(name) for name in values}
     os.environ.update(values)
     try:
@@ -86,6 +87,8 @@ def run_engine(
     `spawned_at`: when the gateway spawned it (time.time()), to time the process's start;
     `tokenizer`: the model's, loaded ahead (a warm spare's)."""
     entered = time.time()
+    if tokenizer is None:
+        tokenizer = _zygote_tokenizer(config)
     logging.basicConfig(level=logging.INFO, format="%(levelname)s [engine] %(message)s")
     # The gateway process decides when this one stops (it sends None, or its pipe closes).
     signal.signal(signal.SIGINT, signal.SIG_IGN)
@@ -106,6 +109,12 @@ def run_engine(
     conn.send(Ready(info, engine_stats(engine), load_seconds | engine.load_seconds))
     with contextlib.suppress(EOFError, OSError, KeyboardInterrupt):  # the gateway is gone
         _EngineLoop(engine, conn).run()
+
+
+def _zygote_tokenizer(config: EngineConfig) -> Any:
+    """The model's tokenizer as the zygote loaded it, where this process is its fork."""
+    warm = sys.modules.get("engine.zygote_warm")  # never imported here: importing it warms
+    return None if warm is None else warm.preloaded_tokenizer(config.tokenizer or config.model)
 
 
 class _EngineLoop:

@@ -61,6 +61,7 @@ from engine.messages import (
     Stopped,
 )
 from engine.warm_spare import SparePool
+from engine.zygote import ForkedProcess, Zygote
 
 logger = logging.getLogger(__name__)
 
@@ -80,6 +81,7 @@ class EngineProcess(EngineClient):
         restart: bool = True,
         tokenizer: Any = None,
         spares: SparePool | None = None,
+        zygote: Zygote | None = None,
     ) -> None:
         """`tokenizer`: the model's, where the caller has it loaded already (a model started
         on demand); None: start() loads it. `spares`: warm processes to start in (torch
@@ -90,6 +92,7 @@ class EngineProcess(EngineClient):
         self._lora_loader = lora_loader
         self._preload = list(preload)
         self._spares = spares
+        self._zygote = zygote
         self._process: Any = None
         self._conn: Connection | None = None
         self._send_lock = threading.Lock()
@@ -152,9 +155,9 @@ class EngineProcess(EngineClient):
             self._process, self._conn = process, conn
         self._started_at = time.monotonic()
 
-    def _start_process(self) -> tuple[BaseProcess, Connection]:
-        """A warm spare handed this engine's start arguments or, with none ready, a process
-        spawned now; either runs run_engine with them."""
+    def _start_process(self) -> tuple[BaseProcess | ForkedProcess, Connection]:
+        """A warm spare handed this engine's start arguments or, with none ready, a fork of
+        the zygote or, without one, a process spawned now; each runs run_engine with them."""
         spare = self._spares.take() if self._spares is not None else None
         if spare is not None:
             process, conn = spare
@@ -166,12 +169,12 @@ class EngineProcess(EngineClient):
                 conn.close()
         context = mp.get_context("spawn")  # fork would copy this process's torch threads
         conn, child = context.Pipe()
-        process = context.Process(
-            target=run_engine,
-            args=(child, self.config, self._lora_loader, self._preload, time.time()),
-            name="loragate-engine",
-            daemon=True,
-        )
+        args = (child, self.config, self._lora_loader, self._preload, time.time())
+        if self._zygote is not None:
+            forked = self._zygote.process(run_engine, args, "loragate-engine")
+            child.close()
+            return forked, conn
+        process = context.Process(target=run_engine, args=args, name="loragate-engine", daemon=True)
         start_process(process)
         child.close()
         return process, conn

@@ -15,7 +15,7 @@ from adapters.peft import describe_base
 from adapters.peft_config import AdapterError
 from engine.lora_types import LoRARequest
 from gateway.console.oauth import ConsoleOAuth
-from gateway.model_engines import model_engine, spare_pool
+from gateway.model_engines import engine_zygote, model_engine, spare_pool
 from gateway.models_file import served_models
 from gateway.served_models import ModelEngine
 from gateway.settings import Settings, SettingsError
@@ -76,6 +76,7 @@ def run_server(settings: Settings, with_progress: Callable[[Any], Any]) -> None:
         raise typer.BadParameter(str(exc)) from exc
     demo, preload = asyncio.run(_start_up(tenancy, settings, modules))
     engines: dict[str, ModelEngine] = {}
+    zygote = engine_zygote(specs)
     spares = spare_pool(specs, settings.spare_engines, settings.spare_engine_memory)
     for spec in specs:
         if spec.entry.min_replicas == 0:
@@ -88,6 +89,7 @@ def run_server(settings: Settings, with_progress: Callable[[Any], Any]) -> None:
             preload if spec is first else [],
             with_progress,
             spares,
+            zygote,
         )
     if spares is not None:
         spares.start()  # the engines that start with the server have loaded
@@ -112,6 +114,8 @@ def run_server(settings: Settings, with_progress: Callable[[Any], Any]) -> None:
         await asyncio.gather(*(e.shutdown(settings.shutdown_grace) for e in engines.values()))
         if spares is not None:
             await asyncio.to_thread(spares.close)  # up to seconds per spare
+        if zygote is not None:
+            zygote.close()
         await tenancy.close()
 
     app.router.lifespan_context = lifespan

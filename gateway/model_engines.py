@@ -17,6 +17,7 @@ from engine.config import EngineConfig
 from engine.lora_types import LoRARequest
 from engine.spec_decode import SpeculativeConfig
 from engine.warm_spare import SparePool, start_heap_bytes
+from engine.zygote import Zygote
 from gateway.engine_on_demand import ModelFacts, OnDemandEngine, ScalePolicy, model_facts
 from gateway.models_file import ServedModelSpec
 from gateway.remote.picked_engine import PickedEngine
@@ -74,11 +75,13 @@ def start_engine(
     with_progress: Callable[[Any], Any],
     tokenizer: Any = None,
     spares: SparePool | None = None,
+    zygote: Zygote | None = None,
 ) -> EngineClient:
     """One model's engine, started and loaded: its own process (the default), or a loop
     in this one. `preload`: adapters that fill its LoRA slots before the first request;
     `tokenizer`: the model's, loaded already (the engine process's side need not again);
-    `spares`: warm processes to start it in (engine.warm_spare)."""
+    `spares`: warm processes to start it in (engine.warm_spare); `zygote`: the process to fork
+    it from (engine.zygote)."""
     from engine import LLMEngine
     from engine.async_engine import AsyncEngine
     from engine.engine_process import EngineProcess
@@ -95,6 +98,7 @@ def start_engine(
             restart=settings.restart_engine,
             tokenizer=tokenizer,
             spares=spares,
+            zygote=zygote,
         )
         with_progress(process.start)
         return process
@@ -114,6 +118,7 @@ def model_engine(
     preload: list[LoRARequest],
     with_progress: Callable[[Any], Any],
     spares: SparePool | None = None,
+    zygote: Zygote | None = None,
 ) -> ModelEngine:
     """A model's engine as its entry asks: the engines at its urls; else one local engine,
     started now (min_replicas 1) or on its first request and stopped after idle_timeout
@@ -124,12 +129,12 @@ def model_engine(
     if entry.urls:
         return remote_pool(spec)
     if entry.max_replicas == 1 and entry.min_replicas == 1:
-        return start_engine(settings, loader, preload, with_progress)
+        return start_engine(settings, loader, preload, with_progress, zygote=zygote)
     facts = model_facts(settings.model, settings.max_model_len)
     replicas = []
     for index in range(entry.max_replicas):
         always_on = index < entry.min_replicas
-        replica = _on_demand(spec, index, always_on, loader, preload, facts, spares)
+        replica = _on_demand(spec, index, always_on, loader, preload, facts, spares, zygote)
         if always_on:
             replica.start_now()
         replicas.append(replica)
@@ -147,6 +152,7 @@ def _on_demand(
     preload: list[LoRARequest],
     facts: ModelFacts,
     spares: SparePool | None,
+    zygote: Zygote | None,
 ) -> OnDemandEngine:
     # A replica on demand is replaced on the model's next request, not by its process.
     restart = always_on and spec.settings.restart_engine
@@ -154,7 +160,9 @@ def _on_demand(
     name = spec.name if spec.entry.max_replicas == 1 else f"{spec.name}/{index}"
     return OnDemandEngine(
         name,
-        lambda: start_engine(settings, loader, preload, _without_progress, facts.tokenizer, spares),
+        lambda: start_engine(
+            settings, loader, preload, _without_progress, facts.tokenizer, spares, zygote
+        ),
         facts,
         ScalePolicy(
             min_replicas=int(always_on),
@@ -164,6 +172,19 @@ def _on_demand(
         ),
         max_num_seqs=settings.max_num_seqs,
     )
+
+
+def engine_zygote(specs: list[ServedModelSpec]) -> Zygote | None:
+    """The zygote the models' local engine processes fork from (started: it imports in the
+    background); None where none is a local process or --no-zygote."""
+    local = [
+        s for s in specs if not s.entry.urls and s.settings.engine_process and s.settings.zygote
+    ]
+    if not local:
+        return None
+    zygote = Zygote([s.settings.model for s in local])
+    zygote.start()
+    return zygote
 
 
 def spare_pool(specs: list[ServedModelSpec], size: int, memory: str = "auto") -> SparePool | None:

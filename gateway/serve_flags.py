@@ -24,6 +24,8 @@ HELP: dict[str, str] = {
     "(docs: Several models). Default: --model alone.",
     "max_pending_per_model": "Requests held for a model whose engine is starting (503 past).",
     "cold_start_timeout": "Seconds a request waits for its model's engine to start (503 past).",
+    "zygote": "Fork engine processes from one process that has imported torch and the engine "
+    "(milliseconds), rather than spawn each (seconds): cold starts, scale-up and restarts.",
     "spare_engines": "Engine processes kept started ahead, torch imported, for models that "
     "start on demand (0: none).",
     "spare_engine_memory": "Memory a spare faults in ahead, so that the model it becomes loads "
