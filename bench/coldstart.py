@@ -1,7 +1,7 @@
 """Cold start: a model's engine started from nothing, to its first token, phase by phase.
 
     loragate-bench coldstart --model models/smollm2 [--rounds 5] [--dtype auto]
-        [--adapter DIR] [--spare] [--json FILE]
+        [--adapter DIR] [--spare] [--zygote] [--json FILE]
 
 Each round does what the gateway does for a model that scales to zero (min_replicas 0,
 gateway/engine_on_demand.py): spawn the engine process (engine/engine_process.py), wait until
@@ -11,11 +11,14 @@ before. With `--adapter`, the first request names that adapter, not yet loaded: 
 part of the first token. With `--spare`, each round is run twice: as above, then in a warm
 spare (engine/warm_spare.py) the gateway started ahead, ready before the round begins, as in
 a gateway that has run a while; the pool starts its next spare during the timed part, as
-the gateway's does.
+the gateway's does. With `--zygote`, each round is also run forked from a zygote
+(engine/zygote.py) started before the rounds, as the gateway's is; the report adds the
+zygote's memory (RSS, and PSS: its share of pages its children also map).
 
 Phases, median over the rounds:
   process    spawn, the interpreter, the imports (torch, transformers, the engine); in a
-             spare, the handover (its start arguments sent and read)
+             spare, the handover (its start arguments sent and read); from a zygote, the
+             fork and the start arguments read
   tokenizer  the engine's tokenizer and config
   setup      device, dtype, the checkpoint's tensor names
   kernels    the C++ kernels loaded (built once per machine, then cached on disk)
@@ -55,6 +58,7 @@ from engine.lora_types import LoRARequest
 from engine.messages import EngineRequest
 from engine.request import SamplingParams
 from engine.warm_spare import SparePool, start_heap_bytes
+from engine.zygote import Zygote
 from gateway.settings import parse_bytes
 
 PHASES = (
@@ -75,10 +79,13 @@ SPARE_READY_TIMEOUT = 300.0  # seconds for a spare to import torch (the first on
 
 
 def one_cold_start(
-    config: EngineConfig, adapter: Path | None, spares: SparePool | None = None
+    config: EngineConfig,
+    adapter: Path | None,
+    spares: SparePool | None = None,
+    zygote: Zygote | None = None,
 ) -> dict[str, float]:
-    """Seconds per phase of one engine started from nothing (or in a spare of `spares`) to its
-    first token."""
+    """Seconds per phase of one engine started from nothing (or in a spare of `spares`, or
+    forked from `zygote`) to its first token."""
     loader = None
     lora = None
     if adapter is not None:
@@ -89,7 +96,12 @@ def one_cold_start(
     tokenizer = AutoTokenizer.from_pretrained(config.model)
     started = time.perf_counter()
     process = EngineProcess(
-        config, lora_loader=loader, restart=False, tokenizer=tokenizer, spares=spares
+        config,
+        lora_loader=loader,
+        restart=False,
+        tokenizer=tokenizer,
+        spares=spares,
+        zygote=zygote,
     )
     process.start()
     ready = time.perf_counter()
@@ -138,6 +150,7 @@ def _parser() -> argparse.ArgumentParser:
         default="auto",
         help="heap the spare faults in ahead: auto (as the gateway sizes it), a size, or 0",
     )
+    p.add_argument("--zygote", action="store_true", help="each round also forked from a zygote")
     p.add_argument("--json", type=Path, default=None)
     return p
 
@@ -153,6 +166,10 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
     console = Console(stderr=True)
     console.print(f"cold start of {args.model}: 1 untimed round, then {args.rounds}")
     result: dict[str, Any] = {"model": str(args.model)}
+    zygote = None
+    if args.zygote:
+        zygote = Zygote([config.model])
+        zygote.start()
     pool = None
     if args.spare:
         heap_bytes = (
@@ -160,13 +177,16 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
             if args.spare_memory == "auto"
             else parse_bytes(args.spare_memory)
         )
-        pool = SparePool(1, heap_bytes, [config])
+        pool = SparePool(1, heap_bytes, [config], zygote=zygote)  # forked, with --zygote
         result["spare_heap_bytes"] = heap_bytes
     if pool is not None:
         pool.start()
     try:
         one_cold_start(config, args.adapter)  # the page cache holds the weights from here on
-        rounds, spare_rounds = [], []
+        if zygote is not None:
+            one_cold_start(config, args.adapter, zygote=zygote)  # the zygote has imported
+            result["zygote_memory"] = process_memory(zygote.pid or 0)
+        rounds, spare_rounds, zygote_rounds = [], [], []
         for i in range(args.rounds):
             _spare_ready(pool)  # no spare starting beside the fresh round
             rounds.append(one_cold_start(config, args.adapter))
@@ -176,14 +196,21 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
                 result.setdefault("spare_rss_bytes", spare_rss(pool))
                 spare_rounds.append(one_cold_start(config, args.adapter, pool))
                 line += f", {sum(spare_rounds[-1].values()):.2f} s in a spare"
+            if zygote is not None:
+                zygote_rounds.append(one_cold_start(config, args.adapter, zygote=zygote))
+                line += f", {sum(zygote_rounds[-1].values()):.2f} s from the zygote"
             console.print(line + " to the first token")
     finally:
         if pool is not None:
             pool.close()
+        if zygote is not None:
+            zygote.close()
     cat, size = cat_seconds(args.model)
     result |= {"rounds": rounds, "cat_seconds": cat, "weights_bytes": size}
     if pool is not None:
         result["spare_rounds"] = spare_rounds
+    if zygote is not None:
+        result["zygote_rounds"] = zygote_rounds
     return result
 
 
@@ -201,10 +228,23 @@ def spare_rss(pool: SparePool) -> int:
     raise RuntimeError(f"no VmRSS in /proc/{pid}/status")
 
 
+def process_memory(pid: int) -> dict[str, int]:
+    """A process's resident and proportional set sizes in bytes (/proc/PID/smaps_rollup)."""
+    sizes = {}
+    for line in Path(f"/proc/{pid}/smaps_rollup").read_text().splitlines():
+        name, _, value = line.partition(":")
+        if name in ("Rss", "Pss"):
+            sizes[name.lower()] = int(value.split()[0]) * 1024
+    return sizes
+
+
 def report(result: dict[str, Any], console: Console) -> None:
-    columns = {"fresh" if "spare_rounds" in result else "seconds": result["rounds"]}
+    several = "spare_rounds" in result or "zygote_rounds" in result
+    columns = {"fresh" if several else "seconds": result["rounds"]}
     if "spare_rounds" in result:
         columns["in a spare"] = result["spare_rounds"]
+    if "zygote_rounds" in result:
+        columns["from the zygote"] = result["zygote_rounds"]
     medians = {
         name: {p: statistics.median(r.get(p, 0.0) for r in rounds) for p in PHASES}
         for name, rounds in columns.items()
@@ -242,6 +282,15 @@ def report(result: dict[str, Any], console: Console) -> None:
             f"({fresh / spare:.1f}x faster); a ready spare holds "
             f"{result['spare_rss_bytes'] / 2**20:.0f} MiB (RSS), "
             f"{result['spare_heap_bytes'] / 2**20:.0f} MiB of it heap faulted in ahead"
+        )
+    if "zygote_rounds" in result:
+        fresh, forked = totals["fresh"], totals["from the zygote"]
+        memory = result["zygote_memory"]
+        console.print(
+            f"from the zygote: {forked:.3f} s to the first token against {fresh:.3f} s "
+            f"({fresh / forked:.1f}x faster), the fork and its arguments "
+            f"{medians['from the zygote']['process'] * 1e3:.0f} ms; the zygote holds "
+            f"{memory['rss'] / 2**20:.0f} MiB (RSS), {memory['pss'] / 2**20:.0f} MiB (PSS)"
         )
 
 

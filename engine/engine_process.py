@@ -100,6 +100,7 @@ class EngineProcess(EngineClient):
         self._info: EngineInfo | None = None
         self._stats = EngineStats()
         self.load_seconds: dict[str, float] = {}  # the last start's phases (Ready)
+        self.started_in = ""  # where the last start ran: a spare, a fork, a spawned process
         self._tokenizer: Any = tokenizer
         self._grammars: GrammarCache | None = None
         self._state = "stopped"
@@ -164,6 +165,7 @@ class EngineProcess(EngineClient):
             handed = StartEngine(self.config, self._lora_loader, tuple(self._preload), time.time())
             try:
                 conn.send(handed)
+                self.started_in = "a warm spare"
                 return process, conn
             except OSError:  # it died since the pool saw it alive
                 conn.close()
@@ -173,10 +175,12 @@ class EngineProcess(EngineClient):
         if self._zygote is not None:
             forked = self._zygote.process(run_engine, args, "loragate-engine")
             child.close()
+            self.started_in = "a fork of the zygote"
             return forked, conn
         process = context.Process(target=run_engine, args=args, name="loragate-engine", daemon=True)
         start_process(process)
         child.close()
+        self.started_in = "a process spawned for it"
         return process, conn
 
     @property

@@ -14,6 +14,7 @@ from __future__ import annotations
 import contextlib
 import os
 import signal
+import sys
 import threading
 from collections.abc import Sequence
 from multiprocessing.connection import Connection
@@ -79,9 +80,11 @@ def _warm_up(tokenizers: Sequence[str], checkpoints: Sequence[str], loaded: dict
 
     from engine import checkpoint_map
 
+    zygote = sys.modules.get("engine.zygote_warm")  # forked from a zygote: loaded there
     for path in tokenizers:
         with contextlib.suppress(Exception):  # the engine loads it, or says what is wrong
-            loaded[path] = AutoTokenizer.from_pretrained(path)
+            preloaded = None if zygote is None else zygote.preloaded_tokenizer(path)
+            loaded[path] = preloaded or AutoTokenizer.from_pretrained(path)
     for path in checkpoints:
         with contextlib.suppress(Exception):
             checkpoint_map.premap(path)

@@ -37,6 +37,7 @@ from engine.config import EngineConfig
 from engine.engine_main import start_process
 from engine.messages import SpareReady
 from engine.spare_main import run_spare
+from engine.zygote import ForkedProcess, Zygote
 
 logger = logging.getLogger(__name__)
 
@@ -45,12 +46,15 @@ logger = logging.getLogger(__name__)
 # the spare just taken loaded at half speed (weights 0.8 s instead of 0.4, SmolLM2), priority
 # notwithstanding, and its first requests were slower. Past the delay it has loaded.
 REFILL_DELAY = 5.0
+# With a zygote a spare is a fork that imports nothing: it faults in its heap (a fraction of a
+# second of one core) and is ready. The engine in the spare just taken has loaded by then.
+ZYGOTE_REFILL_DELAY = 1.0
 # After a spare that died before it was ready, the next waits this long (doubling up to MAX).
 RETRY_DELAY_MIN, RETRY_DELAY_MAX = 1.0, 60.0
 # Seconds a spare told to stop (its pipe closed) has to exit before it is killed.
 STOP_GRACE = 2.0
 
-Spare = tuple[BaseProcess, Connection]
+Spare = tuple[BaseProcess | ForkedProcess, Connection]
 
 
 class SparePool:
@@ -61,19 +65,24 @@ class SparePool:
         size: int,
         heap_bytes: int = 0,
         models: Sequence[EngineConfig] = (),
-        refill_delay: float = REFILL_DELAY,
+        refill_delay: float | None = None,
+        zygote: Zygote | None = None,
     ) -> None:
         """`heap_bytes`: memory each spare faults in while it waits (engine.heap.prefault;
         start_heap_bytes() says what a model's start writes); `models`: the engines a spare
-        may become, whose tokenizers each loads and whose checkpoints each maps ahead."""
+        may become, whose tokenizers each loads and whose checkpoints each maps ahead;
+        `zygote`: where spares are forked from (engine.zygote), else each is spawned."""
         self.size = size
         self.heap_bytes = heap_bytes
         self.tokenizers = tuple(dict.fromkeys(m.tokenizer or m.model for m in models))
         self.checkpoints = tuple(dict.fromkeys(m.model for m in models))
+        if refill_delay is None:
+            refill_delay = REFILL_DELAY if zygote is None else ZYGOTE_REFILL_DELAY
         self.refill_delay = refill_delay
+        self.zygote = zygote
         self._taken_at = float("-inf")  # time.monotonic() of the last take
         self._ready: deque[Spare] = deque()
-        self._starting: BaseProcess | None = None
+        self._starting: BaseProcess | ForkedProcess | None = None
         self._changed = threading.Condition()
         self._closed = False
         self._thread: threading.Thread | None = None
@@ -171,20 +180,28 @@ class SparePool:
         return False
 
     def _start_one(self) -> Spare | None:
-        """Spawn a spare and wait until it is ready; None if it died first (or was killed)."""
+        """Fork (or spawn) a spare and wait until it is ready; None if it died first (or was
+        killed)."""
         context = mp.get_context("spawn")  # as an engine process: no copy of this one's threads
         conn, child = context.Pipe()
-        process = context.Process(
-            target=run_spare,
-            args=(child, self.heap_bytes, self.tokenizers, self.checkpoints),
-            name="loragate-spare",
-            daemon=True,
-        )
-        with self._changed:
-            if self._closed:
-                return None
-            self._starting = process
-            start_process(process)
+        args = (child, self.heap_bytes, self.tokenizers, self.checkpoints)
+        process: BaseProcess | ForkedProcess
+        if self.zygote is not None:
+            # Outside the lock: a fork waits while the zygote still imports, takes must not.
+            process = self.zygote.process(run_spare, args, "loragate-spare")
+            with self._changed:
+                self._starting = process
+                if self._closed:
+                    process.kill()
+        else:
+            with self._changed:
+                if self._closed:
+                    return None
+                process = context.Process(
+                    target=run_spare, args=args, name="loragate-spare", daemon=True
+                )
+                self._starting = process
+                start_process(process)
         child.close()
         try:
             message = conn.recv()

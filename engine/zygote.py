@@ -54,23 +54,28 @@ class ForkedProcess:
         assert process.pid is not None
         self.pid: int = process.pid
         self._pidfd: int | None = None
+        self._gone = False
         with contextlib.suppress(AttributeError, OSError):
             self._pidfd = os.pidfd_open(self.pid)
 
     def _exited(self, timeout: float | None) -> bool:
+        if self._gone:
+            return True
         if self._pidfd is None:
             self._process.join(timeout)
-            return not self._process.is_alive()
-        readable, _, _ = select.select([self._pidfd], [], [], timeout)
-        return bool(readable)
+            self._gone = not self._process.is_alive()
+        else:
+            self._gone = bool(select.select([self._pidfd], [], [], timeout)[0])
+        if self._gone:
+            self._process.join(0)  # the exit code, where the zygote still reports it
+            self._close()
+        return self._gone
 
     def is_alive(self) -> bool:
         return not self._exited(0)
 
     def join(self, timeout: float | None = None) -> None:
-        if self._exited(timeout):
-            self._process.join(0)  # the exit code, where the zygote still reports it
-            self._close()
+        self._exited(timeout)
 
     @property
     def exitcode(self) -> int | None:
@@ -83,10 +88,12 @@ class ForkedProcess:
         self._signal(signal.SIGKILL)
 
     def _signal(self, sig: int) -> None:
-        if self._pidfd is None:
-            os.kill(self.pid, sig)
-        elif self.is_alive():
-            with contextlib.suppress(ProcessLookupError):
+        if self._exited(0):
+            return
+        with contextlib.suppress(ProcessLookupError):
+            if self._pidfd is None:
+                os.kill(self.pid, sig)
+            else:
                 signal.pidfd_send_signal(self._pidfd, sig)
 
     def _close(self) -> None:

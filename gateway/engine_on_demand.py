@@ -236,10 +236,12 @@ class OnDemandEngine:
                 self._last_used = time.monotonic()
                 seconds = self._last_used - held
                 phases = getattr(engine, "load_seconds", None)
+                where = getattr(engine, "started_in", "")
                 logger.info(
-                    "engine for %r ready in %.2f s%s",
+                    "engine for %r ready in %.2f s%s%s",
                     self.name,
                     seconds,
+                    f", in {where}" if where else "",
                     f" ({describe(phases)})" if phases else "",
                 )
                 if self.on_cold_start is not None:

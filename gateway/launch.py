@@ -77,7 +77,7 @@ def run_server(settings: Settings, with_progress: Callable[[Any], Any]) -> None:
     demo, preload = asyncio.run(_start_up(tenancy, settings, modules))
     engines: dict[str, ModelEngine] = {}
     zygote = engine_zygote(specs)
-    spares = spare_pool(specs, settings.spare_engines, settings.spare_engine_memory)
+    spares = spare_pool(specs, settings.spare_engines, settings.spare_engine_memory, zygote)
     for spec in specs:
         if spec.entry.min_replicas == 0:
             typer.echo(f"{spec.name!r} scales to zero: its engine starts on its first request")

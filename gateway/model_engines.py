@@ -187,12 +187,15 @@ def engine_zygote(specs: list[ServedModelSpec]) -> Zygote | None:
     return zygote
 
 
-def spare_pool(specs: list[ServedModelSpec], size: int, memory: str = "auto") -> SparePool | None:
+def spare_pool(
+    specs: list[ServedModelSpec], size: int, memory: str = "auto", zygote: Zygote | None = None
+) -> SparePool | None:
     """Warm spares (not started: start() once the engines that start with the server have
     loaded, or a spare's imports slow theirs) where a model's engine processes start on demand
     (a replica above min_replicas); None where every engine starts with the server, runs in
     this process or lives elsewhere. `memory`: the heap each faults in ahead (a size, or auto:
-    what the largest of those models writes as it starts, up to engine.heap's cap)."""
+    what the largest of those models writes as it starts, up to engine.heap's cap); `zygote`:
+    spares are forked from it (ready in a fraction of a second), else spawned."""
     on_demand = [
         s
         for s in specs
@@ -207,7 +210,7 @@ def spare_pool(specs: list[ServedModelSpec], size: int, memory: str = "auto") ->
         heap_bytes = max(start_heap_bytes(config) for config in configs)
     else:
         heap_bytes = parse_bytes(memory)
-    return SparePool(size, heap_bytes, configs)
+    return SparePool(size, heap_bytes, configs, zygote=zygote)
 
 
 def hold_policy(spec: ServedModelSpec) -> HoldPolicy:

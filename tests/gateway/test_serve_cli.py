@@ -16,18 +16,16 @@ from pathlib import Path
 
 import httpx
 from live_server import free_port
+from process_tree import engine_processes
 
 MODEL = "demo"
 
 
 def _engine_pid(server_pid: int) -> int:
-    """The engine process: the server's child that multiprocessing spawned."""
-    children = Path(f"/proc/{server_pid}/task/{server_pid}/children").read_text().split()
-    for pid in children:
-        cmdline = Path(f"/proc/{pid}/cmdline").read_bytes()
-        if b"spawn_main" in cmdline:
-            return int(pid)
-    raise AssertionError(f"no engine process among {children}")
+    """The engine process: forked by the server's zygote, or spawned by the server."""
+    engines = engine_processes(server_pid)
+    assert len(engines) == 1, f"engine processes: {engines}"
+    return engines[0]
 
 
 def _wait_health(url: str, status: str, timeout: float = 120) -> None:

@@ -16,19 +16,9 @@ from pathlib import Path
 
 import httpx
 from live_server import free_port
+from process_tree import engine_processes, zygote_pids
 
 LORAGATE_CLI = str(Path(sys.executable).parent / "loragate")
-
-
-def _engine_processes(server_pid: int) -> list[int]:
-    """The server's children that multiprocessing spawned: its engine processes (a lazy
-    model's is started from a worker thread: each thread lists its own children)."""
-    children = [
-        pid
-        for task in Path(f"/proc/{server_pid}/task").iterdir()
-        for pid in _read(task / "children").split()
-    ]
-    return [int(pid) for pid in children if "spawn_main" in _read(Path(f"/proc/{pid}/cmdline"))]
 
 
 def _serve(command: list[str], log_path: Path, cwd: Path) -> subprocess.Popen[bytes]:
@@ -42,13 +32,6 @@ def _serve(command: list[str], log_path: Path, cwd: Path) -> subprocess.Popen[by
             env=os.environ | {"PYTHONUNBUFFERED": "1", "COLUMNS": "400"},
             cwd=cwd,
         )
-
-
-def _read(path: Path) -> str:
-    try:
-        return path.read_text(errors="replace")
-    except OSError:  # a thread or process that ended while we looked
-        return ""
 
 
 def _wait(condition: object, what: str, timeout: float = 60.0) -> None:
@@ -99,7 +82,7 @@ def test_a_model_that_scales_to_zero_has_an_engine_process_only_while_called(
         key = re.search(r"export LORAGATE_API_KEY=(lg-\S+)", log_path.read_text())
         assert key is not None, log_path.read_text()
         auth = {"Authorization": f"Bearer {key.group(1)}"}
-        assert len(_engine_processes(server.pid)) == 1  # the always-on model's alone
+        assert len(engine_processes(server.pid)) == 1  # the always-on model's alone
         models = httpx.get(f"{url}/v1/models", headers=auth).json()["data"]
         assert {m["id"] for m in models} == {"always", "lazy"}
 
@@ -112,11 +95,11 @@ def test_a_model_that_scales_to_zero_has_an_engine_process_only_while_called(
             assert resp.status_code == 200, resp.text
             answers[name] = resp.json()["choices"][0]["text"]
         assert answers["lazy"] == answers["always"]  # the same weights
-        assert len(_engine_processes(server.pid)) == 2
+        assert len(engine_processes(server.pid)) == 2
         metrics = httpx.get(f"{url}/metrics").text
         assert 'loragate:engine_cold_starts_total{model="lazy"} 1.0' in metrics
 
-        _wait(lambda: len(_engine_processes(server.pid)) == 1, "the idle engine to exit", 30)
+        _wait(lambda: len(engine_processes(server.pid)) == 1, "the idle engine to exit", 30)
         metrics = httpx.get(f"{url}/metrics").text
         assert 'loragate:engine_replicas{model="lazy"} 0.0' in metrics
         assert 'loragate:engine_replicas{model="always"} 1.0' in metrics
@@ -171,7 +154,7 @@ def test_a_second_local_replica_starts_when_the_first_is_full_and_stops_when_idl
     server = _serve(command + ["--no-auth"], log_path, tmp_path)
     try:
         _wait(lambda: _get(f"{url}/health") == 200, "/health")
-        assert len(_engine_processes(server.pid)) == 1
+        assert len(engine_processes(server.pid)) == 1
         body = {"model": "demo", "prompt": "Hello", "max_tokens": 120, "temperature": 0}
         body |= {"ignore_eos": True}
         with ThreadPoolExecutor(6) as pool:
@@ -185,7 +168,7 @@ def test_a_second_local_replica_starts_when_the_first_is_full_and_stops_when_idl
         assert len({a.json()["choices"][0]["text"] for a in answers}) == 1  # same weights
         metrics = httpx.get(f"{url}/metrics").text
         assert 'loragate:engine_cold_starts_total{model="demo"} 2.0' in metrics  # 1 + the second
-        _wait(lambda: len(_engine_processes(server.pid)) == 1, "the idle replica to stop", 30)
+        _wait(lambda: len(engine_processes(server.pid)) == 1, "the idle replica to stop", 30)
         metrics = httpx.get(f"{url}/metrics").text
         assert 'loragate:engine_replicas{model="demo"} 1.0' in metrics
     finally:
@@ -217,14 +200,110 @@ def test_a_cold_start_takes_a_warm_spare(demo_model_dir: Path, tmp_path: Path) -
         match = ready.search(log_path.read_text())
         assert match is not None
         spare = int(match.group(1))
-        assert _engine_processes(server.pid) == [spare]  # the spare alone: no engine yet
+        assert engine_processes(server.pid) == [spare]  # the spare alone: no engine yet
         body = {"model": "lazy", "prompt": "Hello", "max_tokens": 4, "temperature": 0}
         resp = httpx.post(f"{url}/v1/completions", json=body, timeout=120)
         assert resp.status_code == 200, resp.text
         # The engine runs in the spare (a new spare starts only seconds after the take).
-        assert _engine_processes(server.pid) == [spare]
+        assert engine_processes(server.pid) == [spare]
         _wait(lambda: len(ready.findall(log_path.read_text())) == 2, "the next spare", 120)
-        assert len(_engine_processes(server.pid)) == 2
+        assert len(engine_processes(server.pid)) == 2
     finally:
         os.killpg(server.pid, signal.SIGTERM)
         server.wait(60)
+
+
+def _lazy_models_file(tmp_path: Path, demo_model_dir: Path, names: list[str]) -> Path:
+    engine = "{kv_cache_memory: 32MiB, max_model_len: 256}"
+    entries = "".join(
+        f"  - {{name: {name}, path: {demo_model_dir}, min_replicas: 0, engine: {engine}}}\n"
+        for name in names
+    )
+    path = tmp_path / "models.yaml"
+    path.write_text("models:\n" + entries)
+    return path
+
+
+def test_cold_starts_fork_from_the_zygote_which_survives_a_kill(
+    demo_model_dir: Path, tmp_path: Path
+) -> None:
+    """Four models at zero woken at once are all answered, each engine forked from the zygote
+    (the log says so); the zygote killed with SIGKILL is started again, the engines it forked
+    keep serving, and the next cold start is served."""
+    names = ["m0", "m1", "m2", "m3"]
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    log_path = tmp_path / "serve.log"
+    command = [LORAGATE_CLI, "serve", "--port", str(port), "--no-auth", "--spare-engines", "0"]
+    command += ["--models-config", str(_lazy_models_file(tmp_path, demo_model_dir, names))]
+    server = _serve(command, log_path, tmp_path)
+    body = {"prompt": "Hello", "max_tokens": 4, "temperature": 0}
+
+    def ask(name: str) -> httpx.Response:
+        return httpx.post(f"{url}/v1/completions", json=body | {"model": name}, timeout=120)
+
+    try:
+        _wait(lambda: _get(f"{url}/health") == 200, "/health")
+        assert engine_processes(server.pid) == []  # no model's engine before its request
+        with ThreadPoolExecutor(4) as pool:
+            answers = list(pool.map(ask, names[:3]))
+        assert [a.status_code for a in answers] == [200] * 3, [a.text for a in answers]
+        assert len({a.json()["choices"][0]["text"] for a in answers}) == 1
+        forked = re.findall(
+            r"engine for '(m\d)' ready in [\d.]+ s, in a fork of the zygote", _log(log_path)
+        )
+        assert sorted(forked) == names[:3], _log(log_path)
+        assert len(engine_processes(server.pid)) == 3
+
+        (zygote,) = zygote_pids(server.pid)
+        os.kill(zygote, signal.SIGKILL)
+        _wait(lambda: zygote_pids(server.pid) not in ([], [zygote]), "a new zygote", 120)
+        assert ask("m0").status_code == 200  # forked from the dead one, still serving
+        resp = ask("m3")  # a cold start from the new zygote
+        assert resp.status_code == 200, resp.text
+        assert resp.json()["choices"][0]["text"] == answers[0].json()["choices"][0]["text"]
+        assert "'m3' ready" in _log(log_path) and "in a fork of the zygote" in _log(log_path)
+    finally:
+        os.killpg(server.pid, signal.SIGTERM)
+        server.wait(60)
+
+
+def test_a_model_that_fails_to_start_is_a_503_and_leaves_the_zygote_alive(
+    demo_model_dir: Path, tmp_path: Path
+) -> None:
+    """A model whose weights are gone by its first request: that request gets the 503 with
+    Retry-After, the zygote lives on, and another model still starts from it."""
+    broken = tmp_path / "broken"
+    broken.mkdir()
+    for item in demo_model_dir.iterdir():
+        (broken / item.name).symlink_to(item)
+    path = _lazy_models_file(tmp_path, demo_model_dir, ["good"])
+    path.write_text(
+        path.read_text()
+        + f"  - {{name: broken, path: {broken}, min_replicas: 0, engine: {{max_model_len: 256}}}}\n"
+    )
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    log_path = tmp_path / "serve.log"
+    command = [LORAGATE_CLI, "serve", "--port", str(port), "--no-auth", "--spare-engines", "0"]
+    server = _serve(command + ["--models-config", str(path)], log_path, tmp_path)
+    body = {"prompt": "Hello", "max_tokens": 4, "temperature": 0}
+    try:
+        _wait(lambda: _get(f"{url}/health") == 200, "/health")
+        for weights in broken.glob("*.safetensors"):
+            weights.unlink()  # the directory checked at start-up, its weights gone since
+        resp = httpx.post(f"{url}/v1/completions", json=body | {"model": "broken"}, timeout=120)
+        assert resp.status_code == 503, resp.text
+        assert resp.headers.get("retry-after")
+        assert resp.json()["error"]["message"]
+        (zygote,) = zygote_pids(server.pid)
+        resp = httpx.post(f"{url}/v1/completions", json=body | {"model": "good"}, timeout=120)
+        assert resp.status_code == 200, resp.text
+        assert zygote_pids(server.pid) == [zygote]
+    finally:
+        os.killpg(server.pid, signal.SIGTERM)
+        server.wait(60)
+
+
+def _log(path: Path) -> str:
+    return path.read_text(errors="replace")
