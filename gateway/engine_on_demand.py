@@ -149,6 +149,15 @@ class OnDemandEngine:
         self._engine = self._start_engine()
         self.num_cold_starts += 1
 
+    def wake(self) -> None:
+        """Start the engine ahead of any request (a pool scaling up); nothing when it runs or
+        is starting. A start that fails is logged; the next request tries again."""
+        running = self._engine is not None and self._engine.is_alive
+        if self._closed or running or self._starting is not None:
+            return
+        self._starting = asyncio.create_task(self._cold_start(time.monotonic()))
+        self._starting.add_done_callback(_retrieve)
+
     async def shutdown(self, grace_period: float = 10.0) -> None:
         self._closed = True
         if self._idle_watch is not None:
@@ -267,3 +276,9 @@ class OnDemandEngine:
                 self._engine = None
                 logger.info("no request for %r in %.0f s: stopping its engine", self.name, idle)
                 await engine.shutdown(0)
+
+
+def _retrieve(task: asyncio.Task[EngineClient]) -> None:
+    """A woken start's failure was logged by _cold_start: nobody awaits it."""
+    if not task.cancelled():
+        task.exception()

@@ -23,6 +23,7 @@ from gateway.models_file import ServedModelSpec
 from gateway.remote.picked_engine import PickedEngine
 from gateway.remote.remote_engine import CONNECT_TIMEOUT, RemoteEngine
 from gateway.remote.replica_pool import HoldPolicy, ReplicaPool
+from gateway.remote.scale_up import ScaleUpPolicy
 from gateway.served_models import ModelEngine
 from gateway.settings import Settings, parse_bytes
 
@@ -141,7 +142,10 @@ def model_engine(
     if len(replicas) == 1:
         return replicas[0]
     names = [f"{spec.name}/{i}" for i in range(len(replicas))]
-    return ReplicaPool(spec.name, replicas, names, settings.block_size, settings.routing)
+    scale_up = ScaleUpPolicy(entry.scale_up_waiting, entry.scale_up_window)
+    return ReplicaPool(
+        spec.name, replicas, names, settings.block_size, settings.routing, scale_up=scale_up
+    )
 
 
 def _on_demand(

@@ -8,6 +8,8 @@
         min_replicas: 1            # 0: scale to zero
         max_replicas: 1            # local engines this gateway may start for the model
         idle_timeout: 300          # seconds without requests before a replica above min stops
+        scale_up_waiting: 1        # requests waiting beyond what the replicas run...
+        scale_up_window: 1         # ...for this many seconds: another replica starts
         engine:                    # any engine knob of `loragate serve`, flag name with _
           dtype: auto
           max_num_seqs: 64
@@ -80,6 +82,10 @@ class ModelEntry(BaseModel):
     min_replicas: int = Field(default=1, ge=0)
     max_replicas: int = Field(default=1, ge=1)
     idle_timeout: float = Field(default=300.0, gt=0)
+    # Scale-up to max_replicas: another local replica starts once this many requests have
+    # waited beyond what the started ones run, for scale_up_window seconds without a break.
+    scale_up_waiting: int = Field(default=1, ge=1)
+    scale_up_window: float = Field(default=1.0, ge=0)
     engine: dict[str, Any] = Field(default_factory=dict)
     urls: list[str] = Field(default_factory=list)
     routing: Literal["affinity", "least_loaded", "round_robin", "picker"] | None = None

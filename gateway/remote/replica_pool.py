@@ -19,6 +19,8 @@ engines from zero, since an engine that is not running exports nothing.
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import logging
 import time
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass
@@ -29,7 +31,10 @@ from engine.messages import EngineRequest, EngineStats
 from engine.outputs import SequenceUpdate
 from engine.request import GuidedSpec
 from gateway.remote.routing import ReplicaView, choose, prefix_key
+from gateway.remote.scale_up import QueueWatch, ScaleUpPolicy, queued_beyond_capacity
 from gateway.served_models import ModelEngine, scaling
+
+logger = logging.getLogger(__name__)
 
 POLICIES = ("affinity", "least_loaded", "round_robin")
 HOLD_POLL = 0.05  # seconds between looks for a replica come up (their links run on threads)
@@ -55,7 +60,10 @@ class ReplicaPool:
         block_size: int,
         policy: str = "affinity",
         hold: HoldPolicy | None = None,
+        scale_up: ScaleUpPolicy | None = None,
     ) -> None:
+        """`scale_up`: local replicas not running start when the others' queue lasts
+        (gateway.remote.scale_up); each must then have `wake()`."""
         if not replicas:
             raise ValueError("a pool has at least one replica")
         if policy not in POLICIES:
@@ -70,6 +78,9 @@ class ReplicaPool:
         self.routed = [0] * len(replicas)  # requests sent to each, for tests and benchmarks
         self.hold = hold
         self._held = 0  # requests waiting for any replica to come up
+        self.scale_up = scale_up
+        self._watch: asyncio.Task[None] | None = None
+        self.num_scale_ups = 0
 
     # -- what the gateway reads --------------------------------------------------------------
 
@@ -139,6 +150,8 @@ class ReplicaPool:
     # -- requests ------------------------------------------------------------------------------
 
     async def generate(self, request: EngineRequest) -> AsyncIterator[SequenceUpdate]:
+        if self.scale_up is not None and self._watch is None:
+            self._watch = asyncio.create_task(self._watch_queue(self.scale_up))
         key = self._prefix_key(request)
         adapter = request.lora.adapter_id if request.lora is not None else None
         tried: set[int] = set()
@@ -190,7 +203,31 @@ class ReplicaPool:
             replica.unload_lora(adapter_id)
 
     async def shutdown(self, grace_period: float = 10.0) -> None:
+        if self._watch is not None:
+            self._watch.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._watch
         await asyncio.gather(*(r.shutdown(grace_period) for r in self.replicas))
+
+    # -- scale-up ------------------------------------------------------------------------------
+
+    async def _watch_queue(self, policy: ScaleUpPolicy) -> None:
+        """Start the next replica not running whenever the others' queue has lasted."""
+        watch = QueueWatch(policy)
+        while True:
+            await asyncio.sleep(policy.poll)
+            views = self.views()
+            if not watch.observe(queued_beyond_capacity(views), time.monotonic()):
+                continue
+            cold = [i for i, v in enumerate(views) if v.healthy and v.cold]
+            if cold and not any(getattr(r, "is_starting", False) for r in self.replicas):
+                index = cold[0]
+                logger.info(
+                    "%r: %d requests waited beyond its replicas for %.1f s; starting %s",
+                    self.name, queued_beyond_capacity(views), policy.window, self.names[index],
+                )  # fmt: skip
+                self.num_scale_ups += 1
+                self.replicas[index].wake()  # type: ignore[attr-defined]
 
     # -- routing -------------------------------------------------------------------------------
 

@@ -28,7 +28,7 @@ class ReplicaView:
     healthy: bool
     load: int  # requests running and waiting there
     resident: frozenset[str] = field(default_factory=frozenset)  # adapter ids it holds loaded
-    cold: bool = False  # a local replica not started: it serves only when the rest are full
+    cold: bool = False  # a local replica not running: it serves only when none is started
     capacity: int = 1  # sequences it runs at once (its max_num_seqs)
 
 
@@ -52,13 +52,11 @@ def choose(
     """The index of the replica to serve a request; None when none is healthy."""
     healthy = [i for i, r in enumerate(replicas) if r.healthy]
     warm = [i for i in healthy if not replicas[i].cold]
-    if not warm or all(replicas[i].load >= replicas[i].capacity for i in warm):
-        # Every started replica is full: a cold one starts (scale up), if there is one.
-        cold = [i for i in healthy if replicas[i].cold]
-        if cold:
-            return cold[0]
     if not warm:
-        return None
+        # None started: the first cold one starts for this request. (With some started, a
+        # cold one starts when their queue lasts: gateway.remote.scale_up.)
+        cold = [i for i in healthy if replicas[i].cold]
+        return cold[0] if cold else None
     total = sum(replicas[i].load for i in warm)
     cap = max(1, math.ceil(bound * (total + 1) / len(warm)))
 

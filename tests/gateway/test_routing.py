@@ -1,12 +1,13 @@
 """Which replica routing picks (gateway.remote.routing), on snapshots: adapter residency first,
-then the prefix's replica under the load bound, then the least loaded; cold replicas only when
-the warm ones are full."""
+then the prefix's replica under the load bound, then the least loaded; a cold replica only when
+none is started. And the scale-up rule (gateway.remote.scale_up): a queue that lasts."""
 
 from __future__ import annotations
 
 import random
 
 from gateway.remote.routing import ReplicaView, choose, prefix_key
+from gateway.remote.scale_up import QueueWatch, ScaleUpPolicy, queued_beyond_capacity
 
 
 def _pool(*loads: int, resident: dict[int, set[str]] | None = None) -> list[ReplicaView]:
@@ -66,14 +67,39 @@ def test_unhealthy_replicas_are_skipped_and_none_left_is_none() -> None:
     assert choose([ReplicaView("r0", False, 0)], None, None) is None
 
 
-def test_a_cold_replica_starts_only_when_every_warm_one_is_full() -> None:
-    warm = ReplicaView("r0", True, 3, capacity=4)
+def test_a_cold_replica_serves_only_when_none_is_started() -> None:
+    """Routing never starts a replica beside a started one, however full: a lasting queue
+    does (gateway.remote.scale_up)."""
     cold = ReplicaView("r1", True, 0, cold=True, capacity=4)
-    assert choose([warm, cold], None, None) == 0
-    full = ReplicaView("r0", True, 4, capacity=4)
-    assert choose([full, cold], None, None) == 1
+    full = ReplicaView("r0", True, 9, capacity=4)
+    assert choose([full, cold], None, None) == 0
     # Scaled to zero: the first request starts one.
-    assert choose([ReplicaView("r0", True, 0, cold=True)], None, None) == 0
+    assert choose([ReplicaView("r0", True, 0, cold=True), cold], None, None) == 0
+    assert choose([ReplicaView("r0", False, 0), cold], None, None) == 1
+
+
+def test_a_queue_that_lasts_the_window_asks_for_a_start_and_one_that_breaks_does_not() -> None:
+    watch = QueueWatch(ScaleUpPolicy(waiting=3, window=1.0))
+    assert not watch.observe(3, 10.0)
+    assert not watch.observe(5, 10.6)
+    assert not watch.observe(2, 10.9)  # a break: the window begins again
+    assert not watch.observe(4, 11.0)
+    assert not watch.observe(4, 11.9)
+    assert watch.observe(3, 12.0)
+    assert not watch.observe(9, 12.1)  # after a start the window begins again
+    assert watch.observe(9, 13.1)
+    immediate = QueueWatch(ScaleUpPolicy(waiting=1, window=0.0))
+    assert not immediate.observe(0, 1.0) and immediate.observe(1, 1.0)
+
+
+def test_the_queue_counts_what_started_replicas_hold_beyond_what_they_run() -> None:
+    views = [
+        ReplicaView("r0", True, 7, capacity=4),  # 3 waiting
+        ReplicaView("r1", True, 2, capacity=4),  # room: none waiting
+        ReplicaView("r2", False, 9, capacity=4),  # down: not counted
+        ReplicaView("r3", True, 0, cold=True, capacity=4),
+    ]
+    assert queued_beyond_capacity(views) == 3
 
 
 def test_bounded_load_keeps_every_replica_within_the_bound_under_skewed_keys() -> None:

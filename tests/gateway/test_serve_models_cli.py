@@ -130,11 +130,12 @@ def test_a_bad_models_file_stops_the_server_with_one_line(tmp_path: Path) -> Non
     assert "models[0].path: /nonexistent is not a Hugging Face model directory" in done.stderr
 
 
-def test_a_second_local_replica_starts_when_the_first_is_full_and_stops_when_idle(
+def test_a_second_local_replica_starts_under_a_lasting_queue_and_stops_when_idle(
     demo_model_dir: Path, tmp_path: Path
 ) -> None:
-    """max_replicas 2: one engine while it has room; a second starts when requests fill the
-    first's max_num_seqs, and stops again after idle_timeout."""
+    """max_replicas 2: one engine while nothing waits; a second starts, forked from the zygote,
+    once requests have waited beyond the first's max_num_seqs for scale_up_window, takes new
+    requests, and stops again after idle_timeout."""
     path = tmp_path / "models.yaml"
     path.write_text(
         f"""models:
@@ -143,6 +144,8 @@ def test_a_second_local_replica_starts_when_the_first_is_full_and_stops_when_idl
     min_replicas: 1
     max_replicas: 2
     idle_timeout: 2
+    scale_up_waiting: 2
+    scale_up_window: 0.2
     engine: {{kv_cache_memory: 64MiB, max_model_len: 256, max_num_seqs: 2}}
 """
     )
@@ -155,17 +158,23 @@ def test_a_second_local_replica_starts_when_the_first_is_full_and_stops_when_idl
     try:
         _wait(lambda: _get(f"{url}/health") == 200, "/health")
         assert len(engine_processes(server.pid)) == 1
-        body = {"model": "demo", "prompt": "Hello", "max_tokens": 120, "temperature": 0}
+        body = {"model": "demo", "prompt": "Hello", "max_tokens": 200, "temperature": 0}
         body |= {"ignore_eos": True}
-        with ThreadPoolExecutor(6) as pool:
-            answers = list(
-                pool.map(
-                    lambda _: httpx.post(f"{url}/v1/completions", json=body, timeout=120),
-                    range(6),
-                )
-            )
-        assert [a.status_code for a in answers] == [200] * 6, [a.text for a in answers]
+
+        def ask(_: int) -> httpx.Response:
+            return httpx.post(f"{url}/v1/completions", json=body, timeout=120)
+
+        with ThreadPoolExecutor(8) as pool:
+            first = list(pool.map(ask, range(6)))  # 2 run, 4 wait: the second replica starts
+            started = "demo/1 ready" in log_path.read_text()
+            later = list(pool.map(ask, range(2)))
+        answers = first + later
+        assert [a.status_code for a in answers] == [200] * 8, [a.text for a in answers]
         assert len({a.json()["choices"][0]["text"] for a in answers}) == 1  # same weights
+        log = log_path.read_text()
+        assert "waited beyond its replicas" in log and "starting demo/1" in log, log
+        assert re.search(r"engine for 'demo/1' ready in [\d.]+ s, in a fork of the zygote", log)
+        assert started  # while the first six were served
         metrics = httpx.get(f"{url}/metrics").text
         assert 'loragate:engine_cold_starts_total{model="demo"} 2.0' in metrics  # 1 + the second
         _wait(lambda: len(engine_processes(server.pid)) == 1, "the idle replica to stop", 30)
