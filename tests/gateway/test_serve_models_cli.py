@@ -166,7 +166,7 @@ def test_a_second_local_replica_starts_under_a_lasting_queue_and_stops_when_idle
 
         with ThreadPoolExecutor(8) as pool:
             first = list(pool.map(ask, range(6)))  # 2 run, 4 wait: the second replica starts
-            started = "demo/1 ready" in log_path.read_text()
+            started = "engine for 'demo/1' ready" in log_path.read_text()
             later = list(pool.map(ask, range(2)))
         answers = first + later
         assert [a.status_code for a in answers] == [200] * 8, [a.text for a in answers]
