@@ -2,6 +2,7 @@
 
     loragate-bench coldstart --model models/smollm2 [--rounds 5] [--dtype auto]
         [--adapter DIR] [--spare] [--zygote] [--json FILE]
+    loragate-bench coldstart --gateway ...   (bench/coldstart_gateway.py: through the gateway)
 
 Each round does what the gateway does for a model that scales to zero (min_replicas 0,
 gateway/engine_on_demand.py): spawn the engine process (engine/engine_process.py), wait until
@@ -52,6 +53,7 @@ from transformers import AutoTokenizer
 
 from adapters.peft import describe_base
 from adapters.registry import RegisteredLoader, inspect_adapter
+from bench import coldstart_gateway
 from engine.config import EngineConfig
 from engine.engine_process import EngineProcess
 from engine.lora_types import LoRARequest
@@ -151,7 +153,13 @@ def _parser() -> argparse.ArgumentParser:
         help="heap the spare faults in ahead: auto (as the gateway sizes it), a size, or 0",
     )
     p.add_argument("--zygote", action="store_true", help="each round also forked from a zygote")
+    p.add_argument(
+        "--gateway",
+        action="store_true",
+        help="through `loragate serve` with models at zero (bench/coldstart_gateway.py)",
+    )
     p.add_argument("--json", type=Path, default=None)
+    coldstart_gateway.add_arguments(p)
     return p
 
 
@@ -296,6 +304,9 @@ def report(result: dict[str, Any], console: Console) -> None:
 
 def main(argv: list[str] | None = None) -> None:
     args = _parser().parse_args(argv)
+    if args.gateway:
+        coldstart_gateway.main(args)
+        return
     result = measure(args)
     report(result, Console())
     if args.json is not None:

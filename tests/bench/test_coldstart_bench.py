@@ -5,6 +5,7 @@ nothing to their first token, with and without an adapter to load first, and in 
 from __future__ import annotations
 
 import json
+import socket
 from pathlib import Path
 
 import pytest
@@ -12,6 +13,7 @@ from rich_tables import table_rows
 
 from bench.__main__ import main
 from bench.coldstart import PHASES
+from bench.coldstart_gateway import SCENARIOS
 
 
 @pytest.mark.parametrize("with_adapter", [False, True])
@@ -60,3 +62,42 @@ def test_coldstart_with_a_warm_spare(
     assert [row[0] for row in rows] == [*PHASES, "to the first token"], printed
     assert all(len(row) == 5 for row in rows)  # the phase, then seconds and share for each
     assert "in a warm spare" in printed and "of cat's speed" in printed
+
+
+def test_coldstart_from_the_zygote(
+    demo_model_dir: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """`--zygote`: each round also forked from a zygote; its column, the fork's time and the
+    zygote's memory (RSS, PSS)."""
+    out = tmp_path / "coldstart.json"
+    args = ["coldstart", "--model", str(demo_model_dir), "--rounds", "1", "--dtype", "float32"]
+    main([*args, "--kv-cache-memory", str(16 << 20), "--zygote", "--json", str(out)])
+    result = json.loads(out.read_text())
+    (fresh,) = result["rounds"]
+    (forked,) = result["zygote_rounds"]
+    assert set(forked) == set(fresh) and forked["process"] > 0
+    assert result["zygote_memory"]["rss"] >= result["zygote_memory"]["pss"] > 0
+    printed = capsys.readouterr().out
+    assert all(len(row) == 5 for row in table_rows(printed))
+    words = " ".join(printed.split())  # the console wraps its lines
+    assert "from the zygote:" in words and "the fork and its arguments" in words
+
+
+def test_coldstart_through_the_gateway(
+    demo_model_dir: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """`--gateway`: one round of every scenario through `loragate serve` (no baseline here:
+    it only repeats the same with every engine spawned, seconds each)."""
+    out = tmp_path / "gateway.json"
+    args = ["coldstart", "--gateway", "--model", str(demo_model_dir), "--rounds", "1"]
+    with socket.socket() as probe:  # a free port for the gateway
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    args += ["--port", str(port), "--no-baseline", "--settle", "0.5"]
+    main([*args, "--dtype", "float32", "--json", str(out)])
+    result = json.loads(out.read_text())
+    (times,) = result["rounds"]["zygote"]
+    assert set(times) == set(SCENARIOS) and all(seconds > 0 for seconds in times.values())
+    assert result["zygote_memory"]["pss"] > 0
+    printed = capsys.readouterr().out
+    assert [row[0] for row in table_rows(printed)] == list(SCENARIOS), printed
