@@ -110,7 +110,7 @@ def vllm_command(args: argparse.Namespace, catalog: Catalog, max_loras: int) -> 
         "--max-model-len", str(MAX_MODEL_LEN), "--dtype", args.dtype,
         "--enable-lora", "--max-lora-rank", str(args.max_lora_rank),
         "--max-loras", str(max_loras), "--max-cpu-loras", str(max(max_loras, len(catalog.paths))),
-        *lora_module_args(catalog),
+        *args.vllm_args.split(), *lora_module_args(catalog),
     ]  # fmt: skip
 
 
@@ -159,7 +159,13 @@ def run_side(
         results, wall = asyncio.run(replay(url, trace, models, progress, f"{side} {setting}"))
     finally:
         stop(proc)
-    return SideResult(side, setting, wall, results, started)
+    result = SideResult(side, setting, wall, results, started)
+    progress.console.print(
+        f"{side} {setting}: {result.tok_s:.1f} out tok/s, TTFT p50 {result.ttft(50):.2f} s, "
+        f"{result.failed} failed",
+        highlight=False,
+    )
+    return result
 
 
 def table(runs: list[SideResult]) -> Table:
@@ -202,6 +208,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--lora-memory", default="2GiB", help="loragate's pool")
     p.add_argument("--vllm-max-loras", default="16,64", help="vLLM slot counts to try")
     p.add_argument("--skip-vllm", action="store_true", help="loragate alone (no vLLM here)")
+    p.add_argument("--vllm-args", default="", help="more vLLM flags, e.g. '--enforce-eager'")
     p.add_argument("--port", type=int, default=18090)
     p.add_argument("--vllm-venv", default="/tmp/peers/vllm-venv")
     p.add_argument("--json", type=Path, default=None)
@@ -249,10 +256,11 @@ def main(argv: list[str] | None = None) -> None:
                                 "VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1",
                                 "VLLM_CPU_KVCACHE_SPACE": "2"}  # fmt: skip
             for max_loras in vllm_settings:
-                runs.append(run_side("vllm", f"max_loras {max_loras}",
+                setting = f"max_loras {max_loras} {args.vllm_args}".strip()
+                runs.append(run_side("vllm", setting,
                                      vllm_command(args, catalog, max_loras), args, trace, models,
                                      logs, progress, env))  # fmt: skip
-    console.print(table(runs))
+    console.print(table(runs))  # each run's line was printed as it ended (run_side)
     for r in runs:
         if r.failed:
             console.print(f"{r.side} {r.setting}: {r.failed} failed, e.g. {r.as_json()['errors']}")
