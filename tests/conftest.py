@@ -6,6 +6,7 @@ from __future__ import annotations
 import contextlib
 import os
 import shutil
+import socket
 import subprocess
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -189,3 +190,11 @@ def nginx() -> str:
     if done.returncode != 0 or not os.path.exists(found):
         pytest.skip(f"apt-get install nginx failed: {done.stderr.strip()[-300:]}")
     return found
+
+
+@pytest.fixture
+def tcp_port() -> int:
+    """A port free on 127.0.0.1 now, for a server a test starts through a command line."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])

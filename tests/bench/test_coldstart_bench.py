@@ -5,7 +5,6 @@ nothing to their first token, with and without an adapter to load first, and in 
 from __future__ import annotations
 
 import json
-import socket
 from pathlib import Path
 
 import pytest
@@ -84,16 +83,13 @@ def test_coldstart_from_the_zygote(
 
 
 def test_coldstart_through_the_gateway(
-    demo_model_dir: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+    demo_model_dir: Path, tmp_path: Path, tcp_port: int, capsys: pytest.CaptureFixture[str]
 ) -> None:
     """`--gateway`: one round of every scenario through `loragate serve` (no baseline here:
     it only repeats the same with every engine spawned, seconds each)."""
     out = tmp_path / "gateway.json"
     args = ["coldstart", "--gateway", "--model", str(demo_model_dir), "--rounds", "1"]
-    with socket.socket() as probe:  # a free port for the gateway
-        probe.bind(("127.0.0.1", 0))
-        port = probe.getsockname()[1]
-    args += ["--port", str(port), "--no-baseline", "--settle", "0.5"]
+    args += ["--port", str(tcp_port), "--no-baseline", "--settle", "0.5"]
     main([*args, "--dtype", "float32", "--json", str(out)])
     result = json.loads(out.read_text())
     (times,) = result["rounds"]["zygote"]

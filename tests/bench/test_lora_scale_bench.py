@@ -108,3 +108,19 @@ def test_verify_peft_draws_adapted_requests_and_needs_float32(demo_model_dir: Pa
 def test_sizes_parse_in_powers_of_1024() -> None:
     assert parse_size("2GiB") == 2 << 30 and parse_size("512MiB") == 512 << 20
     assert parse_size("1.5G") == 3 << 29 and parse_size("1048576") == 1 << 20
+
+
+def test_lora_scale_over_http_without_vllm(
+    demo_model_dir: Path, tmp_path: Path, tcp_port: int
+) -> None:
+    """`lora-scale-vs-vllm --skip-vllm`: the trace's requests, each on its adapter's name, all
+    answered by `loragate serve` serving the touched adapters as --lora-modules."""
+    out = tmp_path / "vs-vllm.json"
+    args = ["lora-scale-vs-vllm", "--model", str(demo_model_dir), "--num-adapters", "40"]
+    args += ["--num-requests", "12", "--max-input", "32", "--max-output", "8", "--skip-vllm"]
+    args += ["--max-loras", "4", "--max-cpu-loras", "4", "--lora-memory", "64MiB"]
+    args += ["--port", str(tcp_port)]
+    main([*args, "--adapters-dir", str(tmp_path / "adapters"), "--json", str(out)])
+    [ours] = json.loads(out.read_text())
+    assert ours["side"] == "loragate" and ours["failed"] == 0, ours
+    assert ours["output_tokens"] >= 12 * 8 and ours["tok_s"] > 0
