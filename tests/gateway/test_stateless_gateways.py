@@ -599,10 +599,11 @@ def test_a_gateway_killed_under_load_loses_no_row_of_a_response_it_sent_whole(
                 assert started.acquire(timeout=60)
             spool = cluster.root / "spool"
             assert [p for p in spool.iterdir() if p.name.startswith(f"usage-{c.process.pid}-")]
+            # Nothing of c's reached the database yet: its rows are in its segment alone. (Asked
+            # before the kill: once c is dead, a may adopt the segment before any look after.)
+            assert _rows(cluster.database_url, answered) == []
             os.killpg(c.process.pid, signal.SIGKILL)
             c.process.wait(10)
-            # Nothing of c's reached the database yet: its rows are in its segment alone.
-            assert _rows(cluster.database_url, answered) == []
             results: list[Streamed] = [f.result(timeout=120) for f in futures]
         dead_pid = c.process.pid
 
