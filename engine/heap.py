@@ -16,6 +16,7 @@ import ctypes
 import ctypes.util
 import math
 import mmap
+from collections.abc import Sequence
 
 import torch
 
@@ -78,7 +79,7 @@ def prefault(nbytes: int) -> int:
     return len(chunks) * PREFAULT_CHUNK
 
 
-def lazily_zeroed(shapes: list[tuple[int, ...]], dtype: torch.dtype) -> list[torch.Tensor]:
+def lazily_zeroed(shapes: Sequence[tuple[int, ...]], dtype: torch.dtype) -> list[torch.Tensor]:
     """CPU tensors of these shapes, reading zero, over one anonymous mapping: the kernel hands
     each page over zeroed on its first touch, so nothing is written now and memory is taken
     as the tensors are filled. They live as long as any of them does."""

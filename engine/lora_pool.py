@@ -25,6 +25,7 @@ from dataclasses import dataclass
 
 import torch
 
+from engine import heap
 from engine.lora_types import FusedTarget, PackedLoRA
 
 SEGMENTS = 3  # modules in one fused target at most (q, k, v)
@@ -57,14 +58,23 @@ class LoRAPool:
         self.num_units = num_units
         self.fused = [len(t.modules) for t in targets]  # rows per unit, per target
         # [layers, rows, features] per target: layer i's pool is the contiguous view [i].
-        self.pool_a = [
-            torch.zeros(num_layers, num_units * m, t.in_features, dtype=dtype, device=device)
+        shapes_a = [
+            (num_layers, num_units * m, t.in_features)
             for t, m in zip(targets, self.fused, strict=True)
         ]
-        self.pool_b = [
-            torch.zeros(num_layers, num_units * m, t.out_features, dtype=dtype, device=device)
+        shapes_b = [
+            (num_layers, num_units * m, t.out_features)
             for t, m in zip(targets, self.fused, strict=True)
         ]
+        if device.type == "cpu":
+            # Zeroed by the kernel as each page is first written (engine.heap): a start
+            # writes none of the pool, however large --lora-memory makes it.
+            pools = heap.lazily_zeroed(shapes_a + shapes_b, dtype)
+        else:
+            pools = [
+                torch.zeros(shape, dtype=dtype, device=device) for shape in shapes_a + shapes_b
+            ]
+        self.pool_a, self.pool_b = pools[: len(shapes_a)], pools[len(shapes_a) :]
         # Each layer's view, made once: the step's ops take them 4 x layers times.
         self.layer_a = [list(pool.unbind(0)) for pool in self.pool_a]
         self.layer_b = [list(pool.unbind(0)) for pool in self.pool_b]
