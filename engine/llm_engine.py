@@ -68,7 +68,7 @@ class LLMEngine:
 
         calibration = None
         if config.quantization is not None:
-            calibration = quant_calibration.token_batches(self.tokenizer)
+            calibration = quant_calibration.token_batches(self.tokenizer, self.max_model_len)
         timings.mark("tokenizer")
         self.runner = ModelRunner(
             config, hf_config, self.max_model_len, progress, calibration, timings

@@ -99,8 +99,9 @@ EXCHANGES = [
 ]
 
 
-def token_batches(tokenizer: Any) -> list[list[int]]:
-    """Each exchange as token ids, through the chat template when the tokenizer has one."""
+def token_batches(tokenizer: Any, max_len: int) -> list[list[int]]:
+    """Each exchange as token ids, through the chat template when the tokenizer has one, cut
+    to `max_len` (the engine's max_model_len: no position past its rotary table)."""
     batches = []
     for question, answer in EXCHANGES:
         if getattr(tokenizer, "chat_template", None):
@@ -111,5 +112,5 @@ def token_batches(tokenizer: Any) -> list[list[int]]:
             )["input_ids"]
         else:
             ids = tokenizer(f"{question}\n{answer}", add_special_tokens=True)["input_ids"]
-        batches.append(list(ids))
+        batches.append(list(ids)[:max_len])
     return batches
