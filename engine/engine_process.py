@@ -291,7 +291,7 @@ class EngineProcess(EngineClient):
                 logger.error("the engine did not restart: %s", exc)
                 continue
             self._state = "ok"
-            logger.info("the engine process is back")
+            logger.info("the engine process is back, started in %s", self.started_in)
             return True
 
     def _read(self) -> bool:

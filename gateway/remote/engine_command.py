@@ -24,6 +24,7 @@ ENGINE_COMMAND_FIELDS = (
     "port",
     "shutdown_grace",
     "max_body_bytes",
+    "zygote",
 )
 
 
@@ -33,6 +34,7 @@ def run_engine_server(settings: Settings, with_progress: Callable[[Any], Any]) -
     from adapters.peft import describe_base
     from adapters.registry import RegisteredLoader
     from adapters.store import open_adapter_store
+    from engine.zygote import Zygote
     from gateway.model_engines import start_engine
     from gateway.remote.engine_app import build_engine_app
     from gateway.remote.engine_server import EngineService
@@ -47,7 +49,18 @@ def run_engine_server(settings: Settings, with_progress: Callable[[Any], Any]) -
         settings = settings.model_copy(update={"engine_process": False})
     name = settings.served_model_name or Path(settings.model).resolve().name
     loader = RegisteredLoader(describe_base(settings.model), settings.max_lora_rank)
-    engine = start_engine(settings, loader, [], with_progress)
+    # An engine process is restarted when it dies: from a zygote, in a fraction of a second
+    # rather than the seconds of a spawn and its imports.
+    zygote = None
+    if settings.engine_process and settings.zygote:
+        zygote = Zygote([settings.model])
+        zygote.start()
+    try:
+        engine = start_engine(settings, loader, [], with_progress, zygote=zygote)
+    except BaseException:
+        if zygote is not None:
+            zygote.close()
+        raise
     token = settings.engine_token
     service = EngineService(
         name,
@@ -62,6 +75,8 @@ def run_engine_server(settings: Settings, with_progress: Callable[[Any], Any]) -
     async def lifespan(_: object):  # type: ignore[no-untyped-def]
         yield
         await engine.shutdown(settings.shutdown_grace)
+        if zygote is not None:
+            zygote.close()
 
     app.router.lifespan_context = lifespan
     typer.echo(f"engine {name!r} on ws://{settings.host}:{settings.port}/internal/v1/engine")
