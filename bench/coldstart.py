@@ -24,8 +24,11 @@ Phases, median over the rounds:
   setup      device, dtype, the checkpoint's tensor names
   kernels    the C++ kernels loaded (built once per machine, then cached on disk)
   model      the module tree allocated
-  weights    the safetensors read and copied in (and cast to the compute dtype)
-  prepack    weights repacked for the C++ linear
+  weights    mapped from the weights cache (engine/weights_cache.py; the untimed round wrote
+             it), or with --weights-cache-dir none, the safetensors read and copied in (and
+             cast to the compute dtype)
+  prepack    without the cache: the weights reordered for oneDNN's linear
+  cache      the cache file written (a round whose file was missing or stale)
   kv         the KV pool allocated
   rest       the scheduler, the grammar cache, the log line
   gateway    what the gateway does before it calls the engine ready: the grammar cache, the
@@ -60,6 +63,7 @@ from engine.lora_types import LoRARequest
 from engine.messages import EngineRequest
 from engine.request import SamplingParams
 from engine.warm_spare import SparePool, start_heap_bytes
+from engine.weights_cache import weights_cache_at
 from engine.zygote import Zygote
 from gateway.settings import parse_bytes
 
@@ -71,6 +75,7 @@ PHASES = (
     "model",
     "weights",
     "prepack",
+    "cache",
     "kv",
     "rest",
     "gateway",
@@ -154,6 +159,11 @@ def _parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--zygote", action="store_true", help="each round also forked from a zygote")
     p.add_argument(
+        "--weights-cache-dir",
+        default="auto",
+        help="the engine's weights cache: auto, a directory, or none (load the checkpoint)",
+    )
+    p.add_argument(
         "--gateway",
         action="store_true",
         help="through `loragate serve` with models at zero (bench/coldstart_gateway.py)",
@@ -170,10 +180,11 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
         kv_cache_memory=args.kv_cache_memory,
         max_model_len=512,
         enable_lora=args.adapter is not None,
+        weights_cache_dir=args.weights_cache_dir,
     )
     console = Console(stderr=True)
     console.print(f"cold start of {args.model}: 1 untimed round, then {args.rounds}")
-    result: dict[str, Any] = {"model": str(args.model)}
+    result: dict[str, Any] = {"model": str(args.model), "weights_cache": args.weights_cache_dir}
     zygote = None
     if args.zygote:
         zygote = Zygote([config.model])
@@ -274,8 +285,15 @@ def report(result: dict[str, Any], console: Console) -> None:
     table.add_row("to the first token", *totals_cells, style="bold")
     console.print(table)
     size, cat = result["weights_bytes"], result["cat_seconds"]
+    cache = result.get("weights_cache", "auto")
+    source = (
+        "read from the checkpoint"
+        if weights_cache_at(cache) is None
+        else f"mapped from the weights cache ({cache})"
+    )
     console.print(
-        f"cat reads the {size / 2**20:.0f} MiB of weights at {size / cat / 2**30:.2f} GiB/s"
+        f"weights {source}; cat reads the {size / 2**20:.0f} MiB of the checkpoint at "
+        f"{size / cat / 2**30:.2f} GiB/s"
     )
     for name in columns:
         weights = medians[name]["weights"]

@@ -51,6 +51,10 @@ class EngineConfig:
     # prefills, and decode steps of a real model) and for every step's vocabulary projection:
     # GEMMs large enough to pay for the cores the HTTP side keeps. None: num_threads.
     prefill_threads: int | None = None
+    # Where the weights are kept as the engine runs them, converted and reordered, to be mapped
+    # by the next load of the checkpoint (engine/weights_cache.py): auto
+    # (~/.cache/loragate/weights), a directory, or none.
+    weights_cache_dir: str = "auto"
     cpu_kernels: bool = True  # C++ decode attention, RMSNorm, LoRA on CPU (kernels.native)
     # Which kernels run (kernels/dispatch.py): auto (triton on CUDA; on the CPU native, or
     # torch without cpu_kernels), triton (on the CPU: under

@@ -17,7 +17,7 @@ import numpy as np
 import torch
 from transformers import PretrainedConfig
 
-from engine import heap
+from engine import checkpoint_map, heap
 from engine.config import EngineConfig
 from engine.kv_cache.manager import KVCacheManager
 from engine.load_timings import LoadTimings
@@ -34,7 +34,8 @@ from engine.request import Request
 from engine.sampler import Sampler, SamplerOutput
 from engine.scheduler import SchedulerOutput
 from engine.spec_decode import verify
-from kernels import dispatch, linear, quant
+from engine.weights_cache import WeightsCache, weights_cache_at
+from kernels import dispatch, linear, native, quant
 from kernels.attention import build_plan
 
 logger = logging.getLogger(__name__)
@@ -132,7 +133,56 @@ class ModelRunner:
         self.plan_kind = self.kernels.plan_flags()  # build_plan's kernel flags
         torch.manual_seed(config.seed)
         self.model = self._build_model(hf_config, max_model_len, qkv_bias, head_dim)
+        # Counted before the linears are reordered, which leaves them no parameters.
+        num_params = sum(p.numel() for p in self.model.parameters())
+        attn = self.model.first_attention
+        self.num_layers = len(self.model.layers)
+        # A step of more tokens than this runs on prefill_threads (LARGE_STEP_TOKEN_PARAMS).
+        self.large_step_tokens = max(1, -(-LARGE_STEP_TOKEN_PARAMS // max(1, num_params)))
+        self.num_kv_heads = attn.num_kv_heads
+        self.head_dim = attn.head_dim
+        self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
+        self.lora: LoRAManager | None = None  # set by the engine when LoRA is enabled
+        self.sampler = Sampler(self.device, config.seed)
+        self.vocab_size = int(hf_config.vocab_size)
         timings.mark("model")
+        reordered = config.cpu_kernels and self.device.type == "cpu" and linear.available()
+        cache = self._weights_cache(config, reordered)
+        if cache is not None and cache.load(self.model, model_dir, self.dtype, reordered):
+            checkpoint_map.take(model_dir)  # mapped ahead by a spare or the zygote: not needed
+            if progress is not None:
+                progress(len(names), len(names))
+            timings.mark("weights")
+        else:
+            self._load_checkpoint(model_dir, names, progress, config, calibration, timings)
+            if reordered:
+                linear.prepack(self.model)
+            timings.mark("prepack")
+            # Written once, then mapped like any later load's: this engine's weights become the
+            # page cache's, which the next engine of this checkpoint shares.
+            if cache is not None and cache.save(self.model, model_dir, self.dtype, reordered):
+                cache.load(self.model, model_dir, self.dtype, reordered)
+                timings.mark("cache")
+
+    def _weights_cache(self, config: EngineConfig, reordered: bool) -> WeightsCache | None:
+        """Where this engine's weights are kept as it runs them, if they can be: weights on
+        the CPU, not quantized at load (SmoothQuant depends on the calibration text), and
+        reordered ones only where the kernel that maps them back is built."""
+        if config.quantization is not None or self.device.type != "cpu":
+            return None
+        if reordered and not native.load():
+            return None
+        return weights_cache_at(config.weights_cache_dir)
+
+    def _load_checkpoint(
+        self,
+        model_dir: Path,
+        names: list[str],
+        progress: ProgressFn | None,
+        config: EngineConfig,
+        calibration: list[list[int]] | None,
+        timings: LoadTimings,
+    ) -> None:
         total = len(names)
         done = 0
 
@@ -145,23 +195,9 @@ class ModelRunner:
         with torch.no_grad():
             self.model.load_weights(iter_safetensors(model_dir), on_tensor)
         timings.mark("weights")
-        attn = self.model.first_attention
-        self.num_layers = len(self.model.layers)
-        # A step of more tokens than this runs on prefill_threads (LARGE_STEP_TOKEN_PARAMS).
-        num_params = sum(p.numel() for p in self.model.parameters())
-        self.large_step_tokens = max(1, -(-LARGE_STEP_TOKEN_PARAMS // max(1, num_params)))
-        self.num_kv_heads = attn.num_kv_heads
-        self.head_dim = attn.head_dim
         if config.quantization is not None:
             self._quantize(calibration or [])
             timings.mark("quantize")
-        self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
-        self.lora: LoRAManager | None = None  # set by the engine when LoRA is enabled
-        self.sampler = Sampler(self.device, config.seed)
-        self.vocab_size = int(hf_config.vocab_size)
-        if config.cpu_kernels and self.device.type == "cpu" and linear.available():
-            linear.prepack(self.model)
-        timings.mark("prepack")
 
     def _build_model(
         self, hf_config: PretrainedConfig, max_model_len: int, qkv_bias: bool, head_dim: int

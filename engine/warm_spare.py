@@ -218,14 +218,21 @@ def start_heap_bytes(config: EngineConfig) -> int:
     """Heap an engine of `config` writes as it starts, besides its KV pool (mapped, written as
     it fills): its weights in the compute dtype, then as many again for their packed copies
     (kernels.linear.prepack; the plain ones are freed after); at most what a heap keeps freed
-    (engine.heap.TRIM_THRESHOLD). An estimate from the checkpoint's header and config: nothing
-    is loaded."""
+    (engine.heap.TRIM_THRESHOLD). None where the weights will be mapped from the weights cache
+    (engine.weights_cache), which writes no heap. An estimate from the checkpoint's header and
+    config: nothing is loaded."""
     from transformers import AutoConfig
 
     from engine.model_runner import resolve_device, resolve_dtype
     from engine.models.llama import parameter_count
+    from engine.weights_cache import weights_cache_at
 
     hf_config = AutoConfig.from_pretrained(config.model)
-    dtype = resolve_dtype(config.dtype, hf_config, resolve_device(config.device))
+    device = resolve_device(config.device)
+    dtype = resolve_dtype(config.dtype, hf_config, device)
+    cache = weights_cache_at(config.weights_cache_dir)
+    mapped = device.type == "cpu" and config.quantization is None
+    if mapped and cache is not None and cache.path(Path(config.model), dtype).exists():
+        return 0
     itemsize = torch.empty(0, dtype=dtype).element_size()
     return min(2 * parameter_count(Path(config.model)) * itemsize, heap.TRIM_THRESHOLD)

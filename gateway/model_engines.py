@@ -54,6 +54,7 @@ def engine_config(settings: Settings) -> EngineConfig:
         num_threads=s.num_threads or threads[0],
         prefill_threads=s.prefill_threads or threads[1],
         cpu_kernels=s.cpu_kernels,
+        weights_cache_dir=s.weights_cache_dir,
         kernels=s.kernels,
         enable_lora=s.enable_lora,
         max_loras=s.max_loras,

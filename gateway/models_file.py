@@ -60,6 +60,7 @@ ENGINE_KNOBS = (
     "engine_process",
     "restart_engine",
     "cpu_kernels",
+    "weights_cache_dir",
     "kernels",
     "max_loras",
     "max_cpu_loras",

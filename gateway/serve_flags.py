@@ -63,6 +63,9 @@ HELP: dict[str, str] = {
     "engine_process": "Run the engine loop in its own process (no GIL shared with HTTP).",
     "restart_engine": "Restart an engine process that dies, with back-off.",
     "cpu_kernels": "C++ decode attention, RMSNorm, multi-LoRA and prepacked weights on CPU.",
+    "weights_cache_dir": "Where each model's weights are written once as the engine runs them "
+    "(converted, reordered for oneDNN) and mapped by every later start: auto "
+    "(~/.cache/loragate/weights), a directory, or none.",
     "kernels": "Which kernels run: auto (triton on CUDA; C++ on the CPU, or torch with "
     "--no-cpu-kernels), triton (on the CPU only with TRITON_INTERPRET=1: tests), native, torch.",
     "enable_lora": "LoRA slots on the device.",

@@ -89,6 +89,7 @@ class Settings(BaseSettings):
     engine_process: bool = True
     restart_engine: bool = True
     cpu_kernels: bool = True
+    weights_cache_dir: str = "auto"
     kernels: Literal["auto", "triton", "native", "torch"] = "auto"
     enable_lora: bool = True
     max_loras: int = 4

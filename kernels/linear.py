@@ -12,6 +12,8 @@ AVX-512 BF16 or AMX kernels, accumulating in float32); `prepack` leaves anything
 
 from __future__ import annotations
 
+import ctypes
+
 import torch
 from torch import nn
 
@@ -44,10 +46,22 @@ class PrepackedLinear(nn.Module):
 
     def __init__(self, linear: nn.Linear) -> None:
         super().__init__()
-        self.in_features, self.out_features = linear.in_features, linear.out_features
-        weight = linear.weight.detach()
-        self.packed = torch.ops.mkldnn._reorder_linear_weight(weight, BATCH_HINT)
-        self.bias = None if linear.bias is None else linear.bias.detach()
+        self.in_features: int = linear.in_features
+        self.out_features: int = linear.out_features
+        self.packed = torch.ops.mkldnn._reorder_linear_weight(linear.weight.detach(), BATCH_HINT)
+        self.bias: torch.Tensor | None = None if linear.bias is None else linear.bias.detach()
+
+    @classmethod
+    def over(
+        cls, packed: torch.Tensor, bias: torch.Tensor | None, keep: torch.Tensor
+    ) -> PrepackedLinear:
+        """One over a weight reordered already, whose bytes `keep` holds (a mapped file,
+        engine/weights_cache.py): the weight does not own them."""
+        self = cls.__new__(cls)
+        nn.Module.__init__(self)
+        self.out_features, self.in_features = packed.shape
+        self.packed, self.bias, self.keep = packed, bias, keep
+        return self
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         out: torch.Tensor = torch.ops.mkldnn._linear_pointwise(
@@ -70,3 +84,22 @@ def prepack(module: nn.Module) -> int:
         else:
             count += prepack(child)
     return count
+
+
+def packed_bytes(packed: torch.Tensor) -> tuple[memoryview, torch.Tensor]:
+    """A reordered weight's bytes (oneDNN's blocked layout, read in place) and the serialized
+    descriptor that `from_packed_bytes` rebuilds it from."""
+    size = torch.ops.mkldnn._nbytes(packed)
+    address = torch.ops.mkldnn.data_ptr(packed)
+    data = memoryview((ctypes.c_uint8 * size).from_address(address)).cast("B")
+    return data, torch.ops.mkldnn._get_mkldnn_serialized_md(packed)
+
+
+def from_packed_bytes(
+    data: torch.Tensor, shape: list[int], dtype: torch.dtype, descriptor: torch.Tensor
+) -> torch.Tensor:
+    """The reordered weight over `data` (uint8, no copy; the caller keeps it alive)."""
+    weight: torch.Tensor = torch.ops.loragate.packed_weight_from_bytes(
+        data, shape, dtype, descriptor
+    )
+    return weight

@@ -36,6 +36,7 @@ SOURCES = [
     _CSRC / "quant.cpp",
     _CSRC / "int8_gemm.cpp",
     _CSRC / "layer_ops.cpp",
+    _CSRC / "packed_weight.cpp",
 ]
 HEADERS = [_CSRC / "simd.h", _CSRC / "decode_attention_bf16.h", _CSRC / "lora_avx512.h"]
 OPS = (
@@ -49,6 +50,7 @@ OPS = (
     "int8_linear",
     "rotary_",
     "write_kv",
+    "packed_weight_from_bytes",
 )
 # The model dtypes every op takes (computing in float32 either way).
 DTYPES = (torch.float32, torch.bfloat16)

@@ -26,12 +26,20 @@ def test_coldstart_measures_every_phase(
     out = tmp_path / "coldstart.json"
     args = ["coldstart", "--model", str(demo_model_dir), "--rounds", "1", "--dtype", "float32"]
     args += ["--kv-cache-memory", str(16 << 20), "--json", str(out)]
+    # With the adapter, the weights from the checkpoint; without, mapped from a cache that
+    # the untimed round wrote.
+    cache = "none" if with_adapter else str(tmp_path / "weights")
+    args += ["--weights-cache-dir", cache]
     if with_adapter:
         args += ["--adapter", str(demo_adapters["r8-all"])]
     main(args)
     result = json.loads(out.read_text())
     (phases,) = result["rounds"]
-    engine_side = set(PHASES) - {"gateway", "first token"}
+    engine_side = set(PHASES) - {"gateway", "first token", "cache"}
+    if not with_adapter:
+        engine_side -= {"prepack"}  # nothing to reorder: the file holds the reordered weights
+        assert "prepack" not in phases and "cache" not in phases
+        assert list((tmp_path / "weights").glob("*.weights"))
     assert engine_side <= set(phases), phases  # the engine process reported each phase
     assert all(seconds >= 0 for seconds in phases.values())
     assert phases["process"] > 0 and phases["weights"] > 0 and phases["first token"] > 0
@@ -41,6 +49,8 @@ def test_coldstart_measures_every_phase(
     rows = table_rows(printed)
     assert [row[0] for row in rows] == [*PHASES, "to the first token"], printed
     assert "of cat's speed" in printed
+    source = "read from the checkpoint" if with_adapter else "mapped from the weights cache"
+    assert f"weights {source}" in printed
 
 
 def test_coldstart_with_a_warm_spare(
