@@ -35,6 +35,10 @@ BENCHMARKS: dict[str, tuple[str, str]] = {
     "coldstart": ("bench.coldstart", "a model's engine from nothing to its first token, by phase"),
     "routing": ("bench.routing", "affinity routing against round-robin over two engines"),
     "remote-hop": ("bench.remote_hop", "W1 through `loragate engine` against the engine beside it"),
+    "update-bytes": (
+        "bench.update_bytes",
+        "a stream's updates over the engine pipe: text deltas vs the whole text each step",
+    ),
     "responses": ("bench.responses", "a conversation through /v1/responses: TTFT per turn, bytes"),
     "console-usage": (
         "bench.console_usage",

@@ -44,6 +44,7 @@ class _Sequence:
     parent_id: str
     index: int
     detokenizer: IncrementalDetokenizer
+    num_sent_chars: int = 0  # of the detokenizer's text, in updates already made
 
 
 class LLMEngine:
@@ -452,12 +453,15 @@ class LLMEngine:
         request = seq.request
         detok = seq.detokenizer
         finished = request.is_finished
-        text = detok.text if finished else detok.text[: detok.num_stream_safe_chars]
+        # Held-back text is never sent, so a stop string found later cuts only unsent text.
+        safe = len(detok.text) if finished else detok.num_stream_safe_chars
+        delta = detok.text[seq.num_sent_chars : safe]
+        seq.num_sent_chars = max(seq.num_sent_chars, safe)
         return SequenceUpdate(
             request_id=seq.parent_id,
             index=seq.index,
             new_token_ids=token_ids,
-            text=text,
+            text_delta=delta,
             new_logprobs=None if logprobs is None else [logprobs],
             num_prompt_tokens=request.num_prompt_tokens,
             num_cached_tokens=max(0, request.num_cached_tokens),

@@ -13,7 +13,10 @@ class SequenceUpdate:
     request_id: str
     index: int
     new_token_ids: list[int]
-    text: str  # the whole output text so far that is safe to show (stop-string lookahead held back)
+    # The output text appended since this sequence's last update that is safe to show (a stop
+    # string's lookahead held back until it cannot start one): a stream of n tokens carries
+    # its text once, not the whole text so far at every step.
+    text_delta: str
     new_logprobs: list[dict[int, float]] | None
     num_prompt_tokens: int
     num_cached_tokens: int
@@ -52,7 +55,7 @@ class RequestOutput:
     def apply(self, update: SequenceUpdate) -> None:
         out = self.outputs[update.index]
         out.token_ids.extend(update.new_token_ids)
-        out.text = update.text
+        out.text += update.text_delta
         if update.new_logprobs is not None:
             out.logprobs = (out.logprobs or []) + update.new_logprobs
         if update.finished:

@@ -24,7 +24,6 @@ from gateway.tool_call_stream import ToolCallStream
 class Choice:
     index: int
     text: str = ""
-    num_sent_chars: int = 0
     token_ids: list[int] = field(default_factory=list)
     logprobs: list[dict[int, float]] = field(default_factory=list)
     finish_reason: str | None = None  # the engine's; metering and request_success count it
@@ -151,7 +150,7 @@ class Answer:
         choice = self.choices[prompt_index * self.params.n + update.index]
         self.usage.record(prompt_index, update)
         choice.token_ids.extend(update.new_token_ids)
-        choice.text = update.text
+        choice.text += update.text_delta
         if update.new_logprobs:
             choice.logprobs.extend(update.new_logprobs)
         if update.finished:

@@ -39,8 +39,7 @@ async def chunk_bodies(
         async with contextlib.aclosing(answer.in_order()) as in_order:
             async for prompt_index, update in in_order:
                 choice = answer.apply(prompt_index, update)
-                delta = choice.text[choice.num_sent_chars :]
-                choice.num_sent_chars = len(choice.text)
+                delta = update.text_delta
                 if not delta and not update.finished:
                     continue
                 body: dict[str, Any] = {"index": choice.index}

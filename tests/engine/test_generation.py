@@ -202,3 +202,29 @@ def test_bad_sampling_values_are_refused() -> None:
         SamplingParams(top_p=0)
     with pytest.raises(ValueError, match="n must"):
         SamplingParams(n=0)
+
+
+def test_updates_carry_each_character_once_and_never_a_held_back_one(llm: LLM) -> None:
+    """A step's update carries the text appended since the last one: the deltas of a stream
+    join to the finished text, and text that a stop string could still begin is held back
+    until it cannot, so no delta holds a character the finished text lacks."""
+    base = llm.generate([PROMPTS[1]], SamplingParams(temperature=0, max_tokens=40, ignore_eos=True))
+    text = base[0].outputs[0].text
+    stop = text[14:19]
+    engine = llm.engine
+    streams: dict[str, list[str]] = {"plain": [], "stopped": []}
+    engine.add_request(
+        "plain", PROMPTS[1], SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+    )
+    engine.add_request(
+        "stopped",
+        PROMPTS[1],
+        SamplingParams(temperature=0, max_tokens=40, ignore_eos=True, stop=[stop]),
+    )
+    while engine.has_unfinished_requests():
+        for update in engine.step():
+            streams[update.request_id].append(update.text_delta)
+    assert "".join(streams["plain"]) == text
+    assert sum(1 for delta in streams["plain"] if delta) > 5  # streamed, not sent at the end
+    assert "".join(streams["stopped"]) == text[: text.index(stop)]
+    assert_all_blocks_free(llm)

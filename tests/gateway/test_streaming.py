@@ -44,7 +44,7 @@ class _Stream:
 
 
 async def _drain(stream: AsyncIterator[tuple[int, SequenceUpdate]]) -> list[tuple[int, str]]:
-    return [(i, u.text) async for i, u in stream]
+    return [(i, u.text_delta) async for i, u in stream]
 
 
 def test_merge_tags_each_prompts_updates_in_their_order() -> None:
