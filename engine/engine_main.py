@@ -19,8 +19,8 @@ from multiprocessing.connection import Connection
 from multiprocessing.process import BaseProcess
 from typing import Any
 
-from engine.async_engine import apply_message, contained_step, engine_stats, finished_parents
 from engine.config import EngineConfig
+from engine.engine_loop import apply_message, contained_step, engine_stats, finished_parents
 from engine.errors import RequestRefused
 from engine.heap import retain_freed_memory
 from engine.llm_engine import LLMEngine

@@ -38,8 +38,8 @@ from typing import Any
 
 from transformers import AutoTokenizer
 
-from engine.async_engine import EngineClient
 from engine.config import EngineConfig
+from engine.engine_client import EngineClient
 from engine.engine_main import run_engine, start_process
 from engine.errors import EngineDead, StepFailed
 from engine.guided import GrammarCache, GuidedSpec

@@ -20,7 +20,7 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from typing import Any
 
-from engine.async_engine import EngineClient
+from engine.engine_client import EngineClient
 from engine.errors import EngineDead, EngineOverloaded
 from engine.load_timings import describe
 from engine.messages import EngineRequest, EngineStats

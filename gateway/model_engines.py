@@ -12,8 +12,8 @@ from collections.abc import Callable
 from typing import Any
 
 from adapters.registry import RegisteredLoader
-from engine.async_engine import EngineClient
 from engine.config import EngineConfig
+from engine.engine_client import EngineClient
 from engine.lora_types import LoRARequest
 from engine.spec_decode import SpeculativeConfig
 from engine.warm_spare import SparePool, start_heap_bytes

@@ -18,7 +18,7 @@ from gateway.request_limits import RequestLimits, ServerBounds
 
 
 class ModelEngine(Protocol):
-    """What the gateway asks of a model's engine: an engine loop (engine.async_engine's
+    """What the gateway asks of a model's engine: an engine loop (engine.engine_client's
     EngineClient: a process, or a thread), or one started on demand
     (gateway.engine_on_demand)."""
 

@@ -106,3 +106,13 @@ def test_the_arrows_point_down() -> None:
         if name.startswith("kernels"):
             assert not top & {"engine", "gateway", "tenants", "adapters", "bench"}, name
         assert "bench" not in top, name
+
+
+def test_each_side_of_the_engine_loop_imports_only_its_own() -> None:
+    """The engine process runs the loop's body and serves no client; the gateway's clients
+    share the client's side; the thread backend is one more client, used by neither."""
+    graph = _graph()
+    assert "engine.async_engine" not in graph["engine.engine_main"]
+    assert "engine.async_engine" not in graph["engine.engine_process"]
+    assert "engine.engine_client" not in graph["engine.engine_main"]
+    assert "engine.engine_loop" in graph["engine.engine_main"]

@@ -34,7 +34,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from adapters.store import AdapterStorage
-from engine.async_engine import EngineClient
+from engine.engine_client import EngineClient
 from engine.errors import RequestRefused
 from engine.lora_types import LoRARequest
 from engine.messages import EngineRequest

@@ -20,8 +20,8 @@ from typing import Any
 from websockets.exceptions import ConnectionClosed, InvalidHandshake, InvalidURI
 from websockets.sync.client import ClientConnection, connect
 
-from engine.async_engine import EngineClient
 from engine.config import EngineConfig
+from engine.engine_client import EngineClient
 from engine.errors import EngineDead
 from engine.guided import GrammarCache, GuidedSpec
 from engine.llm_engine import grammar_cache

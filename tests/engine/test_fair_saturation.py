@@ -14,7 +14,8 @@ import pytest
 from fair_scheduling import add, finish_done, make_scheduler, run_step
 
 from engine import EngineConfig, LLMEngine, SamplingParams
-from engine.async_engine import AsyncEngine, EngineClient
+from engine.async_engine import AsyncEngine
+from engine.engine_client import EngineClient
 from engine.engine_process import EngineProcess
 from engine.fairness import LINGER, FairQueue
 from engine.messages import EngineRequest

@@ -24,7 +24,8 @@ import uvicorn
 from fastapi import FastAPI
 
 from adapters.peft import BaseModelInfo, describe_base
-from engine.async_engine import AsyncEngine, EngineClient
+from engine.async_engine import AsyncEngine
+from engine.engine_client import EngineClient
 from gateway.admin_auth import mint_admin_token
 from gateway.served_models import ModelEngine
 from gateway.settings import Settings

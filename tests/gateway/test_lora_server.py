@@ -16,7 +16,8 @@ from live_server import Server, build_test_app, live_server, register_public
 from adapters.peft import describe_base
 from adapters.registry import AdapterRegistry
 from engine import LLM, EngineConfig, LLMEngine, SamplingParams
-from engine.async_engine import AsyncEngine, EngineClient
+from engine.async_engine import AsyncEngine
+from engine.engine_client import EngineClient
 from engine.engine_process import EngineProcess
 
 MODEL = "demo"
