@@ -8,6 +8,7 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import httpx
@@ -30,20 +31,36 @@ def spawn(
 
 
 def wait_ready(
-    url: str, proc: subprocess.Popen[bytes], log: Path, path: str = "/v1/models"
+    url: str,
+    proc: subprocess.Popen[bytes],
+    log: Path,
+    path: str = "/v1/models",
+    until: Callable[[], bool] | None = None,
+    timeout: float = READY_TIMEOUT_S,
 ) -> None:
-    """Until GET url+path answers 200; raises if the server exits or takes too long."""
-    deadline = time.monotonic() + READY_TIMEOUT_S
+    """Until GET url+path answers 200 (and `until()` holds, where given): the one wait for a
+    server that benchmarks and tests share. Raises with the log's end if the server exits
+    first or takes longer than `timeout` seconds."""
+    deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if proc.poll() is not None:
-            raise RuntimeError(f"server exited ({proc.returncode}); log: {log}")
+            raise RuntimeError(f"server exited ({proc.returncode}); {_log_end(log)}")
         try:
-            if httpx.get(f"{url}{path}", timeout=2).status_code == 200:
+            if httpx.get(f"{url}{path}", timeout=2).status_code == 200 and (
+                until is None or until()
+            ):
                 return
         except httpx.HTTPError:
             pass
-        time.sleep(0.25)
-    raise RuntimeError(f"server not ready after {READY_TIMEOUT_S:.0f} s; log: {log}")
+        time.sleep(0.1)
+    raise RuntimeError(f"server not ready after {timeout:.0f} s; {_log_end(log)}")
+
+
+def _log_end(log: Path) -> str:
+    try:
+        return f"the end of {log}:\n{log.read_text(errors='replace')[-3000:]}"
+    except OSError:
+        return f"no log at {log}"
 
 
 def stop(proc: subprocess.Popen[bytes]) -> None:

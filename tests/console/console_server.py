@@ -15,7 +15,9 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).parents[1] / "gateway"))  # live_server lives there
-from live_server import TEST_SECRET, free_port, wait_process_healthy  # noqa: E402
+from live_server import TEST_SECRET, free_port  # noqa: E402
+
+from bench.servers import wait_ready  # noqa: E402
 
 MODEL = "demo"
 VIEWPORT = {"width": 1280, "height": 800}
@@ -78,7 +80,7 @@ def serve(model_dir: Path, cwd: Path, *flags: str) -> Iterator[ConsoleServer]:
             command, stdout=log, stderr=subprocess.STDOUT, start_new_session=True, env=env, cwd=cwd
         )
     try:
-        wait_process_healthy(url, server, log_path)
+        wait_ready(url, server, log_path, "/health", timeout=180)
         key = re.search(r"export LORAGATE_API_KEY=(lg-\S+)", log_path.read_text())
         assert key is not None, log_path.read_text()
         yield ConsoleServer(url, "", key.group(1), log_path, cwd)

@@ -6,12 +6,13 @@ from __future__ import annotations
 
 import subprocess
 import sys
-import time
 from dataclasses import dataclass
 from pathlib import Path
 
 import httpx
 from live_server import free_port
+
+from bench.servers import wait_ready
 
 LORAGATE_CLI = str(Path(sys.executable).parent / "loragate")
 TOKEN = "an-engine-token-that-is-long-enough-for-loragate-0123456789"
@@ -56,13 +57,4 @@ def start_engine(
 
 
 def wait_healthy(engine: EngineService, timeout: float = 120.0) -> None:
-    deadline = time.monotonic() + timeout
-    while True:
-        assert engine.process.poll() is None, engine.log.read_text()
-        try:
-            if httpx.get(f"{engine.url}/health", timeout=2).status_code == 200:
-                return
-        except httpx.HTTPError:
-            pass
-        assert time.monotonic() < deadline, engine.log.read_text()
-        time.sleep(0.2)
+    wait_ready(engine.url, engine.process, engine.log, "/health", timeout=timeout)

@@ -24,6 +24,7 @@ import uvicorn
 from fastapi import FastAPI
 
 from adapters.peft import BaseModelInfo, describe_base
+from bench.servers import wait_ready
 from engine.async_engine import AsyncEngine
 from engine.engine_client import EngineClient
 from gateway.admin_auth import mint_admin_token
@@ -295,23 +296,6 @@ def wait_for_usage(
         time.sleep(0.1)
 
 
-def wait_process_healthy(
-    url: str, server: subprocess.Popen[bytes], log: Path, timeout: float = 180.0
-) -> None:
-    """Until a `loragate serve` (or `engine`) process answers /health with 200; its log in the
-    failure if it exits first or never does."""
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        assert server.poll() is None, log.read_text()[-3000:]
-        try:
-            if httpx.get(f"{url}/health", timeout=2).status_code == 200:
-                return
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.1)
-    raise AssertionError(f"never healthy:\n{log.read_text()[-3000:]}")
-
-
 @dataclass(frozen=True)
 class ServeProcess:
     """A `loragate serve` process: its URL, its process group, and admin credentials that it
@@ -364,7 +348,7 @@ def serve_process(model_dir: Path, cwd: Path, *flags: str) -> Iterator[ServeProc
     )
     url = f"http://127.0.0.1:{port}"
     try:
-        wait_process_healthy(url, server, cwd / "serve.log")
+        wait_ready(url, server, cwd / "serve.log", "/health", timeout=180)
         yield ServeProcess(url, server.pid)
     finally:
         if server.poll() is None:

@@ -11,12 +11,13 @@ import signal
 import subprocess
 import sys
 import threading
-import time
 from pathlib import Path
 
 import httpx
 from live_server import free_port
 from process_tree import engine_processes
+
+from bench.servers import wait_ready
 
 MODEL = "demo"
 
@@ -26,20 +27,6 @@ def _engine_pid(server_pid: int) -> int:
     engines = engine_processes(server_pid)
     assert len(engines) == 1, f"engine processes: {engines}"
     return engines[0]
-
-
-def _wait_health(url: str, status: str, timeout: float = 120) -> None:
-    deadline = time.monotonic() + timeout
-    last = None
-    while time.monotonic() < deadline:
-        try:
-            last = httpx.get(f"{url}/health", timeout=5).json().get("status")
-        except httpx.HTTPError:
-            last = None
-        if last == status:
-            return
-        time.sleep(0.1)
-    raise AssertionError(f"/health never said {status!r} (last: {last!r})")
 
 
 def test_engine_death_restart_and_orderly_shutdown(demo_model_dir: Path, tmp_path: Path) -> None:
@@ -70,7 +57,7 @@ def test_engine_death_restart_and_orderly_shutdown(demo_model_dir: Path, tmp_pat
             cwd=tmp_path,  # the database, its secret and the adapter store go here
         )
     try:
-        _wait_health(url, "ok")
+        wait_ready(url, server, log_path, "/health", timeout=120)
         # On an empty database the server made tenant `demo` and printed its key once.
         key = re.search(r"export LORAGATE_API_KEY=(lg-\S+)", log_path.read_text())
         assert key is not None, log_path.read_text()
@@ -122,7 +109,8 @@ def test_engine_death_restart_and_orderly_shutdown(demo_model_dir: Path, tmp_pat
         assert events[-1]["error"]["type"] == "service_unavailable", events[-1]
         resp = httpx.get(f"{url}/health")
         assert resp.status_code == 503 or resp.json() == {"status": "ok"}
-        _wait_health(url, "ok")  # the supervisor started a new engine process
+        # the supervisor started a new engine process
+        wait_ready(url, server, log_path, "/health", timeout=120)
         resp = httpx.post(f"{url}/v1/completions", json=body, headers=auth, timeout=60)
         assert resp.status_code == 200
 

@@ -56,6 +56,7 @@ from engine_services import (
 )
 from live_server import TEST_SECRET, free_port
 
+from bench.servers import wait_ready
 from gateway.admin_auth import mint_admin_token
 from gateway.settings import Settings
 from tests.conftest import REDIS, fresh_database
@@ -117,7 +118,14 @@ def _gateway(cluster: Cluster, name: str, *flags: str, replicas: int = 2) -> Ite
         )
     gateway = Gateway(f"http://127.0.0.1:{port}", process, log)
     try:
-        _wait_ready(gateway, replicas)
+        wait_ready(
+            gateway.url,
+            process,
+            log,
+            "/health",
+            until=lambda: gateway.metric("loragate:engine_replicas") == replicas,
+            timeout=120,
+        )
         yield gateway
     finally:
         if process.poll() is None:
@@ -127,22 +135,6 @@ def _gateway(cluster: Cluster, name: str, *flags: str, replicas: int = 2) -> Ite
             except subprocess.TimeoutExpired:
                 os.killpg(process.pid, signal.SIGKILL)
                 process.wait()
-
-
-def _wait_ready(gateway: Gateway, replicas: int, timeout: float = 120.0) -> None:
-    deadline = time.monotonic() + timeout
-    while True:
-        assert gateway.process.poll() is None, gateway.log.read_text()
-        try:
-            if (
-                httpx.get(f"{gateway.url}/health", timeout=2).status_code == 200
-                and gateway.metric("loragate:engine_replicas") == replicas
-            ):
-                return
-        except httpx.HTTPError:
-            pass
-        assert time.monotonic() < deadline, gateway.log.read_text()
-        time.sleep(0.2)
 
 
 @pytest.fixture(scope="module")
