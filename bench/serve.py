@@ -8,7 +8,9 @@ Every request is a streamed /v1/completions call with an exact-length token-id
 prompt, temperature 0, ignore_eos and max_tokens = output_len, so ours and
 vLLM's servers do the same work. Workloads: w1 = 128-token prompts; w2 = w1
 behind one shared 1024-token prefix; w3 = w1 round-robin over `--adapters`
-(each adapter is a model name); wv = prompt lengths uniform in 32..256.
+(each adapter is a model name); wv = prompt lengths uniform in 32..256; wlong = long
+outputs, where streaming itself costs: 16 streams of 32-token prompts x 2,000 tokens, all at
+once (its defaults for --num-prompts, --concurrency and --output-len).
 
 With `--model-dir` (the served model's HF directory) the row has MFU: the model FLOPs of
 the tokens served (bench.mfu; prompt tokens the server reports as cached excluded) per
@@ -39,7 +41,11 @@ from rich.table import Table
 
 from bench.mfu import ModelFlops, matmul_peak, mfu
 
-WORKLOADS = ("w1", "w2", "w3", "wv")
+WORKLOADS = ("w1", "w2", "w3", "wv", "wlong")
+# --num-prompts, --concurrency, --output-len where the flag is not given.
+DEFAULTS = {"num_prompts": 64, "concurrency": 16, "output_len": 64}
+WORKLOAD_DEFAULTS = {"wlong": {"num_prompts": 16, "concurrency": 16, "output_len": 2000}}
+LONG_PROMPT_LEN = 32  # with 2,000 output tokens, within a 2,048-token model (the demo's)
 
 
 @dataclass(slots=True)
@@ -59,6 +65,8 @@ def make_prompts(workload: str, num_prompts: int, vocab: int, seed: int) -> list
     low = 100  # clear of special tokens at the bottom of common vocabularies
     if workload == "wv":
         lengths = rng.integers(32, 257, size=num_prompts)
+    elif workload == "wlong":
+        lengths = np.full(num_prompts, LONG_PROMPT_LEN)
     else:
         lengths = np.full(num_prompts, 128)
     prompts = [rng.integers(low, vocab, size=int(n)).tolist() for n in lengths]
@@ -287,9 +295,9 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--base-url", required=True)
     p.add_argument("--model", required=True)
     p.add_argument("--workload", choices=WORKLOADS, default="w1")
-    p.add_argument("--concurrency", type=int, default=16)
-    p.add_argument("--num-prompts", type=int, default=64)
-    p.add_argument("--output-len", type=int, default=64)
+    p.add_argument("--concurrency", type=int, default=None, help="default 16")
+    p.add_argument("--num-prompts", type=int, default=None, help="default 64 (wlong: 16)")
+    p.add_argument("--output-len", type=int, default=None, help="default 64 (wlong: 2000)")
     p.add_argument("--adapters", default="", help="comma-separated adapter names (w3)")
     p.add_argument("--vocab-size", type=int, default=8000, help="prompt ids are drawn below it")
     p.add_argument("--seed", type=int, default=0)
@@ -310,6 +318,9 @@ def main(argv: list[str] | None = None) -> None:
         help="bearer key (default: $LORAGATE_API_KEY); a vLLM server ignores it",
     )
     args = p.parse_args(argv)
+    for name, value in (DEFAULTS | WORKLOAD_DEFAULTS.get(args.workload, {})).items():
+        if getattr(args, name) is None:
+            setattr(args, name, value)
     if args.cpu is not None:
         os.sched_setaffinity(0, {args.cpu})
     console = Console(width=max(Console().width, 120))
