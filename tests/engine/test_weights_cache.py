@@ -6,6 +6,7 @@ checkpoint is gone is removed by the next write; a quantized engine writes none.
 
 from __future__ import annotations
 
+import logging
 import shutil
 from pathlib import Path
 
@@ -119,7 +120,14 @@ def test_a_directory_that_cannot_be_written_still_serves(
 ) -> None:
     root = tmp_path / "not-a-directory"
     root.write_text("a file where the cache directory would be")
-    assert _generate(checkpoint, root) == reference
+    # Directly on the module's logger: a console set up by an earlier test may have stopped
+    # the engine's loggers propagating to the root, where caplog listens.
+    logger = logging.getLogger("engine.weights_cache")
+    logger.addHandler(caplog.handler)
+    try:
+        assert _generate(checkpoint, root) == reference
+    finally:
+        logger.removeHandler(caplog.handler)
     assert "weights cache: cannot write" in caplog.text
 
 
