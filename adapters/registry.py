@@ -1,6 +1,6 @@
 """Adapters by name for offline use (benchmarks, tests), and the engine's loader.
 
-The server keeps its adapters in the database (gateway/adapter_catalog.py); this registry is
+The server keeps its adapters in the database (gateway/tenancy/adapter_catalog.py); this registry is
 the same idea in memory. Registering validates the adapter fully against the base model
 before the name resolves, so a bad adapter is refused at the door and nothing
 half-registered remains. Re-registering a name with new files gives a new identity: the

@@ -5,7 +5,7 @@
     loragate-bench coldstart --gateway ...   (bench/coldstart_gateway.py: through the gateway)
 
 Each round does what the gateway does for a model that scales to zero (min_replicas 0,
-gateway/engine_on_demand.py): spawn the engine process (engine/engine_process.py), wait until
+gateway/models/on_demand.py): spawn the engine process (engine/engine_process.py), wait until
 it reports ready, send one request and wait for its first token, stop it. One untimed round
 first puts the weights in the page cache, as they are on a machine that served the model
 before. With `--adapter`, the first request names that adapter, not yet loaded: its load is

@@ -183,7 +183,7 @@ def check_document(schema: Any, text: str) -> tuple[str, list[str], str]:
     import jsonschema
     from referencing.exceptions import Unresolvable
 
-    from gateway.guided_validation import schema_validator
+    from gateway.openai.guided_validation import schema_validator
 
     try:
         document = json.loads(text)

@@ -25,7 +25,7 @@ import redis.asyncio as aioredis
 from rich.console import Console
 from rich.table import Table
 
-from gateway.ratelimit import RateLimiter, RedisLimiter, TenantLimits, make_limiter
+from gateway.tenancy.ratelimit import RateLimiter, RedisLimiter, TenantLimits, make_limiter
 
 LIMITS = TenantLimits(rpm=10**9, tpm=10**12, max_concurrency=10**6, monthly_tokens=10**15)
 

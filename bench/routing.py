@@ -16,7 +16,7 @@ over prompt tokens looked up, every replica summed).
 
   single       one engine                          (what one engine's cache reaches)
   round_robin  two engines, requests in turn
-  affinity     two engines, gateway.remote.routing
+  affinity     two engines, gateway.models.routing
 """
 
 from __future__ import annotations
@@ -66,8 +66,8 @@ def make_tenants(url: str, args: argparse.Namespace, adapters: list[Path]) -> li
     """Tenants with a key each and `adapters_per_tenant` adapters named a0, a1, ...; their keys."""
     from pydantic import SecretStr
 
-    from gateway.admin_auth import mint_admin_token
     from gateway.settings import Settings
+    from gateway.tenancy.admin_auth import mint_admin_token
 
     token = mint_admin_token(Settings(secret_key=SecretStr(SECRET)), 3600)
     keys = []

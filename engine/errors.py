@@ -1,5 +1,5 @@
 """Why the engine did not serve a request, as types: the gateway answers each with its own
-HTTP status and error code (gateway/errors.py holds the table), never by reading a message.
+HTTP status and error code (gateway/http/errors.py holds the table), never by reading a message.
 
 Each crosses the engine process's pipe as it is (pickled), so each takes one message."""
 

@@ -1,4 +1,4 @@
-"""Build the FastAPI app around the served models' engines (gateway.served_models) and the
+"""Build the FastAPI app around the served models' engines (gateway.models.served) and the
 tenancy objects."""
 
 from __future__ import annotations
@@ -8,20 +8,21 @@ from collections.abc import Mapping
 
 from fastapi import FastAPI
 
-from gateway.admission import Admission
-from gateway.body import BodySizeLimit
 from gateway.console.headers import ConsoleHeaders
 from gateway.console.oauth import ConsoleOAuth
 from gateway.console.routes import install_console
-from gateway.errors import ErrorBoundary, install_error_handlers
+from gateway.http.body import BodySizeLimit
+from gateway.http.errors import ErrorBoundary, install_error_handlers
+from gateway.http.request_limits import RequestLimits
 from gateway.metrics import Metrics
-from gateway.openai_serving import OpenAIServing
-from gateway.request_limits import RequestLimits
-from gateway.responses.serving import ResponsesServing
-from gateway.routers import admin, admin_adapters, admin_engines, lora, responses, usage
-from gateway.routers.openai import health_router, router
-from gateway.served_models import ModelEngine, ServedModels
-from gateway.tenancy import Tenancy
+from gateway.models.served import ModelEngine, ServedModels
+from gateway.openai.responses import routes as responses_routes
+from gateway.openai.responses.serving import ResponsesServing
+from gateway.openai.routes import health_router, router
+from gateway.openai.serving import OpenAIServing
+from gateway.routers import admin, admin_adapters, admin_engines, lora, usage
+from gateway.tenancy.admission import Admission
+from gateway.tenancy.state import Tenancy
 
 ADAPTER_UPLOADS = "/admin/adapters"
 
@@ -78,7 +79,7 @@ def build_app(
     app.add_middleware(ErrorBoundary)
     routers = [
         router,
-        responses.router,
+        responses_routes.router,
         usage.router,
         admin.router,
         usage.admin_router,
@@ -94,6 +95,6 @@ def build_app(
     for included in routers:
         app.include_router(included)
     console_routes = install_console(app)
-    # What a 405's Allow header lists (gateway.errors).
+    # What a 405's Allow header lists (gateway.http.errors).
     app.state.routes = [r for included in routers for r in included.routes] + console_routes
     return app

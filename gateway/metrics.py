@@ -15,9 +15,9 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
 from engine.messages import EngineStats
-from gateway.engine_on_demand import OnDemandEngine
-from gateway.ratelimit import RateLimiter
-from gateway.served_models import ServedModel, ServedModels, scaling
+from gateway.models.on_demand import OnDemandEngine
+from gateway.models.served import ServedModel, ServedModels, scaling
+from gateway.tenancy.ratelimit import RateLimiter
 from tenants.ledger import Ledger, UsageRecord
 
 _LATENCY_BUCKETS = (
@@ -254,7 +254,7 @@ class Metrics:
             registry=r,
         )
         for model in models:
-            # A pool's replicas (gateway.remote.replica_pool) each start on demand.
+            # A pool's replicas (gateway.models.replica_pool) each start on demand.
             for engine in getattr(model.engine, "replicas", [model.engine]):
                 if isinstance(engine, OnDemandEngine):
                     engine.on_cold_start = self.cold_start.labels(model.name).observe

@@ -48,7 +48,8 @@ class Settings(BaseSettings):
     # -- the model and the engine ------------------------------------------------------------
     model: str = "models/smollm2"
     served_model_name: str | None = None
-    # Several base models, each with its engine knobs (gateway/models_file.py); None: --model.
+    # Several base models, each with its engine knobs (gateway/models/models_file.py);
+    # None: --model.
     models_config: Path | None = None
     # Models that scale to zero (min_replicas 0): requests held while their engine starts.
     max_pending_per_model: int = Field(default=256, ge=1)
@@ -64,7 +65,7 @@ class Settings(BaseSettings):
     # Between a gateway and its `loragate engine`s: the engines trust tenant context (salt,
     # fairness key, adapter) only from a holder of this token.
     engine_token: SecretStr | None = None
-    # How a model's replicas share its requests (gateway/remote/routing.py); picker: an
+    # How a model's replicas share its requests (gateway/models/routing.py); picker: an
     # inference gateway at the model's one url chooses per request (remote/picked_engine.py).
     routing: Literal["affinity", "least_loaded", "round_robin", "picker"] = "affinity"
     max_model_len: int | None = None
@@ -157,7 +158,7 @@ class Settings(BaseSettings):
     # database, else in the working directory.
     usage_spool_dir: Path | None = None
     usage_flush_interval: float = Field(default=0.5, gt=0.0, le=60.0)
-    # The Responses API's stored responses (gateway/responses): kept this long (seconds; 30
+    # The Responses API's stored responses (gateway/openai/responses): kept this long (seconds; 30
     # days, as OpenAI keeps them), at most this many per tenant (the oldest go first).
     responses_ttl: float = Field(default=30 * 86400.0, gt=0.0)
     responses_max_stored_per_tenant: int = Field(default=10_000, ge=1)

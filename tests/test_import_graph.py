@@ -116,3 +116,19 @@ def test_each_side_of_the_engine_loop_imports_only_its_own() -> None:
     assert "engine.async_engine" not in graph["engine.engine_process"]
     assert "engine.engine_client" not in graph["engine.engine_main"]
     assert "engine.engine_loop" in graph["engine.engine_main"]
+
+
+def test_the_gateways_packages_point_one_way() -> None:
+    """The OpenAI API never imports the routes that mount it; the models served never import
+    the API; `loragate engine`'s service serves the API's core, never the gateway's routes."""
+    for name, targets in _graph().items():
+        if name.startswith("gateway.openai"):
+            assert not {t for t in targets if t.startswith("gateway.routers")}, name
+        if name.startswith("gateway.models"):
+            assert not {t for t in targets if t.startswith("gateway.openai")}, name
+        if name.startswith("gateway.engine_service"):
+            assert not {t for t in targets if t.startswith("gateway.routers")}, name
+        if name.startswith("gateway.remote"):
+            assert not {
+                t for t in targets if t.startswith(("gateway.openai", "gateway.routers"))
+            }, name

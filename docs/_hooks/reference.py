@@ -1,5 +1,5 @@
 """mkdocs hook: the reference page's table of `loragate serve` flags, made from the settings
-(gateway/serve_flags.py) at every build, so that it can never fall behind the command."""
+(gateway/cli/serve_flags.py) at every build, so that it can never fall behind the command."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ MARKER = "<!-- serve-flags -->"
 def on_page_markdown(markdown: str, page: Any, **_: Any) -> str:
     if MARKER not in markdown:
         return markdown
-    from gateway.serve_flags import reference_rows
+    from gateway.cli.serve_flags import reference_rows
 
     def cell(text: str) -> str:
         return text.replace("|", "\\|")

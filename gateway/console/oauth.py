@@ -29,8 +29,8 @@ from fastapi import APIRouter, Request
 from fastapi.responses import RedirectResponse
 
 from gateway.console.session import is_https, set_session
-from gateway.deps import TenancyDep
-from gateway.errors import APIError
+from gateway.http.deps import TenancyDep
+from gateway.http.errors import APIError
 from gateway.settings import Settings, SettingsError, derive
 
 STATE_COOKIE = "loragate_oauth"

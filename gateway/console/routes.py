@@ -12,7 +12,6 @@ from fastapi.responses import FileResponse
 from fastapi.staticfiles import StaticFiles
 from pydantic import BaseModel, ConfigDict, Field
 
-from gateway.body import StrictJSONRoute
 from gateway.console import oauth
 from gateway.console.session import (
     MAX_TOKEN_CHARS,
@@ -22,9 +21,10 @@ from gateway.console.session import (
     session_token,
     set_session,
 )
-from gateway.deps import TenancyDep
-from gateway.errors import APIError
-from gateway.routers.error_schemas import ADMIN_ERRORS
+from gateway.http.body import StrictJSONRoute
+from gateway.http.deps import TenancyDep
+from gateway.http.error_schemas import ADMIN_ERRORS
+from gateway.http.errors import APIError
 
 STATIC = Path(__file__).parent / "static"
 

@@ -20,7 +20,7 @@ from typing import Any
 
 from fastapi import Request, Response
 
-from gateway.errors import APIError
+from gateway.http.errors import APIError
 from gateway.settings import derive
 
 COOKIE = "loragate_console"

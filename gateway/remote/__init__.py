@@ -1,2 +1,3 @@
-"""Engines reached over the network: `loragate engine` (one engine as a service), the wire
-between it and a gateway, and the gateway's pool of remote replicas with its routing."""
+"""Engines reached over the network, as the gateway's engine clients: a `loragate engine` over
+its WebSocket, engines behind an endpoint picker, and the wire between them and a gateway.
+What a `loragate engine` runs is gateway/engine_service/; pools and routing, gateway/models/."""

@@ -31,6 +31,7 @@ from engine.guided import GrammarCache, GuidedSpec
 from engine.llm_engine import grammar_cache
 from engine.messages import EngineRequest, EngineStats
 from engine.outputs import SequenceUpdate
+from gateway.models.replica_pool import HoldPolicy
 from gateway.remote.picker_wire import (
     DONE,
     GENERATE_ROUTE,
@@ -39,7 +40,6 @@ from gateway.remote.picker_wire import (
     request_body,
     split_events,
 )
-from gateway.remote.replica_pool import HoldPolicy
 from gateway.remote.wire import WireError, decode_error, decode_update
 
 logger = logging.getLogger(__name__)

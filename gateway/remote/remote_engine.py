@@ -26,7 +26,7 @@ from engine.errors import EngineDead
 from engine.guided import GrammarCache, GuidedSpec
 from engine.llm_engine import grammar_cache
 from engine.messages import Abort, EngineRequest, EngineStats, Inbound, LoadLoRA, UnloadLoRA
-from gateway.remote.engine_server import ENGINE_ROUTE
+from gateway.engine_service.server import ENGINE_ROUTE
 from gateway.remote.wire import (
     WireError,
     decode_error,

@@ -13,12 +13,12 @@ from typing import Annotated, Any, Literal
 from fastapi import APIRouter, Query, Response
 from pydantic import AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field
 
-from gateway.body import StrictJSONRoute
-from gateway.deps import AdminDep, TenancyDep
-from gateway.errors import APIError
-from gateway.iso_time import Instant
-from gateway.routers.error_schemas import ADMIN_ERRORS, error_response, not_found
-from gateway.tenancy import Tenancy
+from gateway.http.body import StrictJSONRoute
+from gateway.http.deps import AdminDep, TenancyDep
+from gateway.http.error_schemas import ADMIN_ERRORS, error_response, not_found
+from gateway.http.errors import APIError
+from gateway.http.iso_time import Instant
+from gateway.tenancy.state import Tenancy
 from tenants.keys import create_key, list_keys, revoke_key
 from tenants.models import ApiKey, Tenant
 from tenants.names import MAX_TENANT_NAME, TENANT_NAME_PATTERN, check_tenant_name

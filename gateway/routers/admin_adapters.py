@@ -24,14 +24,14 @@ from starlette.datastructures import UploadFile
 
 from adapters.peft import WEIGHTS_FILE
 from adapters.peft_config import CONFIG_FILE, AdapterError
-from gateway.adapter_catalog import InvalidBaseModel
-from gateway.body import StrictJSONRoute
-from gateway.deps import AdminDep, ModelsDep, TenancyDep
-from gateway.engine_states import model_statuses, residency
-from gateway.errors import APIError
-from gateway.routers.error_schemas import ADMIN_ERRORS, error_response, not_found
-from gateway.served_models import ServedModels
-from gateway.tenancy import Tenancy
+from gateway.http.body import StrictJSONRoute
+from gateway.http.deps import AdminDep, ModelsDep, TenancyDep
+from gateway.http.error_schemas import ADMIN_ERRORS, error_response, not_found
+from gateway.http.errors import APIError
+from gateway.models.served import ServedModels
+from gateway.models.states import model_statuses, residency
+from gateway.tenancy.adapter_catalog import InvalidBaseModel
+from gateway.tenancy.state import Tenancy
 from tenants.adapter_rows import AdapterExists, get_adapter, list_adapters
 from tenants.models import Adapter
 from tenants.names import ADAPTER_NAME_PATTERN, MAX_ADAPTER_NAME, check_adapter_name

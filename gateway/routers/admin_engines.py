@@ -8,11 +8,11 @@ from typing import Any, Literal
 from fastapi import APIRouter
 from pydantic import BaseModel, Field
 
-from gateway.body import StrictJSONRoute
-from gateway.deps import AdminDep, ModelsDep, TenancyDep
-from gateway.engine_states import EngineState, ModelStatus, Routing, model_statuses
-from gateway.routers.error_schemas import ADMIN_ERRORS
-from gateway.tenancy import Tenancy
+from gateway.http.body import StrictJSONRoute
+from gateway.http.deps import AdminDep, ModelsDep, TenancyDep
+from gateway.http.error_schemas import ADMIN_ERRORS
+from gateway.models.states import EngineState, ModelStatus, Routing, model_statuses
+from gateway.tenancy.state import Tenancy
 from tenants.adapter_rows import adapters_with_weights
 
 router = APIRouter(

@@ -17,13 +17,13 @@ from fastapi.responses import PlainTextResponse
 from pydantic import BaseModel, Field
 
 from adapters.peft_config import AdapterError
-from gateway.adapter_catalog import BASE_SEPARATOR, InvalidBaseModel
-from gateway.body import StrictJSONRoute
-from gateway.deps import AdminDep, TenancyDep
-from gateway.errors import APIError
+from gateway.http.body import StrictJSONRoute
+from gateway.http.deps import AdminDep, TenancyDep
+from gateway.http.error_schemas import ADMIN_ERRORS, error_response
+from gateway.http.errors import APIError
 from gateway.routers.admin_adapters import BASE_MODEL_DOC, MAX_MODEL_NAME, AdapterName
-from gateway.routers.error_schemas import ADMIN_ERRORS, error_response
-from gateway.tenancy import Tenancy
+from gateway.tenancy.adapter_catalog import BASE_SEPARATOR, InvalidBaseModel
+from gateway.tenancy.state import Tenancy
 from tenants.adapter_rows import find_by_name
 from tenants.models import Adapter
 from tenants.names import MAX_ADAPTER_NAME

@@ -27,12 +27,12 @@ from typing import Annotated, Any, Literal
 from fastapi import APIRouter, Query, Request, Response
 from pydantic import BaseModel, Field
 
-from gateway.body import StrictJSONRoute
-from gateway.deps import AdminDep, TenancyDep, TenantDep
-from gateway.errors import APIError
-from gateway.iso_time import Instant
-from gateway.routers.error_schemas import ADMIN_ERRORS, OPENAI_ERRORS, error_response
-from gateway.tenancy import Tenancy
+from gateway.http.body import StrictJSONRoute
+from gateway.http.deps import AdminDep, TenancyDep, TenantDep
+from gateway.http.error_schemas import ADMIN_ERRORS, OPENAI_ERRORS, error_response
+from gateway.http.errors import APIError
+from gateway.http.iso_time import Instant
+from gateway.tenancy.state import Tenancy
 from tenants.usage import (
     BUCKET_LIMITS,
     MAX_EPOCH,

@@ -52,8 +52,8 @@ def test_the_product_never_imports_bench() -> None:
     """The gateway's CLI, app and server start-up load without a single bench module."""
     code = (
         "import sys\n"
-        "import gateway.cli, gateway.app, gateway.launch, gateway.openai_serving\n"
-        "import gateway.admin_cli, gateway.serve_flags\n"
+        "import gateway.cli, gateway.app, gateway.cli.launch, gateway.openai.serving\n"
+        "import gateway.cli.admin, gateway.cli.serve_flags\n"
         "gateway.cli.app.registered_commands\n"
         "loaded = [m for m in sys.modules if m == 'bench' or m.startswith('bench.')]\n"
         "assert not loaded, loaded\n"

@@ -18,9 +18,9 @@ import pytest
 import yaml
 
 from bench.servers import LORAGATE_CLI
-from gateway.models_file import ENGINE_KNOBS, ModelsFile, read_models_file
-from gateway.remote.engine_command import ENGINE_COMMAND_FIELDS
-from gateway.serve_flags import HELP
+from gateway.cli.serve_flags import HELP
+from gateway.engine_service.command import ENGINE_COMMAND_FIELDS
+from gateway.models.models_file import ENGINE_KNOBS, ModelsFile, read_models_file
 from gateway.settings import Settings
 from kernels import native
 

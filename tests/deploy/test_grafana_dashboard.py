@@ -5,7 +5,7 @@ as `_bucket` / `_sum` / `_count`), with the labels the queries match and group b
 
 Every `loragate:` series comes from the gateway's /metrics (gateway/metrics.py). A
 `loragate engine` serves the same engine and per-request series on its own /metrics
-(gateway/remote/engine_app.py builds the same `Metrics`) but no tenant, limiter or usage-ledger
+(gateway/engine_service/app.py builds the same `Metrics`) but no tenant, limiter or usage-ledger
 ones; the dashboard is for gateways, so the gateway is what is scraped here. The server runs
 the demo model scaled to zero, so that its first request is a cold start (the cold-start
 histogram has samples only once one happened), for a tenant limited to one request a minute,
@@ -26,8 +26,8 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from bench.servers import LORAGATE_CLI, spawn, stop, wait_ready
-from gateway.admin_auth import mint_admin_token
 from gateway.settings import Settings
+from gateway.tenancy.admin_auth import mint_admin_token
 
 sys.path.insert(0, str(Path(__file__).parents[1] / "gateway"))  # live_server lives there
 from live_server import TEST_SECRET, free_port  # noqa: E402

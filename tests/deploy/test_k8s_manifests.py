@@ -25,11 +25,11 @@ import pytest
 import typer
 import yaml
 
-from gateway.admin_cli import register
-from gateway.models_file import ENGINE_KNOBS, ModelsFile
-from gateway.remote.engine_command import ENGINE_COMMAND_FIELDS
+from gateway.cli.admin import register
+from gateway.cli.serve_flags import HELP, add_serve_command, add_settings_command
+from gateway.engine_service.command import ENGINE_COMMAND_FIELDS
+from gateway.models.models_file import ENGINE_KNOBS, ModelsFile
 from gateway.remote.picker_wire import GENERATE_ROUTE
-from gateway.serve_flags import HELP, add_serve_command, add_settings_command
 from gateway.settings import Settings
 
 ROOT = Path(__file__).resolve().parents[2]

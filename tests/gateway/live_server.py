@@ -27,10 +27,10 @@ from adapters.peft import BaseModelInfo, describe_base
 from bench.servers import wait_ready
 from engine.async_engine import AsyncEngine
 from engine.engine_client import EngineClient
-from gateway.admin_auth import mint_admin_token
-from gateway.served_models import ModelEngine
+from gateway.models.served import ModelEngine
 from gateway.settings import Settings
-from gateway.tenancy import Tenancy, open_tenancy, prepare
+from gateway.tenancy.admin_auth import mint_admin_token
+from gateway.tenancy.state import Tenancy, open_tenancy, prepare
 from tenants.keys import create_key
 from tenants.tenants import create_tenant
 

@@ -14,7 +14,7 @@ from second_base import WIDE, retarget, wide_adapter, wide_base, wide_model_dir
 from adapters.peft import BaseModelInfo, adapter_identity, describe_base
 from adapters.peft_config import AdapterError
 from adapters.store import LocalAdapterStore
-from gateway.adapter_catalog import AdapterCatalog, AmbiguousAdapter, InvalidBaseModel
+from gateway.tenancy.adapter_catalog import AdapterCatalog, AmbiguousAdapter, InvalidBaseModel
 from tenants.adapter_rows import AdapterExists, list_adapters
 from tenants.db import Database, upgrade
 from tenants.tenants import create_tenant

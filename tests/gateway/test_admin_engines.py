@@ -1,5 +1,5 @@
 """GET /admin/engines, and the adapters' `resident_on`: each served model's replicas, their
-state, load and resident adapters, read from the engines themselves (gateway/engine_states.py).
+state, load and resident adapters, read from the engines themselves (gateway/models/states.py).
 A live server serves `demo` (one engine with LoRA, started with it) and `lazy` (an engine on
 demand, loops in threads of this process); the state rule's clock is checked on stand-ins."""
 
@@ -22,11 +22,11 @@ from live_server import Server, admin_client, build_test_app, live_server, new_t
 from adapters.peft import CONFIG_FILE, WEIGHTS_FILE, adapter_identity
 from engine.async_engine import AsyncEngine
 from engine.messages import EngineStats
-from gateway.engine_on_demand import ModelFacts, OnDemandEngine, ScalePolicy, model_facts
-from gateway.engine_states import model_statuses, replica_state, routing_of
-from gateway.remote.replica_pool import ReplicaPool
-from gateway.request_limits import RequestLimits
-from gateway.served_models import ServedModels
+from gateway.http.request_limits import RequestLimits
+from gateway.models.on_demand import ModelFacts, OnDemandEngine, ScalePolicy, model_facts
+from gateway.models.replica_pool import ReplicaPool
+from gateway.models.served import ServedModels
+from gateway.models.states import model_statuses, replica_state, routing_of
 
 IDLE_TIMEOUT = 600.0  # the on-demand engine stays up (and not idle) for the whole test
 

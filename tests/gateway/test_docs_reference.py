@@ -6,7 +6,7 @@ from __future__ import annotations
 import typer
 from typer.testing import CliRunner
 
-from gateway.serve_flags import HELP, add_serve_command, reference_rows
+from gateway.cli.serve_flags import HELP, add_serve_command, reference_rows
 
 
 def test_every_serve_flag_has_one_row_and_the_command_takes_it() -> None:

@@ -1,4 +1,4 @@
-"""gateway/errors.py's table: every engine refusal and failure answers with one status, type
+"""gateway/http/errors.py's table: every engine refusal and failure answers with one status, type
 and code, whatever its message says."""
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ from engine.errors import (
     RequestRefused,
     StepFailed,
 )
-from gateway.errors import api_error
+from gateway.http.errors import api_error
 
 
 @pytest.mark.parametrize(

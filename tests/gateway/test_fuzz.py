@@ -28,7 +28,7 @@ from live_server import Server, build_test_app, live_server
 
 from engine import EngineConfig
 from engine.engine_process import EngineProcess
-from gateway.protocol import ChatCompletionRequest, CompletionRequest
+from gateway.openai.protocol import ChatCompletionRequest, CompletionRequest
 
 MODEL = "demo"
 LONG = os.environ.get("LORAGATE_FUZZ_LONG") == "1"

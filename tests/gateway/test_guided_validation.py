@@ -1,6 +1,6 @@
 """The safety net under guided JSON: finished documents checked against their schema.
 
-Unit tests of gateway.guided_validation, then the serving path end to end with the openai
+Unit tests of gateway.openai.guided_validation, then the serving path end to end with the openai
 client against a live server whose engine is wrapped so that it does not enforce `uniqueItems`
 and enforces `oneOf` as `anyOf`, as a grammar engine that lets a keyword through would: the
 documents it finishes fail their schema, and the gateway must say so.
@@ -25,8 +25,8 @@ from engine import EngineConfig, LLMEngine
 from engine.async_engine import AsyncEngine
 from engine.messages import EngineRequest
 from engine.request import GuidedSpec
-from gateway import guided_validation
-from gateway.guided_validation import OutputValidator, checks
+from gateway.openai import guided_validation
+from gateway.openai.guided_validation import OutputValidator, checks
 
 MODEL = "demo"
 UNIQUE = {
@@ -311,7 +311,7 @@ def test_an_unenforced_keyword_is_an_error_whole_and_streamed(
         temperature=0,
         response_format=response_format(UNIQUE),
     )
-    with caplog.at_level("WARNING", logger="gateway.output_checks"):
+    with caplog.at_level("WARNING", logger="gateway.openai.output_checks"):
         whole = client.chat.completions.create(**kwargs)
     choice = whole.choices[0]
     logged = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]

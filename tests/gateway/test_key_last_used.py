@@ -1,5 +1,5 @@
-"""A key's `last_used_at` (gateway/auth.py): written off the request path when a key is used,
-then at most once a minute per key, also with several gateway replicas sharing the database,
+"""A key's `last_used_at` (gateway/tenancy/auth.py): written off the request path when a key is
+used, then at most once a minute per key, also with several gateway replicas sharing the database,
 and only ever forward; on SQLite and PostgreSQL."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ from datetime import datetime, timedelta
 
 from sqlalchemy import update
 
-from gateway.auth import LAST_USED_INTERVAL, TenantAuth
+from gateway.tenancy.auth import LAST_USED_INTERVAL, TenantAuth
 from tenants.db import Database, upgrade
 from tenants.keys import create_key, list_keys, touch_keys
 from tenants.models import ApiKey

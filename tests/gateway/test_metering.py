@@ -1,7 +1,7 @@
-"""gateway/metering.py alone, against a real ledger (SQLite and PostgreSQL) and the in-process
-limiter: a request's one usage row, whichever way it ends (durable, or in the background for a
-client gone), written once however often it is ended, with the tenant's series counted and the
-limiter's reservation handed back with the tokens used."""
+"""gateway/tenancy/metering.py alone, against a real ledger (SQLite and PostgreSQL) and the
+in-process limiter: a request's one usage row, whichever way it ends (durable, or in the
+background for a client gone), written once however often it is ended, with the tenant's series
+counted and the limiter's reservation handed back with the tokens used."""
 
 from __future__ import annotations
 
@@ -13,12 +13,12 @@ from prometheus_client import CollectorRegistry
 from sqlalchemy import select
 
 from engine.lora_types import LoRARequest
-from gateway.admission import Ticket
-from gateway.auth import RequestTenant
-from gateway.metering import STATUS_ABORTED, STATUS_OK, Meter, UsageFigures
 from gateway.metrics import TenantMetrics
-from gateway.ratelimit.limits import TenantLimits
-from gateway.ratelimit.local import LocalLimiter
+from gateway.tenancy.admission import Ticket
+from gateway.tenancy.auth import RequestTenant
+from gateway.tenancy.metering import STATUS_ABORTED, STATUS_OK, Meter, UsageFigures
+from gateway.tenancy.ratelimit.limits import TenantLimits
+from gateway.tenancy.ratelimit.local import LocalLimiter
 from tenants.db import Database, upgrade
 from tenants.ledger import Ledger
 from tenants.models import Usage

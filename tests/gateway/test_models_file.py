@@ -1,4 +1,4 @@
-"""The models file (gateway/models_file.py): what a valid one gives each model's engine, and
+"""The models file (gateway/models/models_file.py): what a valid one gives each model's engine, and
 that a bad one is one line naming the file and the key."""
 
 from __future__ import annotations
@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from gateway.models_file import ModelEntry, check_memory, served_models
+from gateway.models.models_file import ModelEntry, check_memory, served_models
 from gateway.settings import Settings, SettingsError
 
 

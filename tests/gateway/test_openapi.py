@@ -63,7 +63,7 @@ def test_every_answer_matches_the_schema(api: BaseSchema, mode: GenerationMode) 
             raise AssertionError(f"{operation.label} ({mode.value}): {exc}") from exc
 
 
-# 400s a schema cannot foresee (gateway.openai_serving, adapter validation): the server's limits,
+# 400s a schema cannot foresee (gateway.openai.serving, adapter validation): the server's limits,
 # the model's vocabulary and context, values that must agree, grammars and adapters that do
 # not hold up. Any other 400 for schema-valid data means the schema promised too much.
 SEMANTIC_CODES = {

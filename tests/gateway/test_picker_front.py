@@ -41,8 +41,8 @@ from engine_services import (
 )
 from live_server import TEST_SECRET, free_port
 
-from gateway.admin_auth import mint_admin_token
 from gateway.settings import Settings
+from gateway.tenancy.admin_auth import mint_admin_token
 
 MODEL = "demo"
 # Engines that take the demo model's whole context: a stream long enough to hang up on.

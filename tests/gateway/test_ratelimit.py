@@ -25,7 +25,7 @@ from typing import Any
 import pytest
 import redis
 
-from gateway.ratelimit import (
+from gateway.tenancy.ratelimit import (
     LimiterUnavailable,
     LocalLimiter,
     RateLimited,
@@ -539,7 +539,7 @@ async def test_outage_open_falls_back_to_local_limits(caplog: pytest.LogCaptureF
     limiter = make_limiter(f"redis://127.0.0.1:{closed_port()}", "open")
     assert isinstance(limiter, RedisLimiter)
     limits = TenantLimits(rpm=2)
-    with caplog.at_level(logging.WARNING, logger="gateway.ratelimit"):
+    with caplog.at_level(logging.WARNING, logger="gateway.tenancy.ratelimit"):
         await admitted(limiter, limits)
         reservation, _ = await admitted(limiter, limits)
         assert (await refused(limiter, limits)).limit == "rpm"  # the fallback's own limits
@@ -570,7 +570,7 @@ async def test_outage_and_recovery(
         assert on_redis.backend == "redis" and not limiter.using_fallback
         before = admin.get(rpm_key)
         assert before is not None
-        with caplog.at_level(logging.INFO, logger="gateway.ratelimit"):
+        with caplog.at_level(logging.INFO, logger="gateway.tenancy.ratelimit"):
             # Redis holds every write (and script) for 600 ms; reads still answer.
             admin.execute_command("CLIENT", "PAUSE", 600, "WRITE")
             local, _ = await admitted(limiter, limits, 10)  # after one 0.25 s timeout

@@ -1,4 +1,4 @@
-"""Engines elsewhere scaled to zero (gateway/remote/replica_pool.py's HoldPolicy), as KEDA scales
+"""Engines elsewhere scaled to zero (gateway/models/replica_pool.py's HoldPolicy), as KEDA scales
 a Kubernetes Deployment: with no `loragate engine` up, the gateway stays healthy, holds
 requests (counted in `loragate:model_pending_requests`, the signal that wakes the engines),
 refuses past the bound, and serves what it held once an engine comes up on the address
@@ -23,10 +23,10 @@ from live_server import Server, build_test_app, free_port, live_server
 from engine import SamplingParams
 from engine.errors import EngineOverloaded
 from engine.messages import EngineRequest
-from gateway.engine_on_demand import model_facts
-from gateway.model_engines import engine_config
+from gateway.models.engines import engine_config
+from gateway.models.on_demand import model_facts
+from gateway.models.replica_pool import HoldPolicy, ReplicaPool
 from gateway.remote.remote_engine import RemoteEngine
-from gateway.remote.replica_pool import HoldPolicy, ReplicaPool
 from gateway.settings import Settings
 
 LORAGATE_CLI = str(Path(sys.executable).parent / "loragate")

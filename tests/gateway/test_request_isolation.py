@@ -19,7 +19,7 @@ from live_server import Server, build_test_app, live_server
 
 from engine import EngineConfig
 from engine.engine_process import EngineProcess
-from gateway.request_limits import RequestLimits
+from gateway.http.request_limits import RequestLimits
 
 MODEL = "demo"
 MAX_BODY = 1 << 20

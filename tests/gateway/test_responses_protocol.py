@@ -1,4 +1,4 @@
-"""The Responses API's request and objects without a server (gateway.responses): input items
+"""The Responses API's request and objects without a server (gateway.openai.responses): input items
 as chat messages, the chat request a response runs as, refusals naming their field, and the
 events a stream of chat chunks becomes, each checked against the openai SDK's own types."""
 
@@ -11,10 +11,10 @@ import pytest
 from openai.types.responses import Response
 from response_events import EVENTS
 
-from gateway.protocol import FieldError
-from gateway.responses.events import EventStream
-from gateway.responses.objects import ResponseMeta, item_list, output_items, usage_body
-from gateway.responses.protocol import ResponsesRequest, chat_messages
+from gateway.openai.protocol import FieldError
+from gateway.openai.responses.events import EventStream
+from gateway.openai.responses.objects import ResponseMeta, item_list, output_items, usage_body
+from gateway.openai.responses.protocol import ResponsesRequest, chat_messages
 
 SCHEMA = {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}
 

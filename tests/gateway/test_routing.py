@@ -1,13 +1,13 @@
-"""Which replica routing picks (gateway.remote.routing), on snapshots: adapter residency first,
+"""Which replica routing picks (gateway.models.routing), on snapshots: adapter residency first,
 then the prefix's replica under the load bound, then the least loaded; a cold replica only when
-none is started. And the scale-up rule (gateway.remote.scale_up): a queue that lasts."""
+none is started. And the scale-up rule (gateway.models.scale_up): a queue that lasts."""
 
 from __future__ import annotations
 
 import random
 
-from gateway.remote.routing import ReplicaView, choose, prefix_key
-from gateway.remote.scale_up import QueueWatch, ScaleUpPolicy, queued_beyond_capacity
+from gateway.models.routing import ReplicaView, choose, prefix_key
+from gateway.models.scale_up import QueueWatch, ScaleUpPolicy, queued_beyond_capacity
 
 
 def _pool(*loads: int, resident: dict[int, set[str]] | None = None) -> list[ReplicaView]:
@@ -69,7 +69,7 @@ def test_unhealthy_replicas_are_skipped_and_none_left_is_none() -> None:
 
 def test_a_cold_replica_serves_only_when_none_is_started() -> None:
     """Routing never starts a replica beside a started one, however full: a lasting queue
-    does (gateway.remote.scale_up)."""
+    does (gateway.models.scale_up)."""
     cold = ReplicaView("r1", True, 0, cold=True, capacity=4)
     full = ReplicaView("r0", True, 9, capacity=4)
     assert choose([full, cold], None, None) == 0

@@ -1,4 +1,4 @@
-"""Engines on demand (gateway/engine_on_demand.py) behind a live server: a model with
+"""Engines on demand (gateway/models/on_demand.py) behind a live server: a model with
 min_replicas 0 has no engine until its first request, holds the requests that arrive while it
 starts, answers them all, stops after idle_timeout, and starts again when called; the pending
 bound and the cold-start timeout are 503s with Retry-After. The engines here are loops in
@@ -20,7 +20,7 @@ from live_server import Server, build_test_app, live_server
 
 from engine import EngineConfig, LLMEngine
 from engine.async_engine import AsyncEngine
-from gateway.engine_on_demand import OnDemandEngine, ScalePolicy, model_facts
+from gateway.models.on_demand import OnDemandEngine, ScalePolicy, model_facts
 
 IDLE_TIMEOUT = 1.0
 

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from gateway.model_engines import engine_config
+from gateway.models.engines import engine_config
 from gateway.settings import MAKE_A_SECRET, Settings, SettingsError
 
 
@@ -65,7 +65,7 @@ def test_the_limiter_knobs_reach_the_limiter(
 ) -> None:
     from live_server import make_tenancy
 
-    from gateway.ratelimit.redis_limiter import RedisLimiter
+    from gateway.tenancy.ratelimit.redis_limiter import RedisLimiter
 
     server = make_tenancy(
         tmp_path,

@@ -57,8 +57,8 @@ from engine_services import (
 from live_server import TEST_SECRET, free_port
 
 from bench.servers import wait_ready
-from gateway.admin_auth import mint_admin_token
 from gateway.settings import Settings
+from gateway.tenancy.admin_auth import mint_admin_token
 from tests.conftest import REDIS, fresh_database
 
 MODEL = "demo"

@@ -1,4 +1,4 @@
-"""gateway/streaming.py alone: several prompts' engine streams merged and tagged, a first
+"""gateway/openai/streaming.py alone: several prompts' engine streams merged and tagged, a first
 update chained before the rest, a failure that ends every sibling stream, and a whole response
 cancelled when its client hangs up first."""
 
@@ -10,7 +10,7 @@ from collections.abc import AsyncIterator
 import pytest
 
 from engine.outputs import SequenceUpdate
-from gateway.streaming import chain, merge, unless_disconnected
+from gateway.openai.streaming import chain, merge, unless_disconnected
 
 
 def _update(request: str, text: str) -> SequenceUpdate:

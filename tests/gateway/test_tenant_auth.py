@@ -16,9 +16,9 @@ from joserfc import jwt
 from joserfc.jwk import KeySet, OctKey, RSAKey
 from live_server import TEST_SECRET, Server, admin_client, build_test_app, live_server, new_tenant
 
-from gateway.admin_auth import AdminAuth
-from gateway.errors import APIError
+from gateway.http.errors import APIError
 from gateway.settings import Settings, derive
+from gateway.tenancy.admin_auth import AdminAuth
 
 MODEL = "demo"
 

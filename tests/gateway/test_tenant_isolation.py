@@ -15,7 +15,7 @@ from live_server import Server, ServerTenancy, admin_client, live_server, new_te
 from adapters.peft import describe_base
 from engine.async_engine import AsyncEngine
 from gateway.app import build_app
-from gateway.tenancy import open_tenancy, prepare
+from gateway.tenancy.state import open_tenancy, prepare
 
 MODEL = "demo"
 PROMPT = list(range(1000, 1512))  # 512 tokens: 31 full blocks can hit (the last is computed)

@@ -20,11 +20,11 @@ from adapters.peft import describe_base
 from adapters.registry import AdapterRegistry
 from engine import EngineConfig, LLMEngine
 from engine.async_engine import AsyncEngine
-from gateway.protocol import ChatCompletionRequest
-from gateway.tool_call_stream import ToolCallStream
-from gateway.tool_calls import tool_plan
-from gateway.tool_parsers import FORMATS
-from gateway.tool_prompt import INSTRUCTIONS, render_messages
+from gateway.openai.protocol import ChatCompletionRequest
+from gateway.openai.tools.calls import tool_plan
+from gateway.openai.tools.parsers import FORMATS
+from gateway.openai.tools.prompt import INSTRUCTIONS, render_messages
+from gateway.openai.tools.stream import ToolCallStream
 
 HERMES = FORMATS["hermes"]
 

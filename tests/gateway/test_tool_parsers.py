@@ -16,11 +16,11 @@ from transformers import AutoConfig, AutoTokenizer
 
 from engine import EngineConfig
 from engine.request import GuidedSpec
-from gateway.protocol import ChatCompletionRequest
+from gateway.openai.protocol import ChatCompletionRequest
+from gateway.openai.tools.calls import ToolPlan, tool_plan
+from gateway.openai.tools.parsers import FORMATS
+from gateway.openai.tools.stream import ToolCallStream
 from gateway.settings import Settings, SettingsError
-from gateway.tool_call_stream import ToolCallStream
-from gateway.tool_calls import ToolPlan, tool_plan
-from gateway.tool_parsers import FORMATS
 
 WEATHER = {
     "type": "function",

@@ -1,0 +1,1 @@
+"""What `loragate engine` runs: one engine served to gateways over a WebSocket and OpenAI routes."""

@@ -1,0 +1,62 @@
+"""The routes' dependencies, as `Annotated` aliases: `TenantDep` (the tenant a /v1 request
+runs as) and `AdminDep` (a verified admin token's claims: from the Authorization header, or from the
+console's cookie).
+
+Both read the bearer token themselves (gateway.tenancy.auth, gateway.tenancy.admin_auth); FastAPI's
+HTTPBearer is here only so that the OpenAPI schema names the two security schemes.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Any
+
+from fastapi import Depends, Request, Security
+from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
+
+from gateway.console.session import cookie_authorization
+from gateway.models.served import ServedModels
+from gateway.tenancy.auth import RequestTenant
+from gateway.tenancy.state import Tenancy
+
+tenant_key = HTTPBearer(
+    auto_error=False, scheme_name="TenantKey", description="A tenant's API key (lg-...)."
+)
+admin_token = HTTPBearer(
+    auto_error=False,
+    scheme_name="AdminToken",
+    bearerFormat="JWT",
+    description="An OAuth2 access token (JWT) with scope `admin`.",
+)
+
+
+def get_tenancy(request: Request) -> Tenancy:
+    return request.app.state.tenancy  # type: ignore[no-any-return]
+
+
+def get_models(request: Request) -> ServedModels:
+    return request.app.state.models  # type: ignore[no-any-return]
+
+
+async def current_tenant(
+    request: Request, _: Annotated[HTTPAuthorizationCredentials | None, Security(tenant_key)]
+) -> RequestTenant:
+    tenancy = get_tenancy(request)
+    if tenancy.no_auth_tenant is not None:
+        return tenancy.no_auth_tenant
+    return await tenancy.auth.authenticate(request.headers.get("authorization"))
+
+
+def require_admin(
+    request: Request, _: Annotated[HTTPAuthorizationCredentials | None, Security(admin_token)]
+) -> dict[str, Any]:
+    tenancy = get_tenancy(request)
+    authorization = request.headers.get("authorization")
+    if authorization is None:  # the console's cookie, with its CSRF rule (gateway/console)
+        authorization = cookie_authorization(request, tenancy.secret_key)
+    return tenancy.admin.verify(authorization)
+
+
+TenantDep = Annotated[RequestTenant, Depends(current_tenant)]
+AdminDep = Annotated[dict[str, Any], Depends(require_admin)]
+TenancyDep = Annotated[Tenancy, Depends(get_tenancy)]
+ModelsDep = Annotated[ServedModels, Depends(get_models)]

@@ -1,0 +1,1 @@
+"""The models served: the models file, engines built and started on demand, replicas and routing."""

@@ -1,0 +1,173 @@
+"""What a response accumulates while its engine updates arrive: each choice's text, tokens,
+finish and guided or tool-call state, the usage figures, the latency metrics, and the
+finish reason and status its usage row records; `Answer` holds them for one response, from
+the engine's first update to the last byte, whether it answers in one JSON body or in SSE."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import AsyncGenerator
+from dataclasses import dataclass, field
+from typing import Any
+
+from engine.outputs import SequenceUpdate
+from engine.request import SamplingParams
+from gateway.http.errors import APIError
+from gateway.metrics import Metrics
+from gateway.openai.guided_validation import Violation
+from gateway.openai.streaming import chain
+from gateway.openai.tools.stream import ToolCallStream
+from gateway.tenancy.metering import STATUS_ABORTED, STATUS_OK, Meter, UsageFigures
+
+
+@dataclass(slots=True)
+class Choice:
+    index: int
+    text: str = ""
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[dict[int, float]] = field(default_factory=list)
+    finish_reason: str | None = None  # the engine's; metering and request_success count it
+    stop_reason: int | str | None = None  # a stop string or token id of the client's
+    violation: Violation | None = None  # a guided document that failed its schema
+    calls: ToolCallStream | None = None  # the output of a request with tools
+
+    @property
+    def answered_reason(self) -> str | None:
+        """The finish reason the client sees: `error` for a document or call that failed its
+        schema, `tool_calls` for an output that ended where its grammar ends holding calls."""
+        if self.violation is not None:
+            return "error"
+        if (
+            self.calls is not None
+            and self.finish_reason == "stop"
+            and self.stop_reason is None
+            and self.calls.final(self.text)[1]
+        ):
+            return "tool_calls"
+        return self.finish_reason
+
+
+@dataclass(slots=True)
+class Usage:
+    """Prompt figures per prompt: its n samples share one prompt (and its cache hits)."""
+
+    prompts: dict[int, int] = field(default_factory=dict)
+    cached: dict[int, int] = field(default_factory=dict)
+
+    def record(self, prompt_index: int, update: SequenceUpdate) -> None:
+        self.prompts[prompt_index] = update.num_prompt_tokens
+        self.cached[prompt_index] = max(self.cached.get(prompt_index, 0), update.num_cached_tokens)
+
+    @property
+    def prompt_tokens(self) -> int:
+        return sum(self.prompts.values())
+
+    def figures(self, choices: list[Choice]) -> UsageFigures:
+        return UsageFigures(
+            self.prompt_tokens, sum(self.cached.values()), sum(len(c.token_ids) for c in choices)
+        )
+
+    def body(self, choices: list[Choice]) -> dict[str, Any]:
+        completion = sum(len(c.token_ids) for c in choices)
+        return {
+            "prompt_tokens": self.prompt_tokens,
+            "completion_tokens": completion,
+            "total_tokens": self.prompt_tokens + completion,
+            "prompt_tokens_details": {"cached_tokens": sum(self.cached.values())},
+        }
+
+
+@dataclass(slots=True)
+class Timer:
+    """Per-request latency figures, observed into the metrics as updates arrive."""
+
+    metrics: Metrics
+    start: float = field(default_factory=time.monotonic)
+    last: float | None = None
+
+    def update(self, update: SequenceUpdate) -> None:
+        now = time.monotonic()
+        if self.last is None:
+            self.metrics.ttft.observe(now - self.start)
+            self.metrics.queue_time.observe(update.queue_time)
+        else:
+            self.metrics.itl.observe(now - self.last)
+        self.last = now
+
+    def finish(self, choices: list[Choice], usage: Usage) -> None:
+        m = self.metrics
+        m.e2e.observe(time.monotonic() - self.start)
+        m.prompt_tokens.inc(usage.prompt_tokens)
+        m.generation_tokens.inc(sum(len(c.token_ids) for c in choices))
+        for choice in choices:
+            m.request_success.labels(finish_reason=choice.finish_reason or "abort").inc()
+
+
+def violation_body(choice: Choice) -> dict[str, Any]:
+    """The `error` field beside a choice whose document failed its schema; nothing otherwise."""
+    return {} if choice.violation is None else {"error": choice.violation.body()}
+
+
+def status_of(choices: list[Choice]) -> str:
+    """How a request whose updates all arrived ended: cut short by the engine (an abort, at
+    shutdown) or finished."""
+    return STATUS_ABORTED if any(c.finish_reason == "abort" for c in choices) else STATUS_OK
+
+
+def usage_finish_reason(choices: list[Choice]) -> str | None:
+    """The usage row's finish reason: the first choice's (`abort` if it never finished)."""
+    return choices[0].finish_reason or "abort" if choices else None
+
+
+@dataclass(slots=True)
+class Answer:
+    """One response under way: its engine updates (`first`, already received, then the rest,
+    in prompt order), the choices and usage they fill, its latency timer and its usage meter.
+    The JSON and the SSE responders share it."""
+
+    request_id: str
+    model: str  # as the client named it
+    chat: bool
+    created: int  # epoch seconds
+    params: SamplingParams
+    include_usage: bool  # SSE: a last chunk with the usage
+    choices: list[Choice]
+    usage: Usage
+    timer: Timer
+    meter: Meter
+    first: tuple[int, SequenceUpdate] | None
+    updates: AsyncGenerator[tuple[int, SequenceUpdate]]
+
+    def in_order(self) -> AsyncGenerator[tuple[int, SequenceUpdate]]:
+        """(prompt index, update) from the first on; close it however the loop ends, so that a
+        failed choice aborts its siblings."""
+        return chain(self.first, self.updates)
+
+    def apply(self, prompt_index: int, update: SequenceUpdate) -> Choice:
+        """The update added to its choice (and the usage); the choice it belongs to."""
+        self.timer.update(update)
+        self.meter.first_token()
+        choice = self.choices[prompt_index * self.params.n + update.index]
+        self.usage.record(prompt_index, update)
+        choice.token_ids.extend(update.new_token_ids)
+        choice.text += update.text_delta
+        if update.new_logprobs:
+            choice.logprobs.extend(update.new_logprobs)
+        if update.finished:
+            choice.finish_reason = update.finish_reason
+            choice.stop_reason = update.stop_reason
+            if update.error:  # it failed alone in an engine step
+                raise APIError(500, update.error, type="internal_error")
+        return choice
+
+    async def end(self, status: str) -> None:
+        """The usage row, durable before this returns."""
+        await self.meter.end(self.figures, usage_finish_reason(self.choices), status)
+
+    def end_nowait(self, status: str) -> None:
+        """The usage row, written in the background (a cancelled response cannot wait)."""
+        self.meter.end_nowait(self.figures, usage_finish_reason(self.choices), status)
+
+    @property
+    def figures(self) -> UsageFigures:
+        return self.usage.figures(self.choices)

@@ -1,0 +1,287 @@
+"""The Responses API's request body (`POST /v1/responses`), bounded at the edge as chat's is,
+and its conversation as a chat request: the gateway answers a response with the chat path
+(templates, tools, grammars, admission, metering), so the two can never drift apart.
+
+Input items are kept in the Responses shape with ids (what `input_items` lists and what a
+later turn's `previous_response_id` replays); they become chat messages only to run.
+Anything the API defines that a text model behind this gateway cannot do (built-in tools,
+image, file or audio inputs, item references) is a 400 naming the field, never ignored.
+"""
+
+from __future__ import annotations
+
+import uuid
+from typing import Annotated, Any, Literal
+
+from pydantic import Field
+
+from gateway.openai.protocol import (
+    MAX_DESCRIPTION_CHARS,
+    MAX_MESSAGES,
+    MAX_NAME_CHARS,
+    MAX_TOOLS,
+    ChatCompletionRequest,
+    FieldError,
+    _SamplingFields,
+)
+
+MAX_METADATA_PAIRS = 16  # OpenAI's bounds on `metadata`
+MAX_METADATA_KEY = 64
+MAX_METADATA_VALUE = 512
+MAX_ID_CHARS = 64
+MAX_ARGUMENT_CHARS = 1 << 20
+ROLES = ("user", "system", "developer", "assistant")
+TEXT_PARTS = ("input_text", "output_text", "text", "refusal")
+UNSUPPORTED_PARTS = {
+    "input_image": "image inputs",
+    "input_file": "file inputs",
+    "input_audio": "audio inputs",
+}
+BUILT_IN_TOOLS = (
+    "web_search",
+    "web_search_preview",
+    "file_search",
+    "code_interpreter",
+    "computer_use_preview",
+    "image_generation",
+    "mcp",
+    "local_shell",
+    "shell",
+)
+
+Metadata = Annotated[
+    dict[
+        Annotated[str, Field(max_length=MAX_METADATA_KEY)],
+        Annotated[str, Field(max_length=MAX_METADATA_VALUE)],
+    ],
+    Field(max_length=MAX_METADATA_PAIRS),
+]
+
+
+def new_id(prefix: str) -> str:
+    return f"{prefix}_{uuid.uuid4().hex}"
+
+
+class ResponsesRequest(_SamplingFields):
+    """OpenAI's fields, plus the sampling extras chat takes (top_k, min_p, seed, stop, ...)."""
+
+    input: str | Annotated[list[dict[str, Any]], Field(min_length=1, max_length=MAX_MESSAGES)]
+    instructions: str | None = None
+    previous_response_id: str | None = Field(None, min_length=1, max_length=MAX_ID_CHARS)
+    store: bool = True
+    background: bool = False
+    max_output_tokens: int | None = Field(None, ge=1, le=2**31 - 1)
+    tools: list[dict[str, Any]] | None = Field(None, max_length=MAX_TOOLS)
+    tool_choice: Literal["none", "auto", "required"] | dict[str, Any] | None = None
+    parallel_tool_calls: bool = True
+    text: dict[str, Any] | None = None
+    metadata: Metadata | None = None
+    truncation: Literal["disabled", "auto"] = "disabled"
+
+    def check(self) -> None:
+        """What the types cannot say. Raises FieldError naming the field."""
+        if self.n != 1:
+            raise FieldError("n", "a response has one output; n must be 1")
+        if self.background and not self.store:
+            raise FieldError("background", "background responses are stored: set store true")
+        if self.background and self.stream:
+            raise FieldError("stream", "a background response is polled, not streamed")
+
+    def input_items(self) -> list[dict[str, Any]]:
+        """This turn's input as Responses items with ids. Raises FieldError."""
+        if isinstance(self.input, str):
+            return [_message("user", [{"type": "input_text", "text": self.input}])]
+        return [_item(item, f"input[{i}]") for i, item in enumerate(self.input)]
+
+    def chat_tools(self) -> list[dict[str, Any]] | None:
+        if self.tools is None:
+            return None
+        tools = []
+        for i, tool in enumerate(self.tools):
+            kind = tool.get("type")
+            if kind != "function":
+                what = "a built-in tool" if kind in BUILT_IN_TOOLS else "a tool type"
+                raise FieldError(
+                    f"tools[{i}].type", f"{what} {kind!r} is not supported: only function tools"
+                )
+            description = tool.get("description")
+            if description is not None and len(str(description)) > MAX_DESCRIPTION_CHARS:
+                raise FieldError(f"tools[{i}].description", "the description is too long")
+            function = {
+                "name": tool.get("name"),
+                "description": description,
+                "parameters": tool.get("parameters"),
+                "strict": tool.get("strict", True),  # the Responses API's default
+            }
+            tools.append({"type": "function", "function": function})
+        return tools
+
+    def chat_tool_choice(self) -> Any:
+        choice = self.tool_choice
+        if choice is None or isinstance(choice, str):
+            return choice
+        if choice.get("type") != "function" or not isinstance(choice.get("name"), str):
+            raise FieldError(
+                "tool_choice", "tool_choice is none, auto, required or a function by name"
+            )
+        return {"type": "function", "function": {"name": choice["name"]}}
+
+    def chat_response_format(self) -> dict[str, Any] | None:
+        """`text.format` as chat's response_format."""
+        fmt = (self.text or {}).get("format")
+        if fmt is None:
+            return None
+        kind = fmt.get("type") if isinstance(fmt, dict) else None
+        if kind in ("text", "json_object"):
+            return {"type": kind}
+        if kind == "json_schema":
+            schema = {
+                "name": fmt.get("name"),
+                "schema": fmt.get("schema"),
+                "strict": fmt.get("strict"),
+                "description": fmt.get("description"),
+            }
+            return {"type": "json_schema", "json_schema": schema}
+        raise FieldError("text.format.type", "text.format is text, json_object or json_schema")
+
+    def text_body(self) -> dict[str, Any]:
+        """`text` as the response object echoes it."""
+        return {"format": (self.text or {}).get("format") or {"type": "text"}}
+
+    def chat_request(self, messages: list[dict[str, Any]]) -> ChatCompletionRequest:
+        """The chat request that answers this response over `messages`. Raises FieldError
+        (a tool or format that chat refuses is named as this API names it)."""
+        fields = self.model_dump(
+            exclude={
+                "input",
+                "instructions",
+                "previous_response_id",
+                "store",
+                "background",
+                "max_output_tokens",
+                "tools",
+                "tool_choice",
+                "text",
+                "metadata",
+                "truncation",
+                "stream",
+                "stream_options",
+            },
+            exclude_none=True,
+        )
+        body = fields | {
+            "messages": messages,
+            "max_completion_tokens": self.max_output_tokens,
+            "tools": self.chat_tools(),
+            "tool_choice": self.chat_tool_choice(),
+            "parallel_tool_calls": self.parallel_tool_calls,
+            "response_format": self.chat_response_format() or fields.get("response_format"),
+        }
+        try:
+            return ChatCompletionRequest.model_validate(body)
+        except ValueError as exc:
+            raise FieldError("input", _first_error(exc)) from exc
+
+
+def chat_messages(instructions: str | None, items: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Responses items (inputs and earlier outputs, oldest first) as chat messages: a
+    function call joins the assistant message before it, its output is a tool message."""
+    messages: list[dict[str, Any]] = []
+    if instructions:
+        messages.append({"role": "system", "content": instructions})
+    for item in items:
+        kind = item["type"]
+        if kind == "message":
+            text = "".join(
+                part.get("text") or part.get("refusal") or "" for part in item["content"]
+            )
+            messages.append({"role": item["role"], "content": text})
+        elif kind == "function_call":
+            call = {
+                "id": item["call_id"],
+                "type": "function",
+                "function": {"name": item["name"], "arguments": item["arguments"]},
+            }
+            last = messages[-1] if messages else None
+            if last is not None and last["role"] == "assistant":
+                last.setdefault("tool_calls", []).append(call)
+            else:
+                messages.append({"role": "assistant", "content": None, "tool_calls": [call]})
+        elif kind == "function_call_output":
+            messages.append(
+                {"role": "tool", "tool_call_id": item["call_id"], "content": item["output"]}
+            )
+    return messages
+
+
+def _item(item: dict[str, Any], where: str) -> dict[str, Any]:
+    kind = item.get("type", "message")  # an easy message has a role and no type
+    if kind == "message":
+        role = item.get("role")
+        if role not in ROLES:
+            raise FieldError(f"{where}.role", f"role is one of {', '.join(ROLES)}")
+        return _message(role, _parts(item.get("content"), role, f"{where}.content"))
+    if kind == "function_call":
+        return {
+            "type": "function_call",
+            "id": _bounded_str(item.get("id") or new_id("fc"), f"{where}.id", MAX_ID_CHARS),
+            "call_id": _bounded_str(item.get("call_id"), f"{where}.call_id", MAX_NAME_CHARS),
+            "name": _bounded_str(item.get("name"), f"{where}.name", 64),
+            "arguments": _bounded_str(item.get("arguments"), f"{where}.arguments"),
+            "status": "completed",
+        }
+    if kind == "function_call_output":
+        output = item.get("output")
+        if isinstance(output, list):  # content parts: their text
+            output = "".join(str(p.get("text", "")) for p in output if isinstance(p, dict))
+        return {
+            "type": "function_call_output",
+            "id": _bounded_str(item.get("id") or new_id("fco"), f"{where}.id", MAX_ID_CHARS),
+            "call_id": _bounded_str(item.get("call_id"), f"{where}.call_id", MAX_NAME_CHARS),
+            "output": _bounded_str(output, f"{where}.output"),
+            "status": "completed",
+        }
+    raise FieldError(f"{where}.type", f"input items of type {kind!r} are not supported")
+
+
+def _message(role: str, parts: list[dict[str, Any]]) -> dict[str, Any]:
+    return {"type": "message", "id": new_id("msg"), "role": role, "content": parts}
+
+
+def _parts(content: Any, role: str, where: str) -> list[dict[str, Any]]:
+    kind = "output_text" if role == "assistant" else "input_text"
+    if isinstance(content, str):
+        return [{"type": kind, "text": content}]
+    if not isinstance(content, list):
+        raise FieldError(where, "content is a string or a list of content parts")
+    parts = []
+    for j, part in enumerate(content):
+        part_kind = part.get("type") if isinstance(part, dict) else None
+        if part_kind in UNSUPPORTED_PARTS:
+            raise FieldError(
+                f"{where}[{j}].type",
+                f"{UNSUPPORTED_PARTS[part_kind]} are not supported: the model reads text only",
+            )
+        if part_kind not in TEXT_PARTS or not isinstance(part.get("text", ""), str):
+            raise FieldError(f"{where}[{j}].type", f"a content part of type {part_kind!r}")
+        parts.append({"type": kind, "text": part.get("text") or part.get("refusal") or ""})
+    return parts
+
+
+def _bounded_str(value: Any, where: str, limit: int = MAX_ARGUMENT_CHARS) -> str:
+    """A string field of an item: ids and names not empty; arguments and outputs may be."""
+    may_be_empty = limit == MAX_ARGUMENT_CHARS
+    if not isinstance(value, str) or not (value or may_be_empty):
+        raise FieldError(where, f"{where.rsplit('.', 1)[-1]} is a non-empty string")
+    if len(value) > limit:
+        raise FieldError(where, f"{where.rsplit('.', 1)[-1]} is over {limit} characters")
+    return value
+
+
+def _first_error(exc: ValueError) -> str:
+    errors = getattr(exc, "errors", None)
+    if callable(errors):
+        error = errors()[0]
+        where = ".".join(str(part) for part in error["loc"])
+        return f"{where}: {error['msg']}"
+    return str(exc)

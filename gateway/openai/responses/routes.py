@@ -1,0 +1,82 @@
+"""The Responses API: /v1/responses and the stored responses under it (gateway.openai.responses)."""
+
+from __future__ import annotations
+
+from typing import Annotated, Any, Literal
+
+from fastapi import APIRouter, Depends, Path, Query, Request
+from fastapi.responses import Response
+
+from gateway.http.body import StrictJSONRoute
+from gateway.http.deps import TenantDep
+from gateway.http.error_schemas import OPENAI_ERRORS
+from gateway.http.errors import APIError
+from gateway.openai.responses.protocol import MAX_ID_CHARS, ResponsesRequest
+from gateway.openai.responses.serving import ResponsesServing
+from gateway.openai.routes import hung_up
+
+router = APIRouter(
+    prefix="/v1/responses", tags=["responses"], route_class=StrictJSONRoute, responses=OPENAI_ERRORS
+)
+
+_CREATED: dict[int | str, dict[str, Any]] = {
+    200: {
+        "description": "The response, or its events as server-sent events.",
+        "content": {"application/json": {}, "text/event-stream": {"schema": {"type": "string"}}},
+    }
+}
+
+
+def get_responses(request: Request) -> ResponsesServing:
+    responses: ResponsesServing | None = getattr(request.app.state, "responses", None)
+    if responses is None:
+        raise APIError(404, "this server does not serve the Responses API", code="not_found")
+    return responses
+
+
+ResponsesDep = Annotated[ResponsesServing, Depends(get_responses)]
+
+
+# A response id as a path parameter: bounded in the schema, so a longer one is the same 400
+# as any other malformed field.
+ResponseId = Annotated[str, Path(max_length=MAX_ID_CHARS)]
+
+
+@router.post("", response_model=None, responses=_CREATED)
+async def create_response(
+    body: ResponsesRequest, responses: ResponsesDep, tenant: TenantDep, request: Request
+) -> Response:
+    return await responses.create(body, tenant, hung_up(request))
+
+
+@router.get("/{response_id}")
+async def retrieve_response(
+    response_id: ResponseId, responses: ResponsesDep, tenant: TenantDep
+) -> dict[str, Any]:
+    return await responses.retrieve(tenant, response_id)
+
+
+@router.delete("/{response_id}")
+async def delete_response(
+    response_id: ResponseId, responses: ResponsesDep, tenant: TenantDep
+) -> dict[str, Any]:
+    return await responses.delete(tenant, response_id)
+
+
+@router.post("/{response_id}/cancel")
+async def cancel_response(
+    response_id: ResponseId, responses: ResponsesDep, tenant: TenantDep
+) -> dict[str, Any]:
+    return await responses.cancel(tenant, response_id)
+
+
+@router.get("/{response_id}/input_items")
+async def list_input_items(
+    response_id: ResponseId,
+    responses: ResponsesDep,
+    tenant: TenantDep,
+    order: Literal["asc", "desc"] = "desc",
+    limit: Annotated[int, Query(ge=1, le=100)] = 20,
+    after: Annotated[str | None, Query(max_length=MAX_ID_CHARS)] = None,
+) -> dict[str, Any]:
+    return await responses.input_items(tenant, response_id, order, limit, after)

@@ -1,0 +1,134 @@
+"""OpenAI routes: /v1/completions, /v1/chat/completions, /v1/models."""
+
+from __future__ import annotations
+
+from collections.abc import Awaitable, Callable
+from typing import Annotated, Any, Literal
+
+from fastapi import APIRouter, Depends, Request
+from fastapi.responses import JSONResponse, Response
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from pydantic import BaseModel
+
+from gateway.http.body import StrictJSONRoute
+from gateway.http.deps import TenantDep, get_tenancy
+from gateway.http.error_schemas import ADMIN_ERRORS, OPENAI_ERRORS
+from gateway.openai.protocol import ChatCompletionRequest, CompletionRequest
+from gateway.openai.serving import OpenAIServing
+
+router = APIRouter(
+    prefix="/v1", tags=["openai"], route_class=StrictJSONRoute, responses=OPENAI_ERRORS
+)
+
+# A completion is one JSON body, or server-sent events with `"stream": true`.
+_GENERATION: dict[int | str, dict[str, Any]] = {
+    200: {
+        "description": "The completion, or its chunks as server-sent events.",
+        "content": {"application/json": {}, "text/event-stream": {"schema": {"type": "string"}}},
+    }
+}
+
+
+def get_serving(request: Request) -> OpenAIServing:
+    serving: OpenAIServing = request.app.state.serving
+    return serving
+
+
+ServingDep = Annotated[OpenAIServing, Depends(get_serving)]
+
+
+def hung_up(request: Request) -> Callable[[], Awaitable[None]]:
+    """A wait that ends when the client disconnects (the body is read by then, so the next
+    ASGI message is the disconnect)."""
+
+    async def wait() -> None:
+        while (await request.receive())["type"] != "http.disconnect":
+            pass
+
+    return wait
+
+
+@router.post("/completions", response_model=None, responses=_GENERATION)
+async def completions(
+    body: CompletionRequest, serving: ServingDep, tenant: TenantDep, request: Request
+) -> Response:
+    return await serving.completions(body, tenant, hung_up(request))
+
+
+@router.post("/chat/completions", response_model=None, responses=_GENERATION)
+async def chat_completions(
+    body: ChatCompletionRequest, serving: ServingDep, tenant: TenantDep, request: Request
+) -> Response:
+    return await serving.chat(body, tenant, hung_up(request))
+
+
+@router.get("/models")
+async def list_models(serving: ServingDep, tenant: TenantDep, request: Request) -> dict[str, Any]:
+    """The base models the caller may use, the public adapters and the caller's own."""
+    created = request.app.state.started_at
+    bases = {
+        model.name: {
+            "id": model.name,
+            "object": "model",
+            "created": created,
+            "owned_by": "loragate",
+            "root": model.name,
+            "parent": None,
+            "max_model_len": model.engine.max_model_len,
+        }
+        for model in serving.models_for(tenant)
+    }
+    # Adapters as vLLM lists them: their own ids, with their base model as parent.
+    adapters = (
+        []
+        if serving.catalog is None
+        else await serving.catalog.names(tenant.id, tenant.allowed_models)
+    )
+    data = list(bases.values()) + [
+        bases[base] | {"id": name, "root": name, "parent": base}
+        for name, base in adapters
+        if base in bases
+    ]
+    return {"object": "list", "data": data}
+
+
+health_router = APIRouter(tags=["health"], route_class=StrictJSONRoute)
+
+
+class Health(BaseModel):
+    status: Literal["ok", "restarting", "stopping", "dead"]
+
+
+@health_router.get(
+    "/health",
+    response_model=Health,
+    responses={503: {"model": Health, "description": "The engine is not serving."}},
+)
+async def health(request: Request) -> JSONResponse:
+    """200 {"status": "ok"} while the engine serves; else 503 with "restarting" (a dead
+    engine process being replaced), "stopping" or "dead"."""
+    status = request.app.state.models.health
+    return JSONResponse({"status": status}, status_code=200 if status == "ok" else 503)
+
+
+@health_router.get(
+    "/metrics",
+    response_class=Response,
+    responses={
+        200: {
+            "description": "Prometheus text exposition.",
+            "content": {CONTENT_TYPE_LATEST.split(";")[0]: {"schema": {"type": "string"}}},
+        },
+        401: ADMIN_ERRORS[401],
+        403: ADMIN_ERRORS[403],
+    },
+)
+async def metrics(request: Request) -> Response:
+    """Open by default, as Prometheus scrapes without credentials; --metrics-auth asks for an
+    admin token."""
+    tenancy = get_tenancy(request)
+    if tenancy.metrics_auth:
+        tenancy.admin.verify(request.headers.get("authorization"))
+    return Response(
+        generate_latest(request.app.state.metrics.registry), media_type=CONTENT_TYPE_LATEST
+    )

@@ -1,0 +1,1 @@
+"""Tenants: authentication, admission, limits, metering, the adapter catalog, and how they start."""
