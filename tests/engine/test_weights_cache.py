@@ -120,14 +120,19 @@ def test_a_directory_that_cannot_be_written_still_serves(
 ) -> None:
     root = tmp_path / "not-a-directory"
     root.write_text("a file where the cache directory would be")
-    # Directly on the module's logger: a console set up by an earlier test may have stopped
-    # the engine's loggers propagating to the root, where caplog listens.
+    # Directly on the module's logger, enabled at WARNING: an earlier test's logging set-up
+    # (a console, a dictConfig) may have stopped it propagating, raised its level or
+    # disabled it.
     logger = logging.getLogger("engine.weights_cache")
+    saved = logger.disabled, logger.level
+    logger.disabled = False
+    logger.setLevel(logging.WARNING)
     logger.addHandler(caplog.handler)
     try:
         assert _generate(checkpoint, root) == reference
     finally:
         logger.removeHandler(caplog.handler)
+        logger.disabled, logger.level = saved
     assert "weights cache: cannot write" in caplog.text
 
 

@@ -165,7 +165,7 @@ def test_an_adapter_is_loaded_on_one_replica_and_its_requests_follow_it(
     assert loads == 1  # read from disk once, on one replica, which then served them all
 
     # The admin REST shows the pool by url, the adapter in the slot of the replica that took it.
-    admin = {"Authorization": f"Bearer {gateway.tenancy.state.admin_token}"}
+    admin = {"Authorization": f"Bearer {gateway.tenancy.admin_token}"}
     deadline = time.monotonic() + 5.0
     while True:
         (model,) = httpx.get(f"{gateway.base_url}/admin/engines", headers=admin).json()["data"]
@@ -234,7 +234,7 @@ def test_an_engine_killed_under_load_fails_only_its_requests_within_two_seconds(
     assert failed, "no stream was running on the killed engine"
     assert max(failed) - killed_at < 2.0
     assert any(outcome == "finished" for outcome, _ in results)
-    rows = wait_for_usage(gateway.tenancy.state.settings.database_url, 8, tenant_id=tenant_id)
+    rows = wait_for_usage(gateway.tenancy.settings.database_url, 8, tenant_id=tenant_id)
     assert len(rows) == 8
     # Requests after the death go to the survivor at once.
     after = client.completions.create(model="demo", prompt="still there?", max_tokens=3)
