@@ -130,13 +130,19 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--repeat", type=int, default=2)
     p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
     args = p.parse_args(argv)
-    # The engine logs each failure it pins, with its traceback: expected here.
-    logging.getLogger("engine").setLevel(logging.CRITICAL)
+    # The engine logs each failure it pins, with its traceback: expected here. Put back after,
+    # for a caller in the same process (the bench tests).
+    engine_logger = logging.getLogger("engine")
+    level = engine_logger.level
+    engine_logger.setLevel(logging.CRITICAL)
     if args.threads is not None:
         torch.set_num_threads(args.threads)
     batches = [int(b) for b in args.batches.split(",")]
     console = Console() if Console().is_terminal else Console(width=150)
-    rows = run_containment_bench(
-        args.model, batches, args.output_len, args.fail_at, args.repeat, console
-    )
+    try:
+        rows = run_containment_bench(
+            args.model, batches, args.output_len, args.fail_at, args.repeat, console
+        )
+    finally:
+        engine_logger.setLevel(level)
     console.print(table(rows, args.model, args.output_len, args.fail_at))
