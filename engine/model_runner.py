@@ -34,7 +34,7 @@ from engine.request import Request
 from engine.sampler import Sampler, SamplerOutput
 from engine.scheduler import SchedulerOutput
 from engine.spec_decode import verify
-from engine.weights_cache import WeightsCache, weights_cache_at
+from engine.weights_cache import WeightsCache, cache_for
 from kernels import dispatch, linear, native, quant
 from kernels.attention import build_plan
 
@@ -165,14 +165,11 @@ class ModelRunner:
                 timings.mark("cache")
 
     def _weights_cache(self, config: EngineConfig, reordered: bool) -> WeightsCache | None:
-        """Where this engine's weights are kept as it runs them, if they can be: weights on
-        the CPU, not quantized at load (SmoothQuant depends on the calibration text), and
-        reordered ones only where the kernel that maps them back is built."""
-        if config.quantization is not None or self.device.type != "cpu":
-            return None
+        """The weights cache, where it applies (engine.weights_cache.cache_for) and, for
+        reordered weights, where the kernel that maps them back is built."""
         if reordered and not native.load():
             return None
-        return weights_cache_at(config.weights_cache_dir)
+        return cache_for(config, self.device)
 
     def _load_checkpoint(
         self,

@@ -225,14 +225,13 @@ def start_heap_bytes(config: EngineConfig) -> int:
 
     from engine.model_runner import resolve_device, resolve_dtype
     from engine.models.llama import parameter_count
-    from engine.weights_cache import weights_cache_at
+    from engine.weights_cache import cache_for
 
     hf_config = AutoConfig.from_pretrained(config.model)
     device = resolve_device(config.device)
     dtype = resolve_dtype(config.dtype, hf_config, device)
-    cache = weights_cache_at(config.weights_cache_dir)
-    mapped = device.type == "cpu" and config.quantization is None
-    if mapped and cache is not None and cache.path(Path(config.model), dtype).exists():
+    cache = cache_for(config, device)
+    if cache is not None and cache.path(Path(config.model), dtype).exists():
         return 0
     itemsize = torch.empty(0, dtype=dtype).element_size()
     return min(2 * parameter_count(Path(config.model)) * itemsize, heap.TRIM_THRESHOLD)

@@ -39,6 +39,7 @@ import torch
 from torch import nn
 
 from engine.checkpoint_map import safetensors_files
+from engine.config import EngineConfig
 from engine.safetensors_view import DTYPES
 from kernels import cpu_features, linear
 
@@ -48,6 +49,14 @@ FORMAT = 1
 ALIGN = 64  # a cache line: oneDNN's AVX-512 loads of a weight start on one
 MAX_HEADER_BYTES = 64 << 20
 _DTYPE_NAMES = {dtype: name for name, dtype in DTYPES.items()}
+
+
+def cache_for(config: EngineConfig, device: torch.device) -> WeightsCache | None:
+    """The engine's weights cache, where its weights can be kept as it runs them: on the CPU
+    and not quantized at load (SmoothQuant depends on the calibration text)."""
+    if config.quantization is not None or device.type != "cpu":
+        return None
+    return weights_cache_at(config.weights_cache_dir)
 
 
 def weights_cache_at(setting: str) -> WeightsCache | None:
@@ -60,12 +69,16 @@ def weights_cache_at(setting: str) -> WeightsCache | None:
     return WeightsCache(Path(setting).expanduser())
 
 
+def _aligned(offset: int) -> int:
+    return -(-offset // ALIGN) * ALIGN
+
+
 def fingerprint(model_dir: Path, dtype: torch.dtype, reordered: bool) -> str:
-    files = [
-        (file.name, file.stat().st_size, file.stat().st_mtime_ns)
-        for file in [*safetensors_files(model_dir), model_dir / "config.json"]
-        if file.exists()
-    ]
+    files = []
+    for file in [*safetensors_files(model_dir), model_dir / "config.json"]:
+        if file.exists():
+            stat = file.stat()
+            files.append((file.name, stat.st_size, stat.st_mtime_ns))
     facts = {
         "format": FORMAT,
         "files": files,
@@ -93,8 +106,7 @@ class WeightsCache:
 
     def load(self, model: nn.Module, model_dir: Path, dtype: torch.dtype, reordered: bool) -> bool:
         """Fill `model` (built, parameters unfilled) from its file; False on a miss, the model
-        then untouched but for entries already placed, which a load from the checkpoint
-        overwrites."""
+        then untouched."""
         path = self.path(model_dir, dtype)
         try:
             with path.open("rb") as f:
@@ -111,10 +123,10 @@ class WeightsCache:
             return False
         buffer = torch.frombuffer(mapping, dtype=torch.uint8)
         try:
-            header = _read_header(buffer)
+            header, start = _read_header(buffer)
             if header.get("fingerprint") != fingerprint(model_dir, dtype, reordered):
                 return False
-            _place(model, buffer, header)
+            _place(model, buffer[start:], header["entries"])
         except (ValueError, KeyError, TypeError, RuntimeError) as exc:
             logger.warning("weights cache %s unusable, loading the checkpoint: %s", path, exc)
             return False
@@ -128,7 +140,7 @@ class WeightsCache:
         chunks: list[tuple[int, memoryview]] = []
         offset = 0
         for weight in _weights(model):
-            offset = -(-offset // ALIGN) * ALIGN
+            offset = _aligned(offset)
             entry = {
                 "name": weight.name,
                 "kind": weight.kind,
@@ -149,7 +161,7 @@ class WeightsCache:
                 "entries": entries,
             }
         ).encode()
-        start = -(-(8 + len(header)) // ALIGN) * ALIGN
+        start = _aligned(8 + len(header))
         try:
             self.root.mkdir(parents=True, exist_ok=True)
             # Written aside and renamed: an engine mapping the old file keeps it, a reader
@@ -218,31 +230,31 @@ def _plain_bytes(tensor: torch.Tensor) -> memoryview:
     return memoryview(flat)
 
 
-def _read_header(buffer: torch.Tensor) -> dict:  # type: ignore[type-arg]
+def _read_header(buffer: torch.Tensor) -> tuple[dict[str, Any], int]:
+    """The header, and the offset where the tensors start."""
     (length,) = struct.unpack("<Q", buffer[:8].numpy().tobytes())
     if length > buffer.numel() - 8:
         raise ValueError("header runs past the end of the file")
     header = json.loads(buffer[8 : 8 + length].numpy().tobytes())
     if not isinstance(header, dict):
         raise ValueError("header is not an object")
-    header["_start"] = -(-(8 + length) // ALIGN) * ALIGN
-    return header
+    return header, _aligned(8 + length)
 
 
-def _place(model: nn.Module, buffer: torch.Tensor, header: dict) -> None:  # type: ignore[type-arg]
-    """Every entry into the model, as views of `buffer`. Everything is checked before the
-    model is touched: an entry that does not fit raises and leaves the model as it was."""
-    start, entries = header["_start"], header["entries"]
+def _place(model: nn.Module, data: torch.Tensor, entries: list[dict[str, Any]]) -> None:
+    """Every entry into the model, as views of `data` (the file past its header). Everything
+    is checked before the model is touched: an entry that does not fit raises and leaves the
+    model as it was."""
     modules = dict(model.named_modules())
 
-    def view(entry: dict) -> torch.Tensor:  # type: ignore[type-arg]
-        begin = start + int(entry["offset"])
+    def view(entry: dict[str, Any]) -> torch.Tensor:
+        begin = int(entry["offset"])
         end = begin + int(entry["nbytes"])
-        if begin < start or end > buffer.numel():
+        if begin < 0 or end > data.numel():
             raise ValueError(f"{entry['name']}: bytes past the end of the file")
-        return buffer[begin:end]
+        return data[begin:end]
 
-    def typed(entry: dict) -> torch.Tensor:  # type: ignore[type-arg]
+    def typed(entry: dict[str, Any]) -> torch.Tensor:
         return view(entry).view(DTYPES[entry["dtype"]]).view(entry["shape"])
 
     biases = {e["name"]: typed(e) for e in entries if e["kind"] == "bias"}
@@ -258,7 +270,7 @@ def _place(model: nn.Module, buffer: torch.Tensor, header: dict) -> None:  # typ
             raise ValueError(f"{entry['name']}: the file and the model disagree on a bias")
         descriptor = torch.tensor(list(bytes.fromhex(entry["descriptor"])), dtype=torch.uint8)
         packed = linear.from_packed_bytes(view(entry), shape, DTYPES[entry["dtype"]], descriptor)
-        replacement = linear.PrepackedLinear.over(packed, biases.get(entry["name"]), buffer)
+        replacement = linear.PrepackedLinear(packed, biases.get(entry["name"]), keep=data)
         replacements.append((entry["name"], replacement))
     replaced = {name for name, _ in replacements}
     params = {

@@ -44,24 +44,19 @@ def packable_dtypes() -> tuple[torch.dtype, ...]:
 class PrepackedLinear(nn.Module):
     """`nn.Linear` (CPU, float32 or bfloat16) over a oneDNN-reordered copy of its weight."""
 
-    def __init__(self, linear: nn.Linear) -> None:
+    def __init__(
+        self, packed: torch.Tensor, bias: torch.Tensor | None, keep: torch.Tensor | None = None
+    ) -> None:
+        """`packed`: the weight in oneDNN's layout; `keep`: what holds its bytes where it does
+        not own them (a mapped file, engine/weights_cache.py)."""
         super().__init__()
-        self.in_features: int = linear.in_features
-        self.out_features: int = linear.out_features
-        self.packed = torch.ops.mkldnn._reorder_linear_weight(linear.weight.detach(), BATCH_HINT)
-        self.bias: torch.Tensor | None = None if linear.bias is None else linear.bias.detach()
-
-    @classmethod
-    def over(
-        cls, packed: torch.Tensor, bias: torch.Tensor | None, keep: torch.Tensor
-    ) -> PrepackedLinear:
-        """One over a weight reordered already, whose bytes `keep` holds (a mapped file,
-        engine/weights_cache.py): the weight does not own them."""
-        self = cls.__new__(cls)
-        nn.Module.__init__(self)
         self.out_features, self.in_features = packed.shape
         self.packed, self.bias, self.keep = packed, bias, keep
-        return self
+
+    @classmethod
+    def reorder(cls, linear: nn.Linear) -> PrepackedLinear:
+        packed = torch.ops.mkldnn._reorder_linear_weight(linear.weight.detach(), BATCH_HINT)
+        return cls(packed, None if linear.bias is None else linear.bias.detach())
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         out: torch.Tensor = torch.ops.mkldnn._linear_pointwise(
@@ -79,7 +74,7 @@ def prepack(module: nn.Module) -> int:
     for name, child in list(module.named_children()):
         if isinstance(child, nn.Linear):
             if child.weight.dtype in dtypes and child.weight.device.type == "cpu":
-                setattr(module, name, PrepackedLinear(child))
+                setattr(module, name, PrepackedLinear.reorder(child))
                 count += 1
         else:
             count += prepack(child)

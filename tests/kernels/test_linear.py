@@ -16,7 +16,7 @@ pytestmark = pytest.mark.skipif(not linear.available(), reason="no oneDNN in thi
 def test_prepacked_matches_linear(rows: int, bias: bool) -> None:
     torch.manual_seed(rows)
     plain = nn.Linear(256, 384, bias=bias)
-    packed = linear.PrepackedLinear(plain)
+    packed = linear.PrepackedLinear.reorder(plain)
     x = torch.randn(rows, 256)
     with torch.inference_mode():
         torch.testing.assert_close(packed(x), plain(x), rtol=1e-5, atol=1e-5)
@@ -29,7 +29,7 @@ def test_prepacked_bfloat16_matches_linear(rows: int) -> None:
     summation order differs, so results agree to a bf16 rounding step."""
     torch.manual_seed(rows)
     plain = nn.Linear(576, 1536, bias=False).to(torch.bfloat16)
-    packed = linear.PrepackedLinear(plain)
+    packed = linear.PrepackedLinear.reorder(plain)
     x = torch.randn(rows, 576).bfloat16()
     with torch.inference_mode():
         ours, theirs = packed(x), plain(x)
