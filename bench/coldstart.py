@@ -99,7 +99,7 @@ def one_cold_start(
         loader = RegisteredLoader(describe_base(config.model), config.max_lora_rank)
         info = inspect_adapter(adapter, describe_base(config.model), config.max_lora_rank)
         lora = LoRARequest("cold", str(adapter), info.adapter_id)
-    # The gateway read the tokenizer when it started (model_facts) and hands it over.
+    # The gateway read the tokenizer when it started (EngineFacts.read) and hands it over.
     tokenizer = AutoTokenizer.from_pretrained(config.model)
     started = time.perf_counter()
     process = EngineProcess(

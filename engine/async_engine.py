@@ -2,7 +2,7 @@
 LLMEngine and running `step()` back to back while there is work (torch releases the GIL inside
 its ops, so the event loop keeps serving HTTP). Messages reach it through a thread-safe queue
 that the loop drains between steps. The loop's body is engine/engine_loop.py's, as in an
-engine process; the gateway's side is engine/engine_client.py's.
+engine process; the gateway's side is engine/loop_client.py's.
 """
 
 from __future__ import annotations
@@ -11,24 +11,30 @@ import asyncio
 import logging
 import queue
 import threading
-from typing import Any
 
-from engine.engine_client import EngineClient
-from engine.engine_loop import apply_message, contained_step, engine_stats, finished_parents
+from engine.engine_loop import (
+    apply_message,
+    contained_step,
+    engine_facts,
+    engine_stats,
+    finished_parents,
+)
 from engine.errors import EngineDead, StepFailed
 from engine.guided import GuidedSpec
 from engine.llm_engine import LLMEngine
+from engine.loop_client import LoopClient
 from engine.messages import EngineStats, Inbound
 
 logger = logging.getLogger(__name__)
 
 
-class AsyncEngine(EngineClient):
+class AsyncEngine(LoopClient):
     """The loop in a thread of this process, owning `engine`."""
 
     def __init__(self, engine: LLMEngine, *, max_waiting: int = 1024) -> None:
         super().__init__(max_waiting, engine.config.max_num_seqs)
         self.engine = engine
+        self._facts = engine_facts(engine)
         self._inbox: queue.SimpleQueue[Inbound | None] = queue.SimpleQueue()
         self._thread: threading.Thread | None = None
 
@@ -48,23 +54,8 @@ class AsyncEngine(EngineClient):
         if self._thread is not None:
             await asyncio.to_thread(self._thread.join, 5.0)
 
-    @property
-    def tokenizer(self) -> Any:
-        return self.engine.tokenizer
-
-    @property
-    def max_model_len(self) -> int:
-        return self.engine.max_model_len
-
-    @property
-    def vocab_size(self) -> int:
-        return self.engine.vocab_size
-
-    @property
-    def eos_token_ids(self) -> tuple[int, ...]:
-        return tuple(sorted(self.engine.eos_token_ids))
-
     async def compile_grammar(self, spec: GuidedSpec) -> None:
+        # The loop's own cache (thread-safe): the request then finds its grammar compiled.
         await self.engine.grammars.compile(spec)
 
     def stats(self) -> EngineStats:

@@ -1,187 +1,68 @@
-"""`EngineClient`: what the gateway holds of a running engine loop, whichever runs it (a thread
-of this process, engine/async_engine.py; a process of its own, engine/engine_process.py).
+"""`EngineClient`: what the gateway asks of a model's engine, whatever runs it: a loop in this
+process or an engine process of its own (engine/loop_client.py's clients), one started on
+demand, several behind a routing pool, or engines elsewhere (gateway/models, gateway/remote).
 
-Requests go in as messages; each request's updates reach its own asyncio queue through
-`loop.call_soon_threadsafe`, one wake-up per event loop per step, so no coroutine ever waits
-on a step.
+Requests go in whole (`EngineRequest`) and their updates come out as an async iterator; what the
+edge checks requests against is the engine's `EngineFacts`; what /metrics and an autoscaler read
+is its `EngineStats` and its `Scaling`.
 """
 
 from __future__ import annotations
 
-import asyncio
-import threading
-import time
-from abc import ABC, abstractmethod
 from collections.abc import AsyncIterator
-from typing import Any
+from dataclasses import dataclass
+from typing import Protocol
 
-from engine.errors import EngineDead, EngineOverloaded
-from engine.guided import GuidedSpec
-from engine.lora_types import LoRARequest
-from engine.messages import Abort, EngineRequest, EngineStats, Inbound, LoadLoRA, UnloadLoRA
+from engine.engine_facts import EngineFacts
+from engine.messages import EngineRequest, EngineStats
 from engine.outputs import SequenceUpdate
+from engine.request import GuidedSpec
 
 
-class _Stream:
-    """Where one request's updates land on the event loop."""
+@dataclass(frozen=True, slots=True)
+class Scaling:
+    """What an autoscaler reads of an engine (/metrics' `engine_replicas`, `engine_cold_starts`,
+    `model_pending_requests`, and the admin REST's /admin/engines)."""
 
-    __slots__ = ("loop", "queue", "num_unfinished")
-
-    def __init__(self, loop: asyncio.AbstractEventLoop, n: int) -> None:
-        self.loop = loop
-        self.queue: asyncio.Queue[SequenceUpdate | BaseException] = asyncio.Queue()
-        self.num_unfinished = n
-
-    def put(self, item: SequenceUpdate | BaseException) -> None:
-        self.loop.call_soon_threadsafe(self.queue.put_nowait, item)
+    num_ready: int  # engines ready to serve
+    num_cold_starts: int  # engines started on demand
+    num_held: int  # requests held for an engine to start
 
 
-class EngineClient(ABC):
-    """The gateway's handle on a running engine loop."""
-
-    def __init__(self, max_waiting: int, max_num_seqs: int) -> None:
-        self.max_waiting = max_waiting
-        self.max_num_seqs = max_num_seqs
-        self._streams: dict[str, _Stream] = {}
-        self._num_pending = 0  # submitted but not yet finished, across threads
-        self._lock = threading.Lock()
-        self._stopping = threading.Event()
-
-    # -- what a front end provides ----------------------------------------------------------
-
-    @abstractmethod
-    def start(self) -> None: ...
+class EngineClient(Protocol):
+    """The gateway's handle on a model's engine. Implementations subclass it, which makes mypy
+    check each against it."""
 
     @property
-    @abstractmethod
-    def is_alive(self) -> bool: ...
+    def facts(self) -> EngineFacts: ...
 
     @property
     def health(self) -> str:
-        """What /health reports: ok, stopping, restarting or dead."""
-        if self._stopping.is_set():
-            return "stopping"
-        return "ok" if self.is_alive else "dead"
+        """What /health reports: ok, starting, restarting, stopping or dead."""
+        ...
 
-    @abstractmethod
-    async def shutdown(self, grace_period: float = 10.0) -> None:
-        """Stop admitting, let running requests finish for `grace_period`, abort the rest."""
+    def generate(self, request: EngineRequest) -> AsyncIterator[SequenceUpdate]:
+        """Every update of the request's sequences until all have finished. Raises what
+        engine.errors names (RequestRefused, EngineOverloaded, EngineDead, StepFailed);
+        leaving the iteration early aborts the request."""
+        ...
 
-    @property
-    @abstractmethod
-    def tokenizer(self) -> Any: ...
-
-    @property
-    @abstractmethod
-    def max_model_len(self) -> int: ...
-
-    @property
-    @abstractmethod
-    def vocab_size(self) -> int: ...
-
-    @property
-    @abstractmethod
-    def eos_token_ids(self) -> tuple[int, ...]: ...
-
-    @abstractmethod
     async def compile_grammar(self, spec: GuidedSpec) -> None:
-        """Compile (or find cached) a request's grammar; raises GuidedSpecError."""
+        """Compile (or find compiled) a request's grammar in the engine that will run it;
+        raises GuidedSpecError for one it cannot run."""
+        ...
 
-    @abstractmethod
     def stats(self) -> EngineStats: ...
 
-    @abstractmethod
-    def _submit(self, message: Inbound) -> None:
-        """Hand a message to the loop (any thread)."""
+    def scaling(self) -> Scaling: ...
 
-    # -- requests -----------------------------------------------------------------------------
+    def unload_lora(self, adapter_id: str) -> None: ...
 
-    async def generate(self, request: EngineRequest) -> AsyncIterator[SequenceUpdate]:
-        """Yield every update of the request's sequences until all have finished.
+    async def shutdown(self, grace_period: float = 10.0) -> None:
+        """Stop admitting, let running requests finish for `grace_period`, abort the rest."""
+        ...
 
-        Raises what engine.errors names: RequestRefused (a ValueError) for a request the
-        engine will not take, EngineOverloaded when the queue is full, EngineDead when no loop
-        runs, StepFailed when a step failed with it. Leaving the iteration early (client
-        gone) aborts it.
-        """
-        if not self.is_alive:
-            raise EngineDead(f"the engine is not serving ({self.health})")
-        with self._lock:
-            if self._num_pending >= self.max_waiting + self.max_num_seqs:
-                raise EngineOverloaded("too many requests are waiting")
-            self._num_pending += 1
-        request_id = request.request_id
-        stream = _Stream(asyncio.get_running_loop(), request.params.n)
-        self._streams[request_id] = stream
-        self._submit(request)
-        finished = False
-        try:
-            while True:
-                item = await stream.queue.get()
-                if isinstance(item, BaseException):
-                    finished = True
-                    raise item
-                yield item
-                if item.finished:
-                    stream.num_unfinished -= 1
-                    if stream.num_unfinished == 0:
-                        finished = True
-                        return
-        finally:
-            if not finished:
-                self.abort(request_id)
-
-    def abort(self, request_id: str) -> None:
-        self._forget(request_id)
-        self._submit(Abort(request_id))
-
-    def unload_lora(self, adapter_id: str) -> None:
-        """Free an adapter's slot and CPU copy (on the loop, which owns them), at once or
-        when its running requests finish."""
-        self._submit(UnloadLoRA(adapter_id))
-
-    def load_lora(self, lora: LoRARequest) -> None:
-        """Put an adapter in a slot before a request needs it (a free or idle slot)."""
-        self._submit(LoadLoRA(lora))
-
-    # -- results, from the loop's side ------------------------------------------------------------
-
-    def _deliver(self, updates: list[SequenceUpdate], finished: list[str]) -> None:
-        """One wake-up per event loop per step, not one per token; then forget the
-        requests that are done."""
-        batches: dict[asyncio.AbstractEventLoop, list[tuple[_Stream, SequenceUpdate]]] = {}
-        for update in updates:
-            stream = self._streams.get(update.request_id)
-            if stream is not None:
-                batches.setdefault(stream.loop, []).append((stream, update))
-        for loop, batch in batches.items():
-            loop.call_soon_threadsafe(_put_all, batch)
-        for request_id in finished:
-            self._forget(request_id)
-
-    def _refuse(self, request_id: str, error: BaseException) -> None:
-        """End a request with an exception its caller raises (refused, or failed)."""
-        stream = self._streams.get(request_id)
-        self._forget(request_id)
-        if stream is not None:
-            stream.put(error)
-
-    def _forget(self, request_id: str) -> None:
-        if self._streams.pop(request_id, None) is not None:
-            with self._lock:
-                self._num_pending -= 1
-
-    def _refuse_all(self, error: BaseException) -> None:
-        for request_id in list(self._streams):
-            self._refuse(request_id, error)
-
-    async def _drain_pending(self, grace_period: float) -> None:
-        deadline = time.monotonic() + grace_period
-        self._stopping.set()
-        while self._num_pending and time.monotonic() < deadline:
-            await asyncio.sleep(0.05)
-
-
-def _put_all(batch: list[tuple[_Stream, SequenceUpdate]]) -> None:
-    for stream, update in batch:
-        stream.queue.put_nowait(update)
+    @property
+    def max_model_len(self) -> int:
+        """`facts.max_model_len`, for gateway/openai's readers until they read the facts."""
+        return self.facts.max_model_len

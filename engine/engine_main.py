@@ -15,17 +15,24 @@ import sys
 import threading
 import time
 from collections.abc import Iterator, Sequence
+from dataclasses import replace
 from multiprocessing.connection import Connection
 from multiprocessing.process import BaseProcess
 from typing import Any
 
 from engine.config import EngineConfig
-from engine.engine_loop import apply_message, contained_step, engine_stats, finished_parents
+from engine.engine_loop import (
+    apply_message,
+    contained_step,
+    engine_facts,
+    engine_stats,
+    finished_parents,
+)
 from engine.errors import RequestRefused
 from engine.heap import retain_freed_memory
 from engine.llm_engine import LLMEngine
 from engine.lora_types import LoRALoader, LoRARequest
-from engine.messages import EngineInfo, Failed, Fatal, Progress, Ready, Refused, StepResult, Stopped
+from engine.messages import Failed, Fatal, Progress, Ready, Refused, StepResult, Stopped
 
 # Seconds between stats snapshots sent with step results (and one whenever the engine idles).
 STATS_INTERVAL = 0.05
@@ -104,9 +111,9 @@ def run_engine(
     except Exception as exc:  # noqa: BLE001 - reported to the gateway, which exits
         conn.send(Fatal(f"{type(exc).__name__}: {exc}"))
         return
-    info = EngineInfo(engine.max_model_len, engine.vocab_size, tuple(sorted(engine.eos_token_ids)))
+    facts = replace(engine_facts(engine), tokenizer=None)  # dear to pickle; the gateway has one
     load_seconds = {"process": max(0.0, entered - spawned_at)} if spawned_at else {}
-    conn.send(Ready(info, engine_stats(engine), load_seconds | engine.load_seconds))
+    conn.send(Ready(facts, engine_stats(engine), load_seconds | engine.load_seconds))
     with contextlib.suppress(EOFError, OSError, KeyboardInterrupt):  # the gateway is gone
         _EngineLoop(engine, conn).run()
 

@@ -32,6 +32,7 @@ import multiprocessing as mp
 import threading
 import time
 from collections.abc import Callable, Sequence
+from dataclasses import replace
 from multiprocessing.connection import Connection
 from multiprocessing.process import BaseProcess
 from typing import Any
@@ -39,14 +40,14 @@ from typing import Any
 from transformers import AutoTokenizer
 
 from engine.config import EngineConfig
-from engine.engine_client import EngineClient
+from engine.engine_facts import EngineFacts
 from engine.engine_main import run_engine, start_process
 from engine.errors import EngineDead, StepFailed
 from engine.guided import GrammarCache, GuidedSpec
 from engine.llm_engine import grammar_cache
+from engine.loop_client import LoopClient
 from engine.lora_types import LoRALoader, LoRARequest
 from engine.messages import (
-    EngineInfo,
     EngineRequest,
     EngineStats,
     Failed,
@@ -70,7 +71,7 @@ logger = logging.getLogger(__name__)
 RESTART_DELAY_MIN, RESTART_DELAY_MAX, RESTART_DELAY_RESET = 1.0, 30.0, 60.0
 
 
-class EngineProcess(EngineClient):
+class EngineProcess(LoopClient):
     def __init__(
         self,
         config: EngineConfig,
@@ -97,10 +98,7 @@ class EngineProcess(EngineClient):
         self._conn: Connection | None = None
         self._send_lock = threading.Lock()
         self._supervisor: threading.Thread | None = None
-        self._info: EngineInfo | None = None
         self._stats = EngineStats()
-        self.load_seconds: dict[str, float] = {}  # the last start's phases (Ready)
-        self.started_in = ""  # where the last start ran: a spare, a fork, a spawned process
         self._tokenizer: Any = tokenizer
         self._grammars: GrammarCache | None = None
         self._state = "stopped"
@@ -114,18 +112,17 @@ class EngineProcess(EngineClient):
         (tensors loaded, total) as it goes). Raises RuntimeError if it cannot start."""
         self._state = "starting"
         try:
-            self._spawn(progress)
+            reported = self._spawn(progress)
         except RuntimeError:
             self._state = "dead"
             raise
-        info = self._info
-        assert info is not None
         if self._tokenizer is None:
             self._tokenizer = AutoTokenizer.from_pretrained(
                 self.config.tokenizer or self.config.model
             )
+        self._facts = facts = replace(reported, tokenizer=self._tokenizer)
         self._grammars = grammar_cache(
-            self.config, self._tokenizer, info.vocab_size, info.eos_token_ids
+            self.config, facts.tokenizer, facts.vocab_size, facts.eos_token_ids
         )
         self._state = "ok"
         self._supervisor = threading.Thread(
@@ -133,7 +130,8 @@ class EngineProcess(EngineClient):
         )
         self._supervisor.start()
 
-    def _spawn(self, progress: Callable[[int, int], None] | None) -> None:
+    def _spawn(self, progress: Callable[[int, int], None] | None) -> EngineFacts:
+        """Start an engine process and wait for its Ready: the facts it reports."""
         process, conn = self._start_process()
         while True:
             try:
@@ -147,7 +145,7 @@ class EngineProcess(EngineClient):
                 process.join(5)
                 raise RuntimeError(f"the engine failed to start: {message.message}")
             elif isinstance(message, Ready):
-                self._info, self._stats = message.info, message.stats
+                facts, self._stats = message.facts, message.stats
                 self.load_seconds = message.load_seconds
                 break
         with self._send_lock:
@@ -155,6 +153,7 @@ class EngineProcess(EngineClient):
                 self._conn.close()  # a dead engine's end of the pipe
             self._process, self._conn = process, conn
         self._started_at = time.monotonic()
+        return facts
 
     def _start_process(self) -> tuple[BaseProcess | ForkedProcess, Connection]:
         """A warm spare handed this engine's start arguments or, with none ready, a fork of
@@ -212,25 +211,6 @@ class EngineProcess(EngineClient):
             await asyncio.to_thread(self._supervisor.join, 5.0)
 
     # -- what the gateway reads -----------------------------------------------------------
-
-    @property
-    def tokenizer(self) -> Any:
-        return self._tokenizer
-
-    @property
-    def max_model_len(self) -> int:
-        assert self._info is not None, "start() first"
-        return self._info.max_model_len
-
-    @property
-    def vocab_size(self) -> int:
-        assert self._info is not None, "start() first"
-        return self._info.vocab_size
-
-    @property
-    def eos_token_ids(self) -> tuple[int, ...]:
-        assert self._info is not None, "start() first"
-        return self._info.eos_token_ids
 
     async def compile_grammar(self, spec: GuidedSpec) -> None:
         assert self._grammars is not None, "start() first"

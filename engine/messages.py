@@ -15,6 +15,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from engine.config import EngineConfig
+from engine.engine_facts import EngineFacts
 from engine.lora_types import LoRALoader, LoRARequest
 from engine.outputs import SequenceUpdate
 from engine.request import SamplingParams
@@ -107,15 +108,6 @@ class EngineStats:
 
 
 @dataclass(frozen=True, slots=True)
-class EngineInfo:
-    """What the gateway learns once the engine is up."""
-
-    max_model_len: int
-    vocab_size: int
-    eos_token_ids: tuple[int, ...]
-
-
-@dataclass(frozen=True, slots=True)
 class Progress:
     """Loading the model: `done` of `total` tensors."""
 
@@ -125,7 +117,7 @@ class Progress:
 
 @dataclass(frozen=True, slots=True)
 class Ready:
-    info: EngineInfo
+    facts: EngineFacts  # its tokenizer None: the gateway's side has its own
     stats: EngineStats
     # Seconds per phase of the start: `process` (spawn, interpreter, imports; in a warm
     # spare, the handover: its StartEngine sent and read), then the engine's own

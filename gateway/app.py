@@ -8,6 +8,7 @@ from collections.abc import Mapping
 
 from fastapi import FastAPI
 
+from engine.engine_client import EngineClient
 from gateway.console.headers import ConsoleHeaders
 from gateway.console.oauth import ConsoleOAuth
 from gateway.console.routes import install_console
@@ -15,7 +16,7 @@ from gateway.http.body import BodySizeLimit
 from gateway.http.errors import ErrorBoundary, install_error_handlers
 from gateway.http.request_limits import RequestLimits
 from gateway.metrics import Metrics
-from gateway.models.served import ModelEngine, ServedModels
+from gateway.models.served import ServedModels
 from gateway.openai.responses import routes as responses_routes
 from gateway.openai.responses.serving import ResponsesServing
 from gateway.openai.routes import health_router, router
@@ -28,7 +29,7 @@ ADAPTER_UPLOADS = "/admin/adapters"
 
 
 def build_app(
-    engines: Mapping[str, ModelEngine],
+    engines: Mapping[str, EngineClient],
     tenancy: Tenancy,
     *,
     max_body_bytes: int = 4 << 20,

@@ -16,7 +16,8 @@ from prometheus_client.registry import Collector
 
 from engine.messages import EngineStats
 from gateway.models.on_demand import OnDemandEngine
-from gateway.models.served import ServedModel, ServedModels, scaling
+from gateway.models.replica_pool import ReplicaPool
+from gateway.models.served import ServedModel, ServedModels
 from gateway.tenancy.ratelimit import RateLimiter
 from tenants.ledger import Ledger, UsageRecord
 
@@ -161,7 +162,7 @@ def _scaling_series(
         labels=["model"],
     )
     for model, stats in snapshots:
-        counts = scaling(model.engine)
+        counts = model.engine.scaling()
         replicas.add_metric([model.name], counts.num_ready)
         cold_starts.add_metric([model.name], counts.num_cold_starts)
         pending.add_metric([model.name], counts.num_held + stats.num_waiting)
@@ -255,7 +256,8 @@ class Metrics:
         )
         for model in models:
             # A pool's replicas (gateway.models.replica_pool) each start on demand.
-            for engine in getattr(model.engine, "replicas", [model.engine]):
+            pool = model.engine
+            for engine in pool.replicas if isinstance(pool, ReplicaPool) else [pool]:
                 if isinstance(engine, OnDemandEngine):
                     engine.on_cold_start = self.cold_start.labels(model.name).observe
         self.ttft = Histogram(

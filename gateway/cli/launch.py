@@ -13,11 +13,11 @@ import typer
 
 from adapters.peft import describe_base
 from adapters.peft_config import AdapterError
+from engine.engine_client import EngineClient
 from engine.lora_types import LoRARequest
 from gateway.console.oauth import ConsoleOAuth
 from gateway.models.engines import engine_zygote, model_engine, spare_pool
 from gateway.models.models_file import served_models
-from gateway.models.served import ModelEngine
 from gateway.settings import Settings, SettingsError
 from gateway.tenancy.state import DemoKey, Tenancy, open_tenancy, prepare
 from tenants.adapter_rows import AdapterExists
@@ -75,7 +75,7 @@ def run_server(settings: Settings, with_progress: Callable[[Any], Any]) -> None:
     except SettingsError as exc:
         raise typer.BadParameter(str(exc)) from exc
     demo, preload = asyncio.run(_start_up(tenancy, settings, modules))
-    engines: dict[str, ModelEngine] = {}
+    engines: dict[str, EngineClient] = {}
     zygote = engine_zygote(specs)
     spares = spare_pool(specs, settings.spare_engines, settings.spare_engine_memory, zygote)
     for spec in specs:

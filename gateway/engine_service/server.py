@@ -5,7 +5,7 @@
 It runs the engine as `loragate serve` does (its own process, the same knobs) and serves:
 
 - `/internal/v1/engine`: a WebSocket per gateway carrying engine requests in and each step's
-  updates out (gateway.remote.wire): the gateway's `RemoteEngine` is an EngineClient over it.
+  updates out (gateway.remote.wire): the gateway's `RemoteEngine` is a loop client over it.
 - `/internal/v1/generate`: one request per POST, its updates streamed back as server-sent
   events (gateway.remote.picker_wire), for gateways behind an inference gateway that picks
   an engine per request (`routing: picker`).
@@ -36,6 +36,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from adapters.store import AdapterStorage
 from engine.engine_client import EngineClient
 from engine.errors import RequestRefused
+from engine.loop_client import LoopClient
 from engine.lora_types import LoRARequest
 from engine.messages import EngineRequest
 from engine.outputs import SequenceUpdate
@@ -69,7 +70,7 @@ class EngineService:
     def __init__(
         self,
         name: str,
-        engine: EngineClient,
+        engine: LoopClient,
         *,
         store: AdapterStorage | None,
         token: str | None,
@@ -89,12 +90,12 @@ class EngineService:
 
     def hello(self) -> dict[str, Any]:
         """What a gateway learns when it connects."""
-        engine = self.engine
+        engine, facts = self.engine, self.engine.facts
         return {
             "model": self.name,
-            "max_model_len": engine.max_model_len,
-            "vocab_size": engine.vocab_size,
-            "eos_token_ids": list(engine.eos_token_ids),
+            "max_model_len": facts.max_model_len,
+            "vocab_size": facts.vocab_size,
+            "eos_token_ids": list(facts.eos_token_ids),
             "max_num_seqs": engine.max_num_seqs,
             "block_size": self.block_size,
         }

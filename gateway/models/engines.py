@@ -14,15 +14,16 @@ from typing import Any
 from adapters.registry import RegisteredLoader
 from engine.config import EngineConfig
 from engine.engine_client import EngineClient
+from engine.engine_facts import EngineFacts
+from engine.loop_client import LoopClient
 from engine.lora_types import LoRARequest
 from engine.spec_decode import SpeculativeConfig
 from engine.warm_spare import SparePool, start_heap_bytes
 from engine.zygote import Zygote
 from gateway.models.models_file import ServedModelSpec
-from gateway.models.on_demand import ModelFacts, OnDemandEngine, ScalePolicy, model_facts
-from gateway.models.replica_pool import HoldPolicy, ReplicaPool
+from gateway.models.on_demand import OnDemandEngine, ScalePolicy
+from gateway.models.replica_pool import HoldPolicy, Replica, ReplicaPool
 from gateway.models.scale_up import ScaleUpPolicy
-from gateway.models.served import ModelEngine
 from gateway.remote.picked_engine import PickedEngine
 from gateway.remote.remote_engine import CONNECT_TIMEOUT, RemoteEngine
 from gateway.settings import Settings, parse_bytes
@@ -78,7 +79,7 @@ def start_engine(
     tokenizer: Any = None,
     spares: SparePool | None = None,
     zygote: Zygote | None = None,
-) -> EngineClient:
+) -> LoopClient:
     """One model's engine, started and loaded: its own process (the default), or a loop
     in this one. `preload`: adapters that fill its LoRA slots before the first request;
     `tokenizer`: the model's, loaded already (the engine process's side need not again);
@@ -121,7 +122,7 @@ def model_engine(
     with_progress: Callable[[Any], Any],
     spares: SparePool | None = None,
     zygote: Zygote | None = None,
-) -> ModelEngine:
+) -> EngineClient:
     """A model's engine as its entry asks: the engines at its urls; else one local engine,
     started now (min_replicas 1) or on its first request and stopped after idle_timeout
     (min_replicas 0); else (max_replicas above 1) a pool of local ones."""
@@ -132,8 +133,8 @@ def model_engine(
         return remote_pool(spec)
     if entry.max_replicas == 1 and entry.min_replicas == 1:
         return start_engine(settings, loader, preload, with_progress, zygote=zygote)
-    facts = model_facts(settings.model, settings.max_model_len)
-    replicas = []
+    facts = EngineFacts.read(settings.model, settings.max_model_len)
+    replicas: list[Replica] = []
     for index in range(entry.max_replicas):
         always_on = index < entry.min_replicas
         replica = _on_demand(spec, index, always_on, loader, preload, facts, spares, zygote)
@@ -155,7 +156,7 @@ def _on_demand(
     always_on: bool,
     loader: RegisteredLoader,
     preload: list[LoRARequest],
-    facts: ModelFacts,
+    facts: EngineFacts,
     spares: SparePool | None,
     zygote: Zygote | None,
 ) -> OnDemandEngine:
@@ -230,16 +231,13 @@ def hold_policy(spec: ServedModelSpec) -> HoldPolicy:
 def picked_engine(spec: ServedModelSpec) -> PickedEngine:
     """The engines behind the entry's one url, an inference gateway that picks per request."""
     settings = spec.settings
-    facts = model_facts(settings.model, settings.max_model_len)
+    facts = EngineFacts.read(settings.model, settings.max_model_len)
     token = settings.engine_token
     return PickedEngine(
         spec.name,
         spec.entry.urls[0],
         engine_config(settings),
-        tokenizer=facts.tokenizer,
-        vocab_size=facts.vocab_size,
-        max_model_len=facts.max_model_len,
-        eos_token_ids=facts.eos_token_ids,
+        facts=facts,
         hold=hold_policy(spec),
         token=None if token is None else token.get_secret_value(),
     )
@@ -249,16 +247,13 @@ def remote_pool(spec: ServedModelSpec) -> ReplicaPool:
     """The `loragate engine`s at the entry's urls, connected (each retried in the background
     until it answers; a replica not up is out of rotation)."""
     settings = spec.settings
-    facts = model_facts(settings.model, settings.max_model_len)
+    facts = EngineFacts.read(settings.model, settings.max_model_len)
     token = settings.engine_token
     replicas = [
         RemoteEngine(
             url,
             engine_config(settings),
-            tokenizer=facts.tokenizer,
-            vocab_size=facts.vocab_size,
-            max_model_len=facts.max_model_len,
-            eos_token_ids=facts.eos_token_ids,
+            facts=facts,
             token=None if token is None else token.get_secret_value(),
             max_waiting=settings.max_waiting,
         )

@@ -7,8 +7,8 @@ seconds, a 503 with Retry-After) while the engine starts, then served in order. 
 goes back to the machine (an engine process exits). A dead engine is replaced on the next
 request. With `min_replicas: 1` the engine starts with the server and never idles out.
 
-The gateway reads the model's tokenizer, vocabulary and context length from its directory, so
-a request is tokenized and checked at the edge before any engine exists.
+The gateway reads the model's facts (tokenizer, vocabulary, context length) from its directory
+(EngineFacts.read), so a request is tokenized and checked at the edge before any engine exists.
 """
 
 from __future__ import annotations
@@ -18,11 +18,12 @@ import logging
 import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
-from typing import Any
 
-from engine.engine_client import EngineClient
+from engine.engine_client import EngineClient, Scaling
+from engine.engine_facts import EngineFacts
 from engine.errors import EngineDead, EngineOverloaded
 from engine.load_timings import describe
+from engine.loop_client import LoopClient
 from engine.messages import EngineRequest, EngineStats
 from engine.outputs import SequenceUpdate
 from engine.request import GuidedSpec
@@ -38,34 +39,7 @@ class ScalePolicy:
     cold_start_timeout: float = 60.0  # seconds a held request waits before a 503
 
 
-@dataclass(frozen=True, slots=True)
-class ModelFacts:
-    """What the edge needs of a model before its engine runs."""
-
-    tokenizer: Any
-    vocab_size: int
-    max_model_len: int
-    eos_token_ids: tuple[int, ...] = ()
-
-
-def model_facts(model: str, max_model_len: int | None) -> ModelFacts:
-    """A model directory's tokenizer, vocabulary, context length and end-of-sequence tokens, as
-    its engine will have them (engine.llm_engine reads the same)."""
-    from transformers import AutoConfig, AutoTokenizer
-
-    from engine.models.llama import eos_token_ids
-
-    config = AutoConfig.from_pretrained(model)
-    tokenizer = AutoTokenizer.from_pretrained(model)
-    return ModelFacts(
-        tokenizer,
-        int(config.vocab_size),
-        max_model_len or int(config.max_position_embeddings),
-        tuple(sorted(eos_token_ids(config, tokenizer, model))),
-    )
-
-
-class OnDemandEngine:
+class OnDemandEngine(EngineClient):
     """One model's engine behind the gateway's engine interface, started on demand.
 
     `start` builds and starts an engine (blocking: a process spawned and loaded, or a loop in
@@ -75,8 +49,8 @@ class OnDemandEngine:
     def __init__(
         self,
         name: str,
-        start: Callable[[], EngineClient],
-        facts: ModelFacts,
+        start: Callable[[], LoopClient],
+        facts: EngineFacts,
         policy: ScalePolicy,
         on_cold_start: Callable[[float], None] | None = None,
         max_num_seqs: int = 256,
@@ -84,11 +58,11 @@ class OnDemandEngine:
         self.name = name
         self.max_num_seqs = max_num_seqs  # what one engine runs at once (a pool reads it)
         self._start_engine = start
-        self.facts = facts
+        self._facts = facts
         self.policy = policy
         self.on_cold_start = on_cold_start
-        self._engine: EngineClient | None = None
-        self._starting: asyncio.Task[EngineClient] | None = None
+        self._engine: LoopClient | None = None
+        self._starting: asyncio.Task[LoopClient] | None = None
         self._idle_watch: asyncio.Task[None] | None = None
         self._transition = asyncio.Lock()  # a start and a stop never overlap
         self.num_held = 0  # requests waiting for the engine to start
@@ -100,21 +74,13 @@ class OnDemandEngine:
     # -- what the gateway reads --------------------------------------------------------------
 
     @property
-    def tokenizer(self) -> Any:
-        return self.facts.tokenizer
+    def facts(self) -> EngineFacts:
+        return self._facts
 
-    @property
-    def vocab_size(self) -> int:
-        return self.facts.vocab_size
-
-    @property
-    def max_model_len(self) -> int:
-        return self.facts.max_model_len
-
-    @property
-    def num_replicas(self) -> int:
-        """Engines ready to serve: 0 or 1."""
-        return int(self._engine is not None and self._engine.is_alive)
+    def scaling(self) -> Scaling:
+        """Ready: 0 or 1 (its engine, alive); its starts; the requests held for one."""
+        ready = int(self._engine is not None and self._engine.is_alive)
+        return Scaling(ready, self.num_cold_starts, self.num_held)
 
     @property
     def health(self) -> str:
@@ -127,7 +93,7 @@ class OnDemandEngine:
         return EngineStats() if self._engine is None else self._engine.stats()
 
     @property
-    def client(self) -> EngineClient | None:
+    def client(self) -> LoopClient | None:
         """The engine, while there is one (it may have died since: its health says)."""
         return self._engine
 
@@ -192,7 +158,7 @@ class OnDemandEngine:
         if self._engine is not None:  # an engine that is not running holds no adapter
             self._engine.unload_lora(adapter_id)
 
-    async def _acquire(self) -> EngineClient:
+    async def _acquire(self) -> LoopClient:
         """The running engine, started if there is none; counts the caller in flight."""
         engine = self._engine
         if engine is None or (not engine.is_alive and self.policy.min_replicas == 0):
@@ -204,7 +170,7 @@ class OnDemandEngine:
         self.num_in_flight -= 1
         self._last_used = time.monotonic()
 
-    async def _wait_for_start(self) -> EngineClient:
+    async def _wait_for_start(self) -> LoopClient:
         if self._closed:
             raise EngineDead(f"the model {self.name!r} is stopping")
         if self.num_held >= self.policy.max_pending:
@@ -228,7 +194,7 @@ class OnDemandEngine:
         finally:
             self.num_held -= 1
 
-    async def _cold_start(self, held: float) -> EngineClient:
+    async def _cold_start(self, held: float) -> LoopClient:
         try:
             async with self._transition:
                 dead, self._engine = self._engine, None
@@ -244,8 +210,7 @@ class OnDemandEngine:
                 self.num_cold_starts += 1
                 self._last_used = time.monotonic()
                 seconds = self._last_used - held
-                phases = getattr(engine, "load_seconds", None)
-                where = getattr(engine, "started_in", "")
+                phases, where = engine.load_seconds, engine.started_in
                 logger.info(
                     "engine for %r ready in %.2f s%s%s",
                     self.name,
@@ -278,7 +243,7 @@ class OnDemandEngine:
                 await engine.shutdown(0)
 
 
-def _retrieve(task: asyncio.Task[EngineClient]) -> None:
+def _retrieve(task: asyncio.Task[LoopClient]) -> None:
     """A woken start's failure was logged by _cold_start: nobody awaits it."""
     if not task.cancelled():
         task.exception()

@@ -24,15 +24,17 @@ import logging
 import time
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass
-from typing import Any
 
+from engine.engine_client import EngineClient, Scaling
+from engine.engine_facts import EngineFacts
 from engine.errors import EngineDead, EngineOverloaded
+from engine.loop_client import LoopClient
 from engine.messages import EngineRequest, EngineStats
 from engine.outputs import SequenceUpdate
 from engine.request import GuidedSpec
+from gateway.models.on_demand import OnDemandEngine
 from gateway.models.routing import ReplicaView, choose, prefix_key
 from gateway.models.scale_up import QueueWatch, ScaleUpPolicy, queued_beyond_capacity
-from gateway.models.served import ModelEngine, scaling
 
 logger = logging.getLogger(__name__)
 
@@ -49,13 +51,18 @@ class HoldPolicy:
     scale_to_zero: bool = False  # no replica up is a state, not a failure (health stays ok)
 
 
-class ReplicaPool:
-    """One model's replicas, each a ModelEngine (a RemoteEngine, or an engine on demand)."""
+# A pool's replica: a `loragate engine` elsewhere (gateway.remote's RemoteEngine), or a local
+# engine started on demand.
+Replica = LoopClient | OnDemandEngine
+
+
+class ReplicaPool(EngineClient):
+    """One model's replicas, as one engine."""
 
     def __init__(
         self,
         name: str,
-        replicas: Sequence[ModelEngine],
+        replicas: Sequence[Replica],
         names: Sequence[str],
         block_size: int,
         policy: str = "affinity",
@@ -63,7 +70,7 @@ class ReplicaPool:
         scale_up: ScaleUpPolicy | None = None,
     ) -> None:
         """`scale_up`: local replicas not running start when the others' queue lasts
-        (gateway.models.scale_up); each must then have `wake()`."""
+        (gateway.models.scale_up)."""
         if not replicas:
             raise ValueError("a pool has at least one replica")
         if policy not in POLICIES:
@@ -85,16 +92,8 @@ class ReplicaPool:
     # -- what the gateway reads --------------------------------------------------------------
 
     @property
-    def tokenizer(self) -> Any:
-        return self.replicas[0].tokenizer
-
-    @property
-    def vocab_size(self) -> int:
-        return self.replicas[0].vocab_size
-
-    @property
-    def max_model_len(self) -> int:
-        return self.replicas[0].max_model_len
+    def facts(self) -> EngineFacts:
+        return self.replicas[0].facts  # one model: the same facts
 
     @property
     def health(self) -> str:
@@ -104,17 +103,14 @@ class ReplicaPool:
         scaled_to_zero = self.hold is not None and self.hold.scale_to_zero
         return "ok" if "ok" in states or scaled_to_zero else states[0]
 
-    @property
-    def num_replicas(self) -> int:
-        return sum(scaling(r).num_ready for r in self.replicas)
-
-    @property
-    def num_cold_starts(self) -> int:
-        return sum(scaling(r).num_cold_starts for r in self.replicas)
-
-    @property
-    def num_held(self) -> int:
-        return self._held + sum(scaling(r).num_held for r in self.replicas)
+    def scaling(self) -> Scaling:
+        """The replicas' figures summed, and the requests the pool holds for any."""
+        each = [r.scaling() for r in self.replicas]
+        return Scaling(
+            sum(s.num_ready for s in each),
+            sum(s.num_cold_starts for s in each),
+            self._held + sum(s.num_held for s in each),
+        )
 
     def stats(self) -> EngineStats:
         """The pool as one engine: counts summed, KV usage averaged, adapters joined."""
@@ -144,7 +140,11 @@ class ReplicaPool:
         total.cached_adapter_ids = sorted({a for s in each for a in s.cached_adapter_ids})
         drafts = [s.spec_decode for s in each if s.spec_decode is not None]
         if drafts:
-            total.spec_decode = tuple(sum(d[i] for d in drafts) for i in range(3))  # type: ignore[assignment]
+            total.spec_decode = (
+                sum(d[0] for d in drafts),
+                sum(d[1] for d in drafts),
+                sum(d[2] for d in drafts),
+            )
         return total
 
     # -- requests ------------------------------------------------------------------------------
@@ -220,14 +220,17 @@ class ReplicaPool:
             if not watch.observe(queued_beyond_capacity(views), time.monotonic()):
                 continue
             cold = [i for i, v in enumerate(views) if v.healthy and v.cold]
-            if cold and not any(getattr(r, "is_starting", False) for r in self.replicas):
+            local = [r for r in self.replicas if isinstance(r, OnDemandEngine)]
+            if cold and not any(r.is_starting for r in local):
                 index = cold[0]
+                replica = self.replicas[index]
+                assert isinstance(replica, OnDemandEngine)  # cold: a local replica not running
                 logger.info(
                     "%r: %d requests waited beyond its replicas for %.1f s; starting %s",
                     self.name, queued_beyond_capacity(views), policy.window, self.names[index],
                 )  # fmt: skip
                 self.num_scale_ups += 1
-                self.replicas[index].wake()  # type: ignore[attr-defined]
+                replica.wake()
 
     # -- routing -------------------------------------------------------------------------------
 
@@ -235,7 +238,8 @@ class ReplicaPool:
         views = []
         for i, replica in enumerate(self.replicas):
             stats = replica.stats()
-            cold = scaling(replica).num_ready == 0 and hasattr(replica, "num_cold_starts")
+            # A local replica not running; one elsewhere is the engine's own to start.
+            cold = isinstance(replica, OnDemandEngine) and replica.scaling().num_ready == 0
             views.append(
                 ReplicaView(
                     name=self.names[i],
@@ -244,7 +248,7 @@ class ReplicaPool:
                     # In a slot, or in CPU memory: a slot's load from there is a copy.
                     resident=frozenset(stats.resident_adapter_ids + stats.cached_adapter_ids),
                     cold=cold,
-                    capacity=int(getattr(replica, "max_num_seqs", 0) or 1 << 30),
+                    capacity=replica.max_num_seqs or 1 << 30,
                 )
             )
         return views

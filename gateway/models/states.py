@@ -1,6 +1,6 @@
 """What each served model's engines are doing now, replica by replica: the admin REST's
 /admin/engines and its adapters' `resident_on`. One read of every engine per call, the reads
-/metrics makes (each engine's EngineStats, gateway.models.served.scaling).
+/metrics makes (each engine's EngineStats and Scaling).
 
 A replica is in one of four states, from what its engine object knows:
 
@@ -27,10 +27,11 @@ import time
 from dataclasses import dataclass
 from typing import Literal
 
+from engine.engine_client import EngineClient
 from engine.messages import EngineStats
 from gateway.models.on_demand import OnDemandEngine
 from gateway.models.replica_pool import ReplicaPool
-from gateway.models.served import ModelEngine, ServedModels, scaling
+from gateway.models.served import ServedModels
 from gateway.remote.picked_engine import PickedEngine
 from gateway.remote.remote_engine import RemoteEngine
 
@@ -61,7 +62,7 @@ def model_statuses(models: ServedModels, now: float | None = None) -> list[Model
     now = time.monotonic() if now is None else now
     statuses = []
     for model in models:
-        counts = scaling(model.engine)
+        counts = model.engine.scaling()
         statuses.append(
             ModelStatus(
                 model.name,
@@ -85,7 +86,7 @@ def residency(statuses: list[ModelStatus]) -> dict[tuple[str, str], list[str]]:
     return where
 
 
-def routing_of(engine: ModelEngine) -> Routing:
+def routing_of(engine: EngineClient) -> Routing:
     """How a model's engines are reached: `picker` (one address that picks an engine per
     request), `remote` (`loragate engine`s linked to this gateway), `on_demand` (local engines,
     one or more of which start on a request and stop when idle), `local` (local engines started
@@ -100,14 +101,14 @@ def routing_of(engine: ModelEngine) -> Routing:
     return "local"
 
 
-def replica_state(engine: ModelEngine, now: float) -> EngineState:
+def replica_state(engine: EngineClient, now: float) -> EngineState:
     """One replica's state by the rule above."""
     if isinstance(engine, OnDemandEngine):
         return _on_demand_state(engine, now)
     if isinstance(engine, PickedEngine):
         if engine.health == "stopping":
             return "stopped"
-        if scaling(engine).num_ready:
+        if engine.scaling().num_ready:
             return "ready"
         return "starting" if engine.num_held else "stopped"
     if isinstance(engine, RemoteEngine) and not engine.is_alive:
@@ -143,7 +144,7 @@ def _state_of_health(health: str) -> EngineState:
     return "stopped"  # stopping, stopped, dead
 
 
-def _replicas(engine: ModelEngine, now: float) -> list[ReplicaStatus]:
+def _replicas(engine: EngineClient, now: float) -> list[ReplicaStatus]:
     if isinstance(engine, ReplicaPool):
         return [
             _replica(name if isinstance(replica, RemoteEngine) else str(index), replica, now)
@@ -152,7 +153,7 @@ def _replicas(engine: ModelEngine, now: float) -> list[ReplicaStatus]:
     return [_replica(engine.url if isinstance(engine, PickedEngine) else "0", engine, now)]
 
 
-def _replica(replica_id: str, engine: ModelEngine, now: float) -> ReplicaStatus:
+def _replica(replica_id: str, engine: EngineClient, now: float) -> ReplicaStatus:
     state = replica_state(engine, now)
     stats = EngineStats() if state == "stopped" else engine.stats()
-    return ReplicaStatus(replica_id, state, stats, scaling(engine).num_cold_starts)
+    return ReplicaStatus(replica_id, state, stats, engine.scaling().num_cold_starts)

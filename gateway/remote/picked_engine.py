@@ -26,6 +26,8 @@ from typing import Any
 import httpx
 
 from engine.config import EngineConfig
+from engine.engine_client import EngineClient, Scaling
+from engine.engine_facts import EngineFacts
 from engine.errors import EngineDead, EngineOverloaded, RequestRefused, StepFailed
 from engine.guided import GrammarCache, GuidedSpec
 from engine.llm_engine import grammar_cache
@@ -59,8 +61,8 @@ class _NotTaken(Exception):
     """No engine took the request (it produced nothing): sending it again is safe."""
 
 
-class PickedEngine:
-    """A model's engines behind one address, as the gateway's ModelEngine."""
+class PickedEngine(EngineClient):
+    """A model's engines behind one address, as the gateway's EngineClient."""
 
     def __init__(
         self,
@@ -68,20 +70,17 @@ class PickedEngine:
         url: str,
         config: EngineConfig,
         *,
-        tokenizer: Any,
-        vocab_size: int,
-        max_model_len: int,
-        eos_token_ids: tuple[int, ...],
+        facts: EngineFacts,
         hold: HoldPolicy,
         token: str | None = None,
     ) -> None:
         self.name = name
         self.url = url.rstrip("/")
         self.hold = hold
-        self._tokenizer = tokenizer
-        self._vocab_size = vocab_size
-        self._max_model_len = max_model_len
-        self._grammars: GrammarCache = grammar_cache(config, tokenizer, vocab_size, eos_token_ids)
+        self._facts = facts
+        self._grammars: GrammarCache = grammar_cache(
+            config, facts.tokenizer, facts.vocab_size, facts.eos_token_ids
+        )
         self._headers = {"Content-Type": "application/json", "Accept": "text/event-stream"}
         if token is not None:
             self._headers["Authorization"] = f"Bearer {token}"
@@ -95,16 +94,8 @@ class PickedEngine:
     # -- what the gateway reads --------------------------------------------------------------
 
     @property
-    def tokenizer(self) -> Any:
-        return self._tokenizer
-
-    @property
-    def vocab_size(self) -> int:
-        return self._vocab_size
-
-    @property
-    def max_model_len(self) -> int:
-        return self._max_model_len
+    def facts(self) -> EngineFacts:
+        return self._facts
 
     @property
     def health(self) -> str:
@@ -114,11 +105,10 @@ class PickedEngine:
             return "ok"  # at zero by design: the next request wakes the pool
         return "restarting"
 
-    @property
-    def num_replicas(self) -> int:
-        """1 while the address answers with an engine, 0 while it answers none: the engines
-        behind it are the picker's to count."""
-        return int(self._down_since is None)
+    def scaling(self) -> Scaling:
+        """One engine ready while the address answers with an engine, none while it answers
+        none (the engines behind it are the picker's to count); the requests held meanwhile."""
+        return Scaling(int(self._down_since is None), 0, self.num_held)
 
     def stats(self) -> EngineStats:
         """This gateway's requests there; the engines' own state is on their /metrics."""
@@ -144,7 +134,7 @@ class PickedEngine:
     async def generate(self, request: EngineRequest) -> AsyncIterator[SequenceUpdate]:
         if self._stopping:
             raise EngineDead("the server is shutting down")
-        body = request_body(request, self.name, self._tokenizer)
+        body = request_body(request, self.name, self._facts.tokenizer)
         held_until: float | None = None
         delay = RETRY_DELAY_MIN
         try:

@@ -1,5 +1,5 @@
-"""A `loragate engine` elsewhere, as the gateway's EngineClient: the same interface as the
-engine process beside it, over one WebSocket instead of a pipe.
+"""A `loragate engine` elsewhere, as the gateway's EngineClient: the same loop client as the
+engine process beside it (engine.loop_client), over one WebSocket instead of a pipe.
 
 A reader thread holds the connection, as the engine process's supervisor holds its pipe: it
 hands each step's updates to asyncio (`EngineClient._deliver`), keeps the engine's last state
@@ -21,10 +21,11 @@ from websockets.exceptions import ConnectionClosed, InvalidHandshake, InvalidURI
 from websockets.sync.client import ClientConnection, connect
 
 from engine.config import EngineConfig
-from engine.engine_client import EngineClient
+from engine.engine_facts import EngineFacts
 from engine.errors import EngineDead
 from engine.guided import GrammarCache, GuidedSpec
 from engine.llm_engine import grammar_cache
+from engine.loop_client import LoopClient
 from engine.messages import Abort, EngineRequest, EngineStats, Inbound, LoadLoRA, UnloadLoRA
 from gateway.engine_service.server import ENGINE_ROUTE
 from gateway.remote.wire import (
@@ -54,28 +55,26 @@ def engine_socket_url(url: str) -> str:
     return base if base.endswith(ENGINE_ROUTE) else base + ENGINE_ROUTE
 
 
-class RemoteEngine(EngineClient):
+class RemoteEngine(LoopClient):
     def __init__(
         self,
         url: str,
         config: EngineConfig,
         *,
-        tokenizer: Any,
-        vocab_size: int,
-        max_model_len: int,
-        eos_token_ids: tuple[int, ...],
+        facts: EngineFacts,
         token: str | None = None,
         max_waiting: int = 1024,
     ) -> None:
+        """`facts`: the model's as this gateway read them; an engine whose vocabulary differs
+        serves another model and is refused when it says hello."""
         super().__init__(max_waiting, config.max_num_seqs)
         self.url = url
         self._socket_url = engine_socket_url(url)
         self._headers = {} if token is None else {"Authorization": f"Bearer {token}"}
-        self._tokenizer = tokenizer
-        self._vocab_size = vocab_size
-        self._max_model_len = max_model_len
-        self._eos_token_ids = eos_token_ids
-        self._grammars: GrammarCache = grammar_cache(config, tokenizer, vocab_size, eos_token_ids)
+        self._facts = facts
+        self._grammars: GrammarCache = grammar_cache(
+            config, facts.tokenizer, facts.vocab_size, facts.eos_token_ids
+        )
         self._socket: ClientConnection | None = None
         self._send_lock = threading.Lock()
         self._connected = threading.Event()
@@ -116,22 +115,6 @@ class RemoteEngine(EngineClient):
             await asyncio.to_thread(self._thread.join, 2.0)
 
     # -- what the gateway reads --------------------------------------------------------------
-
-    @property
-    def tokenizer(self) -> Any:
-        return self._tokenizer
-
-    @property
-    def max_model_len(self) -> int:
-        return self._max_model_len
-
-    @property
-    def vocab_size(self) -> int:
-        return self._vocab_size
-
-    @property
-    def eos_token_ids(self) -> tuple[int, ...]:
-        return self._eos_token_ids
 
     async def compile_grammar(self, spec: GuidedSpec) -> None:
         await self._grammars.compile(spec)
@@ -222,17 +205,18 @@ class RemoteEngine(EngineClient):
 
     def _check(self, hello: dict[str, Any]) -> None:
         """The engine must serve the model the gateway tokenizes for."""
-        if int(hello["vocab_size"]) != self._vocab_size:
+        facts = self.facts
+        if int(hello["vocab_size"]) != facts.vocab_size:
             raise WireError(
                 f"the engine's model has a vocabulary of {hello['vocab_size']} tokens, the "
-                f"gateway's {self._vocab_size}: another model"
+                f"gateway's {facts.vocab_size}: another model"
             )
-        if int(hello["max_model_len"]) < self._max_model_len:
+        if int(hello["max_model_len"]) < facts.max_model_len:
             logger.warning(
                 "engine %s takes %s tokens per sequence, the gateway checks against %s",
                 self.url,
                 hello["max_model_len"],
-                self._max_model_len,
+                facts.max_model_len,
             )
 
     def _read(self, socket: ClientConnection) -> None:

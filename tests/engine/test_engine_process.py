@@ -139,8 +139,8 @@ async def test_grammars_compile_on_the_gateway_side(engine: EngineProcess) -> No
     await engine.compile_grammar(GuidedSpec(choice=("yes", "no")))
     with pytest.raises(GuidedSpecError):
         await engine.compile_grammar(GuidedSpec(regex="(unclosed"))
-    assert engine.max_model_len == 256
-    assert engine.tokenizer.decode([5, 77])
+    assert engine.facts.max_model_len == 256
+    assert engine.facts.tokenizer.decode([5, 77])
 
 
 async def test_a_poisoned_request_fails_alone(engine: EngineProcess, demo_model_dir: Path) -> None:

@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 
 from engine import LLM, EngineConfig, SamplingParams
+from engine.engine_facts import EngineFacts
 from engine.errors import (
     ContextLengthExceeded,
     EngineDead,
@@ -19,7 +20,6 @@ from engine.errors import (
 from engine.lora_types import LoRARequest
 from engine.messages import (
     Abort,
-    EngineInfo,
     EngineRequest,
     EngineStats,
     Failed,
@@ -57,7 +57,7 @@ def _crossed(message: object) -> object:
         Abort("r-1"),
         UnloadLoRA("ab" * 32),
         Progress(3, 7),
-        Ready(EngineInfo(2048, 49152, (0, 2)), EngineStats(num_running=1)),
+        Ready(EngineFacts(None, 49152, 2048, (0, 2)), EngineStats(num_running=1)),
         Fatal("OSError: no checkpoint"),
         StepResult([SequenceUpdate("r-1", 0, [5], "x", None, 3, 0)], ["r-1"], None),
         Failed(["r-1", "r-2"], "engine step failed: RuntimeError: boom"),

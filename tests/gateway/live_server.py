@@ -27,7 +27,6 @@ from adapters.peft import BaseModelInfo, describe_base
 from bench.servers import wait_ready
 from engine.async_engine import AsyncEngine
 from engine.engine_client import EngineClient
-from gateway.models.served import ModelEngine
 from gateway.settings import Settings
 from gateway.tenancy.admin_auth import mint_admin_token
 from gateway.tenancy.state import Tenancy, open_tenancy, prepare
@@ -177,7 +176,7 @@ def build_test_app(
     model_dir: Path,
     database_url: str | None = None,
     settings: dict[str, Any] | None = None,
-    more_models: dict[str, ModelEngine] | None = None,
+    more_models: dict[str, EngineClient] | None = None,
     extra_bases: dict[str, BaseModelInfo] | None = None,
     **build: Any,
 ) -> FastAPI:

@@ -21,9 +21,10 @@ from live_server import Server, admin_client, build_test_app, live_server, new_t
 
 from adapters.peft import CONFIG_FILE, WEIGHTS_FILE, adapter_identity
 from engine.async_engine import AsyncEngine
+from engine.engine_facts import EngineFacts
 from engine.messages import EngineStats
 from gateway.http.request_limits import RequestLimits
-from gateway.models.on_demand import ModelFacts, OnDemandEngine, ScalePolicy, model_facts
+from gateway.models.on_demand import OnDemandEngine, ScalePolicy
 from gateway.models.replica_pool import ReplicaPool
 from gateway.models.served import ServedModels
 from gateway.models.states import model_statuses, replica_state, routing_of
@@ -40,7 +41,7 @@ def starter(demo_model_dir: Path) -> Starter:
 def server(
     tenancy_engine: AsyncEngine, starter: Starter, demo_model_dir: Path, tmp_path: Path
 ) -> Iterator[Server]:
-    facts = model_facts(str(demo_model_dir), CONFIG["max_model_len"])
+    facts = EngineFacts.read(str(demo_model_dir), CONFIG["max_model_len"])
     policy = ScalePolicy(min_replicas=0, idle_timeout=IDLE_TIMEOUT, cold_start_timeout=60)
     lazy = OnDemandEngine("lazy", starter, facts, policy)
     app = build_test_app(
@@ -196,7 +197,7 @@ class _Client:
 
 
 def _on_demand(min_replicas: int, idle_timeout: float = 100.0) -> OnDemandEngine:
-    facts = ModelFacts(tokenizer=None, vocab_size=8, max_model_len=16)
+    facts = EngineFacts(tokenizer=None, vocab_size=8, max_model_len=16)
     policy = ScalePolicy(min_replicas=min_replicas, idle_timeout=idle_timeout)
     return OnDemandEngine("m", _Client, facts, policy)  # type: ignore[arg-type]
 

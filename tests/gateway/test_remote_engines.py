@@ -33,8 +33,8 @@ from websockets.exceptions import InvalidStatus
 from websockets.sync.client import connect
 
 from engine import LLM, SamplingParams
+from engine.engine_facts import EngineFacts
 from gateway.models.engines import engine_config
-from gateway.models.on_demand import model_facts
 from gateway.models.replica_pool import ReplicaPool
 from gateway.remote.remote_engine import RemoteEngine, engine_socket_url
 from gateway.settings import Settings
@@ -63,15 +63,12 @@ def engines(demo_model_dir: Path, root: Path) -> Iterator[list[EngineService]]:
 @pytest.fixture(scope="module")
 def gateway(demo_model_dir: Path, root: Path, engines: list[EngineService]) -> Iterator[Server]:
     settings = Settings(model=str(demo_model_dir), max_model_len=512)
-    facts = model_facts(str(demo_model_dir), 512)
+    facts = EngineFacts.read(str(demo_model_dir), 512)
     replicas = [
         RemoteEngine(
             engine.url,
             engine_config(settings),
-            tokenizer=facts.tokenizer,
-            vocab_size=facts.vocab_size,
-            max_model_len=facts.max_model_len,
-            eos_token_ids=facts.eos_token_ids,
+            facts=facts,
             token=TOKEN,
         )
         for engine in engines

@@ -21,10 +21,10 @@ import pytest
 from live_server import Server, build_test_app, free_port, live_server
 
 from engine import SamplingParams
+from engine.engine_facts import EngineFacts
 from engine.errors import EngineOverloaded
 from engine.messages import EngineRequest
 from gateway.models.engines import engine_config
-from gateway.models.on_demand import model_facts
 from gateway.models.replica_pool import HoldPolicy, ReplicaPool
 from gateway.remote.remote_engine import RemoteEngine
 from gateway.settings import Settings
@@ -35,14 +35,11 @@ TOKEN = "an-engine-token-that-is-long-enough-for-loragate-hold-0123456789"
 
 def _pool(model_dir: Path, url: str, hold: HoldPolicy) -> ReplicaPool:
     settings = Settings(model=str(model_dir), max_model_len=512)
-    facts = model_facts(str(model_dir), 512)
+    facts = EngineFacts.read(str(model_dir), 512)
     replica = RemoteEngine(
         url,
         engine_config(settings),
-        tokenizer=facts.tokenizer,
-        vocab_size=facts.vocab_size,
-        max_model_len=facts.max_model_len,
-        eos_token_ids=facts.eos_token_ids,
+        facts=facts,
         token=TOKEN,
     )
     replica.start(wait=0)  # nothing answers there yet: retried in the background
@@ -137,5 +134,5 @@ def test_a_request_held_past_the_timeout_is_refused(demo_model_dir: Path, engine
 
     with pytest.raises(EngineOverloaded, match="came up within 0.3 s"):
         asyncio.run(generate())
-    assert pool.num_held == 0
+    assert pool.scaling().num_held == 0
     asyncio.run(pool.shutdown(0))

@@ -258,10 +258,10 @@ def test_a_banned_token_stays_banned_under_a_grammar(server: Server) -> None:
     ][0]["text"]
     assert chosen in choices
     # Ban every token that could begin the chosen answer: the grammar must take the other.
-    tokenizer = server.engine.tokenizer
+    tokenizer = server.engine.facts.tokenizer
     banned = {
         token: -100
-        for token in range(server.engine.vocab_size)
+        for token in range(server.engine.facts.vocab_size)
         if (text := tokenizer.decode([token])) and chosen.startswith(text)
     }
     assert banned

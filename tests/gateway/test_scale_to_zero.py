@@ -20,7 +20,8 @@ from live_server import Server, build_test_app, live_server
 
 from engine import EngineConfig, LLMEngine
 from engine.async_engine import AsyncEngine
-from gateway.models.on_demand import OnDemandEngine, ScalePolicy, model_facts
+from engine.engine_facts import EngineFacts
+from gateway.models.on_demand import OnDemandEngine, ScalePolicy
 
 IDLE_TIMEOUT = 1.0
 
@@ -32,7 +33,7 @@ def starter(demo_model_dir: Path) -> Starter:
 
 @pytest.fixture
 def lazy(starter: Starter, demo_model_dir: Path) -> OnDemandEngine:
-    facts = model_facts(str(demo_model_dir), CONFIG["max_model_len"])
+    facts = EngineFacts.read(str(demo_model_dir), CONFIG["max_model_len"])
     policy = ScalePolicy(
         min_replicas=0, idle_timeout=IDLE_TIMEOUT, max_pending=3, cold_start_timeout=30
     )
@@ -78,7 +79,7 @@ def _wait_until(condition: object, timeout: float = 15.0) -> None:
 def test_no_engine_until_called_then_idle_out_and_back(
     server: Server, lazy: OnDemandEngine, starter: Starter
 ) -> None:
-    assert lazy.num_replicas == 0 and starter.engines == []
+    assert lazy.scaling().num_ready == 0 and starter.engines == []
     assert _metric(server, 'loragate:engine_replicas{model="lazy"}') == 0
     assert _metric(server, 'loragate:engine_replicas{model="demo"}') == 1
     # The edge knows the model before its engine runs.
@@ -95,11 +96,11 @@ def test_no_engine_until_called_then_idle_out_and_back(
     assert (
         first.json()["choices"][0]["text"] == _complete(server, "demo").json()["choices"][0]["text"]
     )
-    assert lazy.num_replicas == 1 and len(starter.engines) == 1
+    assert lazy.scaling().num_ready == 1 and len(starter.engines) == 1
     assert _metric(server, 'loragate:engine_cold_starts_total{model="lazy"}') == 1
     assert _metric(server, 'loragate:engine_cold_start_seconds_count{model="lazy"}') == 1
 
-    _wait_until(lambda: lazy.num_replicas == 0)
+    _wait_until(lambda: lazy.scaling().num_ready == 0)
     assert not starter.engines[0].is_alive  # its loop ended: the memory can go back
     assert _metric(server, 'loragate:engine_replicas{model="lazy"}') == 0
 
@@ -142,4 +143,4 @@ def test_a_start_past_the_timeout_or_failing_is_a_503_and_the_next_request_retri
     assert failed.status_code == 503 and "failed to start" in failed.json()["error"]["message"]
     starter.fail = False
     assert _complete(server, "lazy").status_code == 200
-    assert lazy.num_replicas == 1
+    assert lazy.scaling().num_ready == 1

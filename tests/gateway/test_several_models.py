@@ -102,7 +102,7 @@ def test_the_models_differ_where_they_should(server: Server) -> None:
     """Token ids are checked against the model's own vocabulary, and the context against its
     own length: what one model takes, the other refuses."""
     client = server.client()
-    demo_vocab = server.app.state.models["demo"].engine.vocab_size
+    demo_vocab = server.app.state.models["demo"].engine.facts.vocab_size
     ids = [demo_vocab + 5]  # inside SmolLM2's vocabulary, outside the demo model's
     ok = client.completions.create(model="smollm2", prompt=ids, max_tokens=1)
     assert ok.usage.prompt_tokens == 1
