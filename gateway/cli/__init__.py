@@ -171,7 +171,7 @@ def main() -> None:
     from gateway.cli.admin import register
     from gateway.cli.serve_flags import add_serve_command, add_settings_command
     from gateway.engine_service.command import ENGINE_COMMAND_FIELDS
-    from gateway.models.models_file import ENGINE_KNOBS
+    from gateway.models.engine_knobs import ENGINE_KNOBS
 
     add_serve_command(app, _serve)
     add_settings_command(

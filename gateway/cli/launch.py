@@ -16,7 +16,7 @@ from adapters.peft_config import AdapterError
 from engine.engine_client import EngineClient
 from engine.lora_types import LoRARequest
 from gateway.console.oauth import ConsoleOAuth
-from gateway.models.engines import engine_zygote, model_engine, spare_pool
+from gateway.models.engines import EngineStart, engine_zygote, model_engine, spare_pool
 from gateway.models.models_file import served_models
 from gateway.settings import Settings, SettingsError
 from gateway.tenancy.state import DemoKey, Tenancy, open_tenancy, prepare
@@ -83,14 +83,9 @@ def run_server(settings: Settings, with_progress: Callable[[Any], Any]) -> None:
             typer.echo(f"{spec.name!r} scales to zero: its engine starts on its first request")
         elif len(specs) > 1:
             typer.echo(f"loading {spec.name!r} from {spec.entry.path}")
-        engines[spec.name] = model_engine(
-            spec,
-            tenancy.catalog.loader(spec.name),
-            preload if spec is first else [],
-            with_progress,
-            spares,
-            zygote,
-        )
+        loader = tenancy.catalog.loader(spec.name)
+        start = EngineStart(loader, preload if spec is first else [], spares, zygote)
+        engines[spec.name] = model_engine(spec, start, with_progress)
     if spares is not None:
         spares.start()  # the engines that start with the server have loaded
     app = build_app(

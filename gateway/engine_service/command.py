@@ -37,7 +37,7 @@ def run_engine_server(settings: Settings, with_progress: Callable[[Any], Any]) -
     from engine.zygote import Zygote
     from gateway.engine_service.app import build_engine_app
     from gateway.engine_service.server import EngineService
-    from gateway.models.engines import start_engine
+    from gateway.models.engines import EngineStart, start_engine
 
     try:
         settings.check_engine_token()
@@ -56,7 +56,7 @@ def run_engine_server(settings: Settings, with_progress: Callable[[Any], Any]) -
         zygote = Zygote([settings.model])
         zygote.start()
     try:
-        engine = start_engine(settings, loader, [], with_progress, zygote=zygote)
+        engine = start_engine(settings, EngineStart(loader, zygote=zygote), with_progress)
     except BaseException:
         if zygote is not None:
             zygote.close()

@@ -6,20 +6,19 @@ gateway at its one url that picks an engine per request (gateway.remote.picked_e
 
 from __future__ import annotations
 
-import os
 import time
 from collections.abc import Callable
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from adapters.registry import RegisteredLoader
-from engine.config import EngineConfig
 from engine.engine_client import EngineClient
 from engine.engine_facts import EngineFacts
 from engine.loop_client import LoopClient
 from engine.lora_types import LoRARequest
-from engine.spec_decode import SpeculativeConfig
 from engine.warm_spare import SparePool, start_heap_bytes
 from engine.zygote import Zygote
+from gateway.models.engine_knobs import engine_config
 from gateway.models.models_file import ServedModelSpec
 from gateway.models.on_demand import OnDemandEngine, ScalePolicy
 from gateway.models.replica_pool import HoldPolicy, Replica, ReplicaPool
@@ -29,69 +28,34 @@ from gateway.remote.remote_engine import CONNECT_TIMEOUT, RemoteEngine
 from gateway.settings import Settings, parse_bytes
 
 
-def engine_config(settings: Settings) -> EngineConfig:
-    # With the engine in its own process, decode steps leave one core to the HTTP side
-    # (vLLM-CPU reserves one the same way); prefills, which the streams wait on, take all.
-    cores = len(os.sched_getaffinity(0))
-    threads = (max(1, cores - 1), cores) if settings.engine_process else (None, None)
-    s = settings
-    return EngineConfig(
-        model=s.model,
-        dtype=s.dtype,
-        quantization=s.quantization,
-        speculative_config=(
-            None if s.speculative_config is None else SpeculativeConfig.parse(s.speculative_config)
-        ),
-        device=s.device,
-        max_model_len=s.max_model_len,
-        block_size=s.block_size,
-        kv_cache_memory=parse_bytes(s.kv_cache_memory) if s.kv_cache_memory else None,
-        memory_utilization=s.memory_utilization,
-        max_num_seqs=s.max_num_seqs,
-        max_num_batched_tokens=s.max_num_batched_tokens,
-        enable_prefix_caching=s.enable_prefix_caching,
-        enable_chunked_prefill=s.enable_chunked_prefill,
-        seed=s.seed,
-        num_threads=s.num_threads or threads[0],
-        prefill_threads=s.prefill_threads or threads[1],
-        cpu_kernels=s.cpu_kernels,
-        weights_cache_dir=s.weights_cache_dir,
-        kernels=s.kernels,
-        enable_lora=s.enable_lora,
-        max_loras=s.max_loras,
-        max_lora_rank=s.max_lora_rank,
-        max_cpu_loras=s.max_cpu_loras,
-        lora_memory=parse_bytes(s.lora_memory) if s.lora_memory else None,
-        scheduling_policy=s.scheduling_policy,
-        fair_delay_ratio=s.fair_delay_ratio,
-        guided_compile_timeout=s.guided_compile_timeout,
-        guided_cache_size=s.guided_cache_size,
-        guided_max_schema_bytes=s.guided_max_schema_bytes,
-        guided_max_schema_depth=s.guided_max_schema_depth,
-    )
+@dataclass(frozen=True, slots=True)
+class EngineStart:
+    """What a model's local engines start with besides its settings: the adapters' loader, the
+    adapters that fill the LoRA slots before the first request, and where an engine process
+    comes from (warm spares, engine.warm_spare; the zygote it forks from, engine.zygote)."""
+
+    loader: RegisteredLoader
+    preload: list[LoRARequest] = field(default_factory=list)
+    spares: SparePool | None = None
+    zygote: Zygote | None = None
 
 
 def start_engine(
     settings: Settings,
-    loader: RegisteredLoader,
-    preload: list[LoRARequest],
+    start: EngineStart,
     with_progress: Callable[[Any], Any],
     tokenizer: Any = None,
-    spares: SparePool | None = None,
-    zygote: Zygote | None = None,
 ) -> LoopClient:
     """One model's engine, started and loaded: its own process (the default), or a loop
-    in this one. `preload`: adapters that fill its LoRA slots before the first request;
-    `tokenizer`: the model's, loaded already (the engine process's side need not again);
-    `spares`: warm processes to start it in (engine.warm_spare); `zygote`: the process to fork
-    it from (engine.zygote)."""
+    in this one. `tokenizer`: the model's, loaded already (the engine process's side need not
+    again)."""
     from engine import LLMEngine
     from engine.async_engine import AsyncEngine
     from engine.engine_process import EngineProcess
     from engine.heap import retain_freed_memory
 
-    config = engine_config(settings)
-    preload = preload[: settings.max_loras] if settings.enable_lora else []
+    config, loader = engine_config(settings), start.loader
+    preload = start.preload[: settings.max_loras] if settings.enable_lora else []
     if settings.engine_process:
         process = EngineProcess(
             config,
@@ -100,8 +64,8 @@ def start_engine(
             max_waiting=settings.max_waiting,
             restart=settings.restart_engine,
             tokenizer=tokenizer,
-            spares=spares,
-            zygote=zygote,
+            spares=start.spares,
+            zygote=start.zygote,
         )
         with_progress(process.start)
         return process
@@ -116,12 +80,7 @@ def start_engine(
 
 
 def model_engine(
-    spec: ServedModelSpec,
-    loader: RegisteredLoader,
-    preload: list[LoRARequest],
-    with_progress: Callable[[Any], Any],
-    spares: SparePool | None = None,
-    zygote: Zygote | None = None,
+    spec: ServedModelSpec, start: EngineStart, with_progress: Callable[[Any], Any]
 ) -> EngineClient:
     """A model's engine as its entry asks: the engines at its urls; else one local engine,
     started now (min_replicas 1) or on its first request and stopped after idle_timeout
@@ -132,13 +91,13 @@ def model_engine(
     if entry.urls:
         return remote_pool(spec)
     if entry.max_replicas == 1 and entry.min_replicas == 1:
-        return start_engine(settings, loader, preload, with_progress, zygote=zygote)
+        # Started with the server: the warm spares are for engines started later.
+        return start_engine(settings, replace(start, spares=None), with_progress)
     facts = EngineFacts.read(settings.model, settings.max_model_len)
     replicas: list[Replica] = []
     for index in range(entry.max_replicas):
-        always_on = index < entry.min_replicas
-        replica = _on_demand(spec, index, always_on, loader, preload, facts, spares, zygote)
-        if always_on:
+        replica = _on_demand(spec, index, start, facts)
+        if replica.policy.min_replicas:
             replica.start_now()
         replicas.append(replica)
     if len(replicas) == 1:
@@ -151,24 +110,17 @@ def model_engine(
 
 
 def _on_demand(
-    spec: ServedModelSpec,
-    index: int,
-    always_on: bool,
-    loader: RegisteredLoader,
-    preload: list[LoRARequest],
-    facts: EngineFacts,
-    spares: SparePool | None,
-    zygote: Zygote | None,
+    spec: ServedModelSpec, index: int, start: EngineStart, facts: EngineFacts
 ) -> OnDemandEngine:
+    """The pool's replica `index`: the first min_replicas always on, the rest on demand."""
+    always_on = index < spec.entry.min_replicas
     # A replica on demand is replaced on the model's next request, not by its process.
     restart = always_on and spec.settings.restart_engine
     settings = spec.settings.model_copy(update={"restart_engine": restart})
     name = spec.name if spec.entry.max_replicas == 1 else f"{spec.name}/{index}"
     return OnDemandEngine(
         name,
-        lambda: start_engine(
-            settings, loader, preload, _without_progress, facts.tokenizer, spares, zygote
-        ),
+        lambda: start_engine(settings, start, _without_progress, facts.tokenizer),
         facts,
         ScalePolicy(
             min_replicas=int(always_on),

@@ -11,6 +11,7 @@
         scale_up_waiting: 1        # requests waiting beyond what the replicas run...
         scale_up_window: 1         # ...for this many seconds: another replica starts
         engine:                    # any engine knob of `loragate serve`, flag name with _
+                                   # (gateway.models.engine_knobs.ENGINE_KNOBS)
           dtype: auto
           max_num_seqs: 64
         urls: []                   # engines started elsewhere (`loragate engine`)
@@ -34,42 +35,9 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from engine.model_runner import CPU_DEFAULT_KV_CACHE_MEMORY
+from gateway.models.engine_knobs import ENGINE_KNOBS
 from gateway.settings import Settings, SettingsError, parse_bytes
 
-# Settings fields a models file may set per model: what one engine is. The rest (HTTP,
-# tenancy, LoRA's rank bound, which the adapter catalog shares) stay the server's.
-ENGINE_KNOBS = (
-    "max_model_len",
-    "block_size",
-    "kv_cache_memory",
-    "memory_utilization",
-    "max_num_seqs",
-    "max_num_batched_tokens",
-    "enable_prefix_caching",
-    "enable_chunked_prefill",
-    "max_waiting",
-    "scheduling_policy",
-    "fair_delay_ratio",
-    "dtype",
-    "quantization",
-    "speculative_config",
-    "device",
-    "seed",
-    "num_threads",
-    "prefill_threads",
-    "engine_process",
-    "restart_engine",
-    "cpu_kernels",
-    "weights_cache_dir",
-    "kernels",
-    "max_loras",
-    "max_cpu_loras",
-    "lora_memory",
-    "guided_compile_timeout",
-    "guided_cache_size",
-    "guided_max_schema_bytes",
-    "guided_max_schema_depth",
-)
 # A model's name is what clients send as `model`; `@` is kept for `adapter@model`.
 MODEL_NAME_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._:/-]*$"
 MAX_MODEL_NAME = 128

@@ -20,7 +20,8 @@ import yaml
 from bench.servers import LORAGATE_CLI
 from gateway.cli.serve_flags import HELP
 from gateway.engine_service.command import ENGINE_COMMAND_FIELDS
-from gateway.models.models_file import ENGINE_KNOBS, ModelsFile, read_models_file
+from gateway.models.engine_knobs import ENGINE_KNOBS
+from gateway.models.models_file import ModelsFile, read_models_file
 from gateway.settings import Settings
 from kernels import native
 

@@ -28,7 +28,8 @@ import yaml
 from gateway.cli.admin import register
 from gateway.cli.serve_flags import HELP, add_serve_command, add_settings_command
 from gateway.engine_service.command import ENGINE_COMMAND_FIELDS
-from gateway.models.models_file import ENGINE_KNOBS, ModelsFile
+from gateway.models.engine_knobs import ENGINE_KNOBS
+from gateway.models.models_file import ModelsFile
 from gateway.remote.picker_wire import GENERATE_ROUTE
 from gateway.settings import Settings
 

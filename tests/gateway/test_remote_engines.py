@@ -34,7 +34,7 @@ from websockets.sync.client import connect
 
 from engine import LLM, SamplingParams
 from engine.engine_facts import EngineFacts
-from gateway.models.engines import engine_config
+from gateway.models.engine_knobs import engine_config
 from gateway.models.replica_pool import ReplicaPool
 from gateway.remote.remote_engine import RemoteEngine, engine_socket_url
 from gateway.settings import Settings

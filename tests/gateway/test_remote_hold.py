@@ -24,7 +24,7 @@ from engine import SamplingParams
 from engine.engine_facts import EngineFacts
 from engine.errors import EngineOverloaded
 from engine.messages import EngineRequest
-from gateway.models.engines import engine_config
+from gateway.models.engine_knobs import engine_config
 from gateway.models.replica_pool import HoldPolicy, ReplicaPool
 from gateway.remote.remote_engine import RemoteEngine
 from gateway.settings import Settings

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from gateway.models.engines import engine_config
+from gateway.models.engine_knobs import engine_config
 from gateway.settings import MAKE_A_SECRET, Settings, SettingsError
 
 

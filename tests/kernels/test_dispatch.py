@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from engine.config import EngineConfig
-from gateway.models.engines import engine_config
+from gateway.models.engine_knobs import engine_config
 from gateway.settings import Settings
 from kernels import dispatch
 from kernels.dispatch import Backend, select
