@@ -15,6 +15,7 @@ import sys
 import threading
 import time
 from collections.abc import Iterator, Sequence
+from concurrent.futures import Future
 from dataclasses import replace
 from multiprocessing.connection import Connection
 from multiprocessing.process import BaseProcess
@@ -28,11 +29,22 @@ from engine.engine_loop import (
     engine_stats,
     finished_parents,
 )
-from engine.errors import RequestRefused
+from engine.errors import GuidedSpecError, RequestRefused
 from engine.heap import retain_freed_memory
 from engine.llm_engine import LLMEngine
 from engine.lora_types import LoRALoader, LoRARequest
-from engine.messages import Failed, Fatal, Progress, Ready, Refused, StepResult, Stopped
+from engine.messages import (
+    CompileGrammar,
+    Failed,
+    Fatal,
+    GrammarCompiled,
+    Outbound,
+    Progress,
+    Ready,
+    Refused,
+    StepResult,
+    Stopped,
+)
 
 # Seconds between stats snapshots sent with step results (and one whenever the engine idles).
 STATS_INTERVAL = 0.05
@@ -129,6 +141,8 @@ class _EngineLoop:
         self.engine = engine
         self.conn = conn
         self.last_stats = 0.0
+        # The loop's thread sends, and so do the grammar cache's compile threads (their answers).
+        self._send_lock = threading.Lock()
 
     def run(self) -> None:
         engine, conn = self.engine, self.conn
@@ -138,7 +152,7 @@ class _EngineLoop:
                 if not self._drain():
                     for request_id in list(engine.parents):
                         engine.abort(request_id)
-                    conn.send(Stopped())
+                    self._send(Stopped())
                     return
                 if not engine.has_unfinished_requests():
                     self._send_step([], force_stats=True)  # aborts: the gateway sees them gone
@@ -146,7 +160,7 @@ class _EngineLoop:
                 continue
             updates, failure = contained_step(engine)
             if failure is not None:
-                conn.send(Failed(*failure))
+                self._send(Failed(*failure))
                 continue
             self._send_step(updates, force_stats=not engine.has_unfinished_requests())
 
@@ -156,15 +170,42 @@ class _EngineLoop:
             message = self.conn.recv()
             if message is None:
                 return False
-            apply_message(self.engine, message, self._refuse)
+            if isinstance(message, CompileGrammar):
+                self._compile(message)
+            else:
+                apply_message(self.engine, message, self._refuse)
         return True
+
+    def _compile(self, ask: CompileGrammar) -> None:
+        """Compile into the engine's cache, on its threads, and answer when done: the loop
+        steps on meanwhile."""
+        try:
+            future = self.engine.grammars.submit(ask.spec)
+        except GuidedSpecError as exc:  # over the size limit, or refused before
+            self._send(GrammarCompiled(ask.ticket, str(exc)))
+            return
+        future.add_done_callback(lambda done: self._answer(ask.ticket, done))
+
+    def _answer(self, ticket: int, done: Future[Any]) -> None:
+        """On the compile thread (or this one, for a spec compiled already)."""
+        try:
+            result = done.result()
+        except Exception as exc:  # noqa: BLE001 - the cache returns refusals; anything else, told
+            result = GuidedSpecError(f"the grammar did not compile: {exc}")
+        error = str(result) if isinstance(result, GuidedSpecError) else None
+        with contextlib.suppress(OSError, ValueError):  # the gateway is gone
+            self._send(GrammarCompiled(ticket, error))
+
+    def _send(self, message: Outbound) -> None:
+        with self._send_lock:
+            self.conn.send(message)
 
     def _refuse(self, request_id: str, error: BaseException) -> None:
         try:
             pickle.dumps(error)
         except Exception:  # noqa: BLE001 - an exception that cannot cross: keep its message
             error = RequestRefused(str(error))
-        self.conn.send(Refused(request_id, error))
+        self._send(Refused(request_id, error))
 
     def _send_step(self, updates: list[Any], force_stats: bool) -> None:
         now = time.monotonic()
@@ -172,4 +213,4 @@ class _EngineLoop:
         if force_stats or now - self.last_stats >= STATS_INTERVAL:
             stats, self.last_stats = engine_stats(self.engine), now
         if updates or stats is not None:
-            self.conn.send(StepResult(updates, finished_parents(self.engine, updates), stats))
+            self._send(StepResult(updates, finished_parents(self.engine, updates), stats))

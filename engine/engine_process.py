@@ -4,14 +4,17 @@ In one process the step loop and the HTTP side share one GIL: every SSE chunk th
 event loop writes is time the step's Python waits, and on a small model a step
 is mostly Python. Here the engine process owns the LLMEngine and runs the same
 loop as AsyncEngine's thread; the gateway process keeps the tokenizer (chat
-templates), its own grammar cache (a bad schema is a 400 before anything is
-queued) and the last stats snapshot (/metrics).
+templates) and the last stats snapshot (/metrics). A grammar compiles in the engine
+process alone: the gateway asks it over the pipe (`CompileGrammar`, answered by
+`GrammarCompiled`) before it submits the request, so a bad schema is a 400 before
+anything is queued, and the request finds its grammar in the engine's cache.
 
 One pipe each way carries the typed messages of engine.messages, pickled: an
-`EngineRequest` / `Abort` / `UnloadLoRA` (and None: stop) in; `Progress`, then `Ready`
-or `Fatal` while starting, then per step one `StepResult` (the step's updates, the
-requests now finished and, at most every STATS_INTERVAL, an `EngineStats`) out. A supervisor
-thread in the gateway process hands the updates to asyncio (`EngineClient._deliver`).
+`EngineRequest` / `Abort` / `UnloadLoRA` / `CompileGrammar` (and None: stop) in; `Progress`,
+then `Ready` or `Fatal` while starting, then per step one `StepResult` (the step's updates, the
+requests now finished and, at most every STATS_INTERVAL, an `EngineStats`) and a
+`GrammarCompiled` per grammar asked out. A supervisor
+thread in the gateway process hands the updates to asyncio (`LoopClient._deliver`).
 If the engine process dies, every open request fails with EngineDead (503), /health
 says "restarting", and the supervisor starts a new engine process with back-off
 (`restart=False`: it stays dead). The engine process ignores SIGINT and SIGTERM:
@@ -42,18 +45,20 @@ from transformers import AutoTokenizer
 from engine.config import EngineConfig
 from engine.engine_facts import EngineFacts
 from engine.engine_main import run_engine, start_process
-from engine.errors import EngineDead, StepFailed
-from engine.guided import GrammarCache, GuidedSpec
-from engine.llm_engine import grammar_cache
+from engine.errors import EngineDead, GuidedSpecError, StepFailed
+from engine.grammar_asks import GrammarAsks
 from engine.loop_client import LoopClient
 from engine.lora_types import LoRALoader, LoRARequest
 from engine.messages import (
+    CompileGrammar,
     EngineRequest,
     EngineStats,
     Failed,
     Fatal,
+    GrammarCompiled,
     Inbound,
     Outbound,
+    ProcessInbound,
     Progress,
     Ready,
     Refused,
@@ -61,6 +66,7 @@ from engine.messages import (
     StepResult,
     Stopped,
 )
+from engine.request import GuidedSpec
 from engine.warm_spare import SparePool
 from engine.zygote import ForkedProcess, Zygote
 
@@ -100,7 +106,7 @@ class EngineProcess(LoopClient):
         self._supervisor: threading.Thread | None = None
         self._stats = EngineStats()
         self._tokenizer: Any = tokenizer
-        self._grammars: GrammarCache | None = None
+        self._asks = GrammarAsks(config.guided_compile_timeout)
         self._state = "stopped"
         self._started_at = 0.0
         self._restart_delay = RESTART_DELAY_MIN
@@ -120,10 +126,7 @@ class EngineProcess(LoopClient):
             self._tokenizer = AutoTokenizer.from_pretrained(
                 self.config.tokenizer or self.config.model
             )
-        self._facts = facts = replace(reported, tokenizer=self._tokenizer)
-        self._grammars = grammar_cache(
-            self.config, facts.tokenizer, facts.vocab_size, facts.eos_token_ids
-        )
+        self._facts = replace(reported, tokenizer=self._tokenizer)
         self._state = "ok"
         self._supervisor = threading.Thread(
             target=self._supervise, name="engine-supervisor", daemon=True
@@ -213,8 +216,18 @@ class EngineProcess(LoopClient):
     # -- what the gateway reads -----------------------------------------------------------
 
     async def compile_grammar(self, spec: GuidedSpec) -> None:
-        assert self._grammars is not None, "start() first"
-        await self._grammars.compile(spec)
+        """Asked of the engine process over the pipe: compiled there, into the cache the
+        request then finds it in. Raises GuidedSpecError, or EngineDead while none runs."""
+        if not self.is_alive:
+            raise EngineDead(f"the engine is not serving ({self.health})")
+
+        def send(ticket: int) -> None:
+            try:
+                self._send(CompileGrammar(ticket, spec))
+            except (OSError, ValueError) as exc:
+                raise EngineDead("the engine process exited") from exc
+
+        await self._asks.ask(send)
 
     def stats(self) -> EngineStats:
         return self._stats
@@ -228,7 +241,7 @@ class EngineProcess(LoopClient):
             if isinstance(message, EngineRequest):
                 self._refuse(message.request_id, EngineDead("the engine process exited"))
 
-    def _send(self, message: Inbound | None) -> None:
+    def _send(self, message: ProcessInbound | None) -> None:
         assert self._conn is not None, "start() first"
         with self._send_lock:
             self._conn.send(message)
@@ -237,7 +250,9 @@ class EngineProcess(LoopClient):
         """The supervisor thread: reads the engine's results, and restarts an engine process
         that died (with back-off) unless told not to."""
         while True:
-            if self._read():
+            stopped = self._read()
+            self._asks.answer_all(EngineDead("the engine process exited"))  # none will come
+            if stopped:
                 logger.info("the engine process stopped")
                 return
             self._process.join(1.0)
@@ -290,6 +305,9 @@ class EngineProcess(LoopClient):
                 elif isinstance(message, Failed):
                     for request_id in message.request_ids:
                         self._refuse(request_id, StepFailed(message.message))
+                elif isinstance(message, GrammarCompiled):
+                    error = None if message.error is None else GuidedSpecError(message.error)
+                    self._asks.answer(message.ticket, error)
                 elif isinstance(message, Stopped):
                     self._refuse_all(EngineDead("the server is shutting down"))
                     return True

@@ -5,6 +5,10 @@ process sends back. Over the pipe each is pickled as it is.
     gateway ── EngineRequest | Abort | UnloadLoRA | LoadLoRA ──▶ step loop
             ◀── Progress… Ready | Fatal, then StepResult | Refused | Failed … Stopped ──
 
+and, on the engine process's pipe only, a grammar compile asked and answered:
+
+    gateway ── CompileGrammar ──▶ engine's grammar cache ── GrammarCompiled ──▶ gateway
+
 A warm spare says `SpareReady` once it has imported what an engine needs; a `StartEngine` then
 makes it one, and from there its pipe carries the same.
 """
@@ -18,7 +22,7 @@ from engine.config import EngineConfig
 from engine.engine_facts import EngineFacts
 from engine.lora_types import LoRALoader, LoRARequest
 from engine.outputs import SequenceUpdate
-from engine.request import SamplingParams
+from engine.request import GuidedSpec, SamplingParams
 
 # -- in: to the step loop ---------------------------------------------------------------------
 
@@ -57,6 +61,22 @@ class LoadLoRA:
 
 
 Inbound = EngineRequest | Abort | UnloadLoRA | LoadLoRA
+
+
+@dataclass(frozen=True, slots=True)
+class CompileGrammar:
+    """Compile a guided spec into the engine's grammar cache; `GrammarCompiled` answers. The
+    gateway asks before it submits a guided request, so that a grammar that cannot compile is a
+    400 before anything streams, and the request then finds it compiled: it compiles once, in
+    the engine. Only the engine process's pipe carries it: a loop in the gateway's process
+    shares the gateway's memory, cache included."""
+
+    ticket: int  # the answer's
+    spec: GuidedSpec
+
+
+# What the engine process's pipe carries in (None: stop).
+ProcessInbound = Inbound | CompileGrammar
 
 
 # -- to a warm spare (engine/warm_spare.py) --------------------------------------------------
@@ -159,8 +179,16 @@ class Failed:
 
 
 @dataclass(frozen=True, slots=True)
+class GrammarCompiled:
+    """A CompileGrammar's answer: compiled (error None), or the GuidedSpecError's message."""
+
+    ticket: int
+    error: str | None
+
+
+@dataclass(frozen=True, slots=True)
 class Stopped:
     """The engine aborted what was left and exits."""
 
 
-Outbound = Progress | Ready | Fatal | StepResult | Refused | Failed | Stopped
+Outbound = Progress | Ready | Fatal | StepResult | Refused | Failed | GrammarCompiled | Stopped

@@ -50,6 +50,7 @@ from gateway.remote.picker_wire import (
 )
 from gateway.remote.wire import (
     decode_request,
+    decode_spec,
     encode_error,
     encode_stats,
     encode_update,
@@ -112,9 +113,11 @@ class _Connection:
         self.service = service
         self.websocket = websocket
         self.tasks: dict[str, asyncio.Task[None]] = {}
+        self.compiles: set[asyncio.Task[None]] = set()
         self.updates: list[list[Any]] = []
         self.finished: list[str] = []
         self.refused: list[list[Any]] = []
+        self.compiled: list[list[Any]] = []
         self.wake = asyncio.Event()
         self.last_state: dict[str, Any] | None = None
 
@@ -130,7 +133,7 @@ class _Connection:
         finally:
             ticker.cancel()
             sender.cancel()
-            for task in self.tasks.values():
+            for task in [*self.tasks.values(), *self.compiles]:
                 task.cancel()  # a gateway that left: its requests are aborted
 
     def _receive(self, message: dict[str, Any]) -> None:
@@ -147,10 +150,26 @@ class _Connection:
                 task.cancel()
         elif "unload" in message:
             self.service.engine.unload_lora(str(message["unload"]))
+        elif "compile" in message:
+            ticket, spec = message["compile"]
+            task = asyncio.create_task(self._compile(ticket, spec))
+            self.compiles.add(task)
+            task.add_done_callback(self.compiles.discard)
+
+    async def _compile(self, ticket: int, spec: dict[str, Any]) -> None:
+        """A grammar compile the gateway asked (RemoteEngine.compile_grammar), answered."""
+        try:
+            await self.service.engine.compile_grammar(decode_spec(spec))
+        except Exception as exc:  # noqa: BLE001 - the gateway raises it for its caller
+            self.compiled.append([ticket, encode_error(exc)])
+        else:
+            self.compiled.append([ticket, None])
+        self.wake.set()
 
     async def _run(self, request: EngineRequest) -> None:
         request_id = request.request_id
         try:
+            await _grammar_compiled(self.service.engine, request)
             async for update in self.service.engine.generate(request):
                 self.updates.append(encode_update(update))
                 self.wake.set()
@@ -184,6 +203,8 @@ class _Connection:
                 self.updates, self.finished = [], []
             if self.refused:
                 message["refused"], self.refused = self.refused, []
+            if self.compiled:
+                message["compiled"], self.compiled = self.compiled, []
             now = time.monotonic()
             if now - last_state >= STATE_INTERVAL:
                 state = self.service.state()
@@ -251,6 +272,15 @@ async def generate(request: Request) -> Response:
     )
 
 
+async def _grammar_compiled(engine: EngineClient, request: EngineRequest) -> None:
+    """A guided request's grammar compiled before the request runs, so that one that cannot
+    compile is refused (GuidedSpecError: a 400 at the gateway) rather than failed in a step. A
+    gateway that asked already (RemoteEngine.compile_grammar) finds it compiled; one behind a
+    picker asks nothing (PickedEngine) and relies on this."""
+    if request.params.guided is not None:
+        await engine.compile_grammar(request.params.guided)
+
+
 async def _events(engine: EngineClient, request: EngineRequest) -> AsyncIterator[bytes]:
     """The request's updates as server-sent events, what is ready sent as one chunk; a
     keepalive in silences (queued, or a long prefill), so the gateway can tell a quiet engine
@@ -259,6 +289,7 @@ async def _events(engine: EngineClient, request: EngineRequest) -> AsyncIterator
 
     async def pump() -> None:
         try:
+            await _grammar_compiled(engine, request)
             async for update in engine.generate(request):
                 queue.put_nowait(update)
         except asyncio.CancelledError:

@@ -188,7 +188,6 @@ def picked_engine(spec: ServedModelSpec) -> PickedEngine:
     return PickedEngine(
         spec.name,
         spec.entry.urls[0],
-        engine_config(settings),
         facts=facts,
         hold=hold_policy(spec),
         token=None if token is None else token.get_secret_value(),

@@ -195,8 +195,11 @@ class ReplicaPool(EngineClient):
             self._held -= 1
 
     async def compile_grammar(self, spec: GuidedSpec) -> None:
-        # Grammars compile on the gateway's side of every replica alike: one compiles.
-        await self.replicas[0].compile_grammar(spec)
+        # The replica is chosen as the request is sent, by its prompt and adapter: ask the one a
+        # request without either would go to. A request sent elsewhere has its grammar
+        # compiled there as it arrives (an engine elsewhere checks it before running it).
+        index = choose(self.views(), None, None)
+        await self.replicas[0 if index is None else index].compile_grammar(spec)
 
     def unload_lora(self, adapter_id: str) -> None:
         for replica in self.replicas:

@@ -25,14 +25,12 @@ from typing import Any
 
 import httpx
 
-from engine.config import EngineConfig
 from engine.engine_client import EngineClient, Scaling
 from engine.engine_facts import EngineFacts
 from engine.errors import EngineDead, EngineOverloaded, RequestRefused, StepFailed
-from engine.guided import GrammarCache, GuidedSpec
-from engine.llm_engine import grammar_cache
 from engine.messages import EngineRequest, EngineStats
 from engine.outputs import SequenceUpdate
+from engine.request import GuidedSpec
 from gateway.models.replica_pool import HoldPolicy
 from gateway.remote.picker_wire import (
     DONE,
@@ -68,7 +66,6 @@ class PickedEngine(EngineClient):
         self,
         name: str,
         url: str,
-        config: EngineConfig,
         *,
         facts: EngineFacts,
         hold: HoldPolicy,
@@ -78,9 +75,6 @@ class PickedEngine(EngineClient):
         self.url = url.rstrip("/")
         self.hold = hold
         self._facts = facts
-        self._grammars: GrammarCache = grammar_cache(
-            config, facts.tokenizer, facts.vocab_size, facts.eos_token_ids
-        )
         self._headers = {"Content-Type": "application/json", "Accept": "text/event-stream"}
         if token is not None:
             self._headers["Authorization"] = f"Bearer {token}"
@@ -115,7 +109,10 @@ class PickedEngine(EngineClient):
         return EngineStats(num_running=self._running, num_waiting=self._waiting)
 
     async def compile_grammar(self, spec: GuidedSpec) -> None:
-        await self._grammars.compile(spec)
+        """Nothing to ask yet: which engine runs the request is the picker's choice, made as the
+        request is sent (and the picker routes only its one route). That engine compiles the
+        grammar before running the request and refuses one that cannot compile: a
+        GuidedSpecError in place of the first update, still a 400 before anything streams."""
 
     def unload_lora(self, adapter_id: str) -> None:
         """The engines behind the address are not this gateway's to steer: a deleted

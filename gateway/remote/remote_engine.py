@@ -23,10 +23,10 @@ from websockets.sync.client import ClientConnection, connect
 from engine.config import EngineConfig
 from engine.engine_facts import EngineFacts
 from engine.errors import EngineDead
-from engine.guided import GrammarCache, GuidedSpec
-from engine.llm_engine import grammar_cache
+from engine.grammar_asks import GrammarAsks
 from engine.loop_client import LoopClient
 from engine.messages import Abort, EngineRequest, EngineStats, Inbound, LoadLoRA, UnloadLoRA
+from engine.request import GuidedSpec
 from gateway.engine_service.server import ENGINE_ROUTE
 from gateway.remote.wire import (
     WireError,
@@ -34,6 +34,7 @@ from gateway.remote.wire import (
     decode_stats,
     decode_update,
     encode_request,
+    encode_spec,
 )
 
 logger = logging.getLogger(__name__)
@@ -72,9 +73,7 @@ class RemoteEngine(LoopClient):
         self._socket_url = engine_socket_url(url)
         self._headers = {} if token is None else {"Authorization": f"Bearer {token}"}
         self._facts = facts
-        self._grammars: GrammarCache = grammar_cache(
-            config, facts.tokenizer, facts.vocab_size, facts.eos_token_ids
-        )
+        self._asks = GrammarAsks(config.guided_compile_timeout)
         self._socket: ClientConnection | None = None
         self._send_lock = threading.Lock()
         self._connected = threading.Event()
@@ -117,7 +116,18 @@ class RemoteEngine(LoopClient):
     # -- what the gateway reads --------------------------------------------------------------
 
     async def compile_grammar(self, spec: GuidedSpec) -> None:
-        await self._grammars.compile(spec)
+        """Asked of the engine over the socket (one round trip): compiled there, once, and the
+        request sent after it on the same socket finds it compiled. Unlinked, there is no engine
+        to ask: the pool holds or refuses the request, and the engine that takes it compiles
+        its grammar before running it (gateway.engine_service), refusing one that cannot."""
+        if self._socket is None:
+            return
+        try:
+            await self._asks.ask(
+                lambda ticket: self._send_text(json.dumps({"compile": [ticket, encode_spec(spec)]}))
+            )
+        except (ConnectionError, ConnectionClosed, OSError):
+            return  # the link dropped as it was asked: as unlinked
 
     def stats(self) -> EngineStats:
         return self._stats
@@ -133,15 +143,17 @@ class RemoteEngine(LoopClient):
             data = {"unload": message.adapter_id}
         elif isinstance(message, LoadLoRA):
             return  # an engine loads what its requests name; the gateway does not steer slots
-        text = json.dumps(data)
         try:
-            with self._send_lock:
-                if self._socket is None:
-                    raise ConnectionError("not connected")
-                self._socket.send(text)
+            self._send_text(json.dumps(data))
         except (ConnectionError, ConnectionClosed, OSError):
             if isinstance(message, EngineRequest):
                 self._refuse(message.request_id, EngineDead(f"the engine at {self.url} is away"))
+
+    def _send_text(self, text: str) -> None:
+        with self._send_lock:
+            if self._socket is None:
+                raise ConnectionError("not connected")
+            self._socket.send(text)
 
     def _hold(self) -> None:
         """Connect, read until the connection drops, fail what was open, reconnect."""
@@ -172,6 +184,8 @@ class RemoteEngine(LoopClient):
             with self._send_lock:
                 self._socket = None
             self._connected.clear()
+            # Compiles asked of it go unanswered: as unlinked (see compile_grammar).
+            self._asks.answer_all(None)
             if self._stopping.is_set():
                 self._refuse_all(EngineDead("the server is shutting down"))
                 return
@@ -229,6 +243,8 @@ class RemoteEngine(LoopClient):
                     self._deliver([decode_update(u) for u in updates], finished)
                 for request_id, kind, text in message.get("refused", ()):
                     self._refuse(request_id, decode_error([kind, text]))
+                for ticket, error in message.get("compiled", ()):
+                    self._asks.answer(int(ticket), None if error is None else decode_error(error))
                 state = message.get("state")
                 if state is not None:
                     self._engine_health = str(state.pop("health", "ok"))

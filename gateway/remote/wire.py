@@ -6,6 +6,10 @@ same shape (engine.messages), so that a remote engine is one more `EngineClient`
     gateway ── {"request": ...} | {"abort": id} | {"unload": adapter_id} ──▶ engine
             ◀── {"step": {"updates": [...], "finished": [...]}} | {"refused": ...} ──
 
+and a grammar compile asked and answered, as on the pipe (CompileGrammar, GrammarCompiled):
+
+    gateway ── {"compile": [ticket, spec]} ──▶ engine ── {"compiled": [[ticket, error]]} ──▶
+
 JSON, not pickle: the engine must not run what a peer sends it. A request names its adapter by
 content hash only; the engine finds the files in its own copy of the adapter store, so no
 peer chooses a path on the engine's disk.
@@ -72,7 +76,7 @@ def decode_request(data: dict[str, Any], store: AdapterStorage | None) -> Engine
     try:
         params = dict(data["params"])
         if params.get("guided") is not None:
-            params["guided"] = GuidedSpec(**params["guided"])
+            params["guided"] = decode_spec(params["guided"])
         if params.get("logit_bias") is not None:
             params["logit_bias"] = {int(t): float(b) for t, b in params["logit_bias"]}
         lora = None
@@ -95,6 +99,16 @@ def decode_request(data: dict[str, Any], store: AdapterStorage | None) -> Engine
         raise
     except (KeyError, TypeError, ValueError) as exc:
         raise RequestRefused(f"a request that does not decode: {exc}") from exc
+
+
+def encode_spec(spec: GuidedSpec) -> dict[str, Any]:
+    """A guided spec, as a request's params carry it and a grammar compile asks it."""
+    return dataclasses.asdict(spec)
+
+
+def decode_spec(data: dict[str, Any]) -> GuidedSpec:
+    """Raises ValueError or TypeError for one that does not decode."""
+    return GuidedSpec(**data)
 
 
 # -- results -------------------------------------------------------------------------------

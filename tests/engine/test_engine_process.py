@@ -135,10 +135,20 @@ async def test_full_queue_is_refused(engine: EngineProcess) -> None:
     assert await _idle(engine)
 
 
-async def test_grammars_compile_on_the_gateway_side(engine: EngineProcess) -> None:
-    await engine.compile_grammar(GuidedSpec(choice=("yes", "no")))
-    with pytest.raises(GuidedSpecError):
+async def test_grammars_compile_in_the_engine_process_asked_over_the_pipe(
+    engine: EngineProcess,
+) -> None:
+    spec = GuidedSpec(choice=("yes", "no"))
+    await engine.compile_grammar(spec)
+    params = SamplingParams(temperature=0, max_tokens=4, guided=spec)
+    text = ""
+    async for update in engine.generate(EngineRequest("guided", PROMPTS[0], params)):
+        text += update.text_delta
+    assert text in ("yes", "no")
+    with pytest.raises(GuidedSpecError, match="cannot compile the regex"):
         await engine.compile_grammar(GuidedSpec(regex="(unclosed"))
+    with pytest.raises(GuidedSpecError, match="the limit is"):  # refused before compiling
+        await engine.compile_grammar(GuidedSpec(regex="a" * (65 << 10)))
     assert engine.facts.max_model_len == 256
     assert engine.facts.tokenizer.decode([5, 77])
 
@@ -183,6 +193,8 @@ async def test_a_dead_engine_fails_open_requests(demo_model_dir: Path) -> None:
     assert not engine.is_alive and engine.health == "dead"
     with pytest.raises(EngineDead):
         await _tokens(engine, "after", PROMPTS[0])
+    with pytest.raises(EngineDead):  # no engine to compile a grammar either
+        await engine.compile_grammar(GuidedSpec(choice=("yes", "no")))
     await engine.shutdown(0)
 
 

@@ -286,6 +286,19 @@ def test_each_request_is_picked_on_its_own_and_answers_as_an_engine(front: Front
         assert json.loads(body["loragate"])["cache_salt"]  # the tenant's salt rides along
 
 
+def test_a_bad_grammar_is_a_400_from_the_engine_that_took_it(front: Front) -> None:
+    """The gateway asks nothing ahead (the picker chooses the engine as the request is sent):
+    that engine compiles the grammar first and refuses it before anything streams."""
+    for stream in (False, True):
+        bad = _complete(front, prompt="x", guided_regex="a(b", stream=stream)
+        assert bad.status_code == 400, bad.text
+        assert bad.json()["error"]["param"] == "guided_regex"
+        assert "cannot compile the regex" in bad.json()["error"]["message"]
+    good = _complete(front, prompt="x", guided_choice=["left", "right"])
+    assert good.status_code == 200, good.text
+    assert good.json()["choices"][0]["text"] in ("left", "right")
+
+
 def test_an_adapters_stream_is_named_by_its_id_for_the_picker(front: Front) -> None:
     before = len(_generated(front))
     chunks, done = [], False

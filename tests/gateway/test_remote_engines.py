@@ -34,6 +34,9 @@ from websockets.sync.client import connect
 
 from engine import LLM, SamplingParams
 from engine.engine_facts import EngineFacts
+from engine.errors import GuidedSpecError
+from engine.messages import EngineRequest
+from engine.request import GuidedSpec
 from gateway.models.engine_knobs import engine_config
 from gateway.models.replica_pool import ReplicaPool
 from gateway.remote.remote_engine import RemoteEngine, engine_socket_url
@@ -113,6 +116,39 @@ def test_greedy_through_remote_engines_matches_the_engine_in_process(
     local = LLM(str(demo_model_dir), kv_cache_memory=32 << 20, max_model_len=512)
     params = SamplingParams(temperature=0, max_tokens=12)
     assert remote == [out.outputs[0].text for out in local.generate(prompts, params)]
+
+
+def test_a_grammar_compiles_in_an_engine_and_a_bad_one_is_a_400_naming_its_field(
+    gateway: Server,
+) -> None:
+    """The gateway compiles no grammar: it asks an engine over its link (one round trip)."""
+    body = {"model": "demo", "prompt": "x", "max_tokens": 8, "temperature": 0}
+    url, headers = f"{gateway.base_url}/v1/completions", gateway.headers
+    bad = httpx.post(url, headers=headers, json=body | {"guided_regex": "a(b"}, timeout=60)
+    assert bad.status_code == 400, bad.text
+    assert bad.json()["error"]["param"] == "guided_regex"
+    assert "cannot compile the regex" in bad.json()["error"]["message"]
+    good = httpx.post(url, headers=headers, json=body | {"guided_choice": ["left", "right"]})
+    assert good.status_code == 200, good.text
+    assert good.json()["choices"][0]["text"] in ("left", "right")
+
+
+async def test_an_engine_refuses_a_grammar_nobody_asked_before_running_its_request(
+    engines: list[EngineService], demo_model_dir: Path
+) -> None:
+    """A request sent without an ask (a gateway behind a picker asks none) has its grammar
+    compiled by the engine first: refused as GuidedSpecError, not failed in a step."""
+    settings = Settings(model=str(demo_model_dir), max_model_len=512)
+    facts = EngineFacts.read(str(demo_model_dir), 512)
+    replica = RemoteEngine(engines[0].url, engine_config(settings), facts=facts, token=TOKEN)
+    replica.start()
+    params = SamplingParams(max_tokens=4, guided=GuidedSpec(regex="a(b"))
+    try:
+        with pytest.raises(GuidedSpecError, match="cannot compile the regex"):
+            async for _ in replica.generate(EngineRequest("unasked", "x", params)):
+                pass
+    finally:
+        await replica.shutdown(0)
 
 
 def _system_prompt(seed: int) -> str:
