@@ -41,6 +41,8 @@ from engine.lora_types import LoRARequest, LoRAWeights, llama_fused_targets
 from engine.models.llama import LlamaForCausalLM
 from kernels import dispatch
 from kernels.attention import build_plan
+from kernels.backend import Kernels
+from kernels.triton_backend import TritonKernels
 
 H200_PEAK_GBPS = 4800.0
 BLOCK_SIZE = 16
@@ -152,8 +154,8 @@ def build_model(s: Shapes, device: torch.device, max_len: int) -> LlamaForCausal
     return model
 
 
-def triton_kernels(device: torch.device) -> dispatch.Kernels:
-    return dispatch.Kernels(dispatch.Backend.TRITON, triton=dispatch.triton_ops(device))
+def triton_kernels(device: torch.device) -> Kernels:
+    return TritonKernels(dispatch.triton_ops(device), device)
 
 
 def lora_manager(s: Shapes, config: Any, device: torch.device) -> LoRAManager:

@@ -29,9 +29,12 @@ from rich.console import Console
 from rich.table import Table
 
 from bench.workloads import new_progress
-from engine.lora import LoRAManager, LoRAStep
+from engine.lora import LoRAManager
 from engine.lora_types import LORA_TARGETS, LoRARequest, LoRAWeights, llama_fused_targets
-from kernels import dispatch, native
+from kernels import native
+from kernels.backend import Kernels, LoRAStep
+from kernels.native_backend import NativeKernels
+from kernels.torch_backend import TorchKernels
 
 # (name, prompt runs' lengths, decode rows, distinct adapters)
 SHAPES = [
@@ -46,7 +49,7 @@ SHAPES = [
 
 
 def build_manager(
-    config: Any, ranks: list[int], dtype: torch.dtype, kernels: dispatch.Kernels
+    config: Any, ranks: list[int], dtype: torch.dtype, kernels: Kernels
 ) -> LoRAManager:
     targets = llama_fused_targets(config)
     sizes = {n: (t.in_features, end - start) for t in targets for n, start, end in t.modules}
@@ -162,8 +165,9 @@ def main(argv: list[str] | None = None) -> None:
     weights = [
         (torch.randn(t.out_features, t.in_features, generator=g) * 0.02).to(dtype) for t in targets
     ]
-    ours = build_manager(config, ranks, dtype, dispatch.Kernels(dispatch.Backend.NATIVE))
-    spec = build_manager(config, ranks, dtype, dispatch.TORCH_KERNELS)
+    cpu = torch.device("cpu")
+    ours = build_manager(config, ranks, dtype, NativeKernels(cpu, dtype, config.head_dim, 16))
+    spec = build_manager(config, ranks, dtype, TorchKernels(cpu))
     shapes = SHAPES if args.shapes is None else [SHAPES[int(i)] for i in args.shapes.split(",")]
 
     console = Console()

@@ -1,7 +1,7 @@
 """LoRA adapters inside the engine: which adapter holds which slot, the CPU cache and
-the loader thread (`LoRAManager`), and each step's adapters (`LoRAStep`). Their weights
-live in engine/lora_pool.py's pool; what an adapter is (engine/lora_types.py) is kept
-apart, for the many modules that only name one.
+the loader thread (`LoRAManager`), and each step's adapters (a `LoRAStep`, built by the
+engine's kernels). Their weights live in engine/lora_pool.py's pool; what an adapter is
+(engine/lora_types.py) is kept apart, for the many modules that only name one.
 
 The engine never reads adapter files itself: it is handed a loader (the
 gateway wires `adapters.peft`) that turns a `LoRARequest` into `LoRAWeights`.
@@ -12,8 +12,6 @@ from __future__ import annotations
 from collections import OrderedDict
 from collections.abc import Iterable
 from concurrent.futures import Future, ThreadPoolExecutor
-from types import ModuleType
-from typing import Any
 
 import numpy as np
 import torch
@@ -27,48 +25,7 @@ from engine.lora_types import (
     LoRAWeights,
     PackedLoRA,
 )
-from kernels.dispatch import TORCH_KERNELS, Kernels
-from kernels.lora import LoRAGroup, add_lora
-
-
-class LoRAStep:
-    """The adapters of one forward pass: which tokens run under which slot.
-
-    Built once per step; every LoRA-targeted linear of every layer calls `apply`. With the
-    C++ kernels the step is its runs of rows under one slot (the runner orders rows by slot,
-    so an adapter's tokens are a run or two); with triton, each slot's tokens gathered
-    wherever they are; on the torch path, a group per slot.
-    """
-
-    __slots__ = ("pool", "groups", "runs", "triton", "triton_ops")
-
-    def __init__(
-        self,
-        pool: LoRAPool,
-        groups: list[LoRAGroup],
-        runs: torch.Tensor | None = None,
-        triton: tuple[Any, list[Any]] | None = None,
-        triton_ops: ModuleType | None = None,
-    ) -> None:
-        self.pool = pool
-        self.groups = groups
-        self.runs = runs  # [n, 3] int64 (slot, start, end) for the C++ op; None: not native
-        # (kernels.triton LoRABatch, a SlotLayout per target: rows, widths, module blocks)
-        self.triton = triton
-        self.triton_ops = triton_ops
-
-    def apply(self, layer: int, target: int, x: torch.Tensor, y: torch.Tensor) -> None:
-        """y += the step's adapters' contribution for fused target `target` of `layer`."""
-        pool = self.pool
-        a, b = pool.layer_a[target][layer], pool.layer_b[target][layer]
-        if self.runs is not None:
-            torch.ops.loragate.add_lora_sgmv(y, x, a, b, self.runs, pool.tables[target])
-        elif self.triton is not None:
-            assert self.triton_ops is not None
-            batch, layouts = self.triton
-            self.triton_ops.add_lora(y, x, a, b, layouts[target], batch)
-        else:
-            add_lora(y, x, a, b, self.groups, pool.offsets[target], pool.widths[target])
+from kernels.backend import Kernels, LoRAStep
 
 
 class _Slot:
@@ -128,8 +85,8 @@ class LoRAManager:
         loader: LoRALoader | None,
         device: torch.device,
         dtype: torch.dtype,
+        kernels: Kernels,
         lora_memory: int | None = None,
-        kernels: Kernels = TORCH_KERNELS,
     ) -> None:
         self.targets = targets
         self.num_layers = num_layers
@@ -162,9 +119,8 @@ class LoRAManager:
         self._pending_unload: set[str] = set()
         self._clock = 0
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="lora-loader")
-        self.native = kernels.native  # the C++ op (kernels.native)
-        self.triton: ModuleType | None = kernels.triton  # kernels.triton.ops
-        self._triton_layouts: list[Any] | None = None  # per target; remade after slots change
+        # Each step's adapters as the engine's kernels read them.
+        self.steps = kernels.lora_steps(self.pool, max_lora_rank)
         self.num_loads = 0  # installs into the pool
         self.num_disk_loads = 0
         self.num_evictions = 0
@@ -359,7 +315,7 @@ class LoRAManager:
         while slot is not None and self.pool.hole(units) is None:
             if self.pool.free_units >= units:
                 self.pool.compact()
-                self._triton_layouts = None
+                self.steps.pool_changed()
                 continue
             victim = self._lru_evictable(adapter_id)
             if victim is None:
@@ -387,7 +343,7 @@ class LoRAManager:
             self.num_evictions += 1
         state.adapter_id = None
         self.pool.release(slot)
-        self._triton_layouts = None
+        self.steps.pool_changed()
 
     def _install(self, slot: int, packed: PackedLoRA) -> None:
         placed = self.pool.place(slot, packed)
@@ -395,45 +351,17 @@ class LoRAManager:
         self.cpu_cache.pop(packed.adapter_id, None)
         self.slots[slot].adapter_id = packed.adapter_id
         self.slot_of[packed.adapter_id] = slot
-        self._triton_layouts = None
+        self.steps.pool_changed()
         self.num_loads += 1
 
     # -- the step ---------------------------------------------------------------------------
 
     def step_context(self, token_slots: np.ndarray) -> LoRAStep | None:
-        """Group the step's tokens by slot (-1: base model only)."""
+        """The step's adapters by token (slots; -1: base model only); None when no token
+        runs under one."""
         if len(token_slots) == 0 or token_slots.max() < 0:  # the common all-base step
             return None
-        if self.triton is not None:
-            # The kernels gather each slot's tokens wherever they are: one segment per slot.
-            batch = self.triton.lora_batch(torch.from_numpy(token_slots), self.device)
-            if self._triton_layouts is None:
-                pool = self.pool
-                self._triton_layouts = self.triton.slot_layouts(
-                    pool.offsets, pool.widths, pool.segments, self.max_lora_rank, self.device
-                )
-            return LoRAStep(
-                self.pool, [], triton=(batch, self._triton_layouts), triton_ops=self.triton
-            )
-        # Runs of equal slots: the model runner orders rows by slot when it can, and then
-        # each adapter's tokens are a run or two.
-        starts = np.flatnonzero(np.diff(token_slots, prepend=token_slots[0] - 1))
-        ends = np.append(starts[1:], len(token_slots))
-        run_slots = token_slots[starts]
-        adapted = run_slots >= 0
-        if self.native:
-            runs = np.stack([run_slots[adapted], starts[adapted], ends[adapted]], axis=1)
-            return LoRAStep(self.pool, [], runs=torch.from_numpy(np.ascontiguousarray(runs)))
-        groups = []
-        for slot in np.unique(run_slots[adapted]).tolist():
-            mine = run_slots == slot
-            if mine.sum() == 1:
-                i = int(np.flatnonzero(mine)[0])
-                groups.append(LoRAGroup(slot, slice(int(starts[i]), int(ends[i]))))
-            else:
-                rows = torch.from_numpy(np.flatnonzero(token_slots == slot)).to(self.device)
-                groups.append(LoRAGroup(slot, rows))
-        return LoRAStep(self.pool, groups)
+        return self.steps.step(token_slots)
 
     @property
     def cpu_cache_bytes(self) -> int:

@@ -36,7 +36,7 @@ from engine.scheduler import SchedulerOutput
 from engine.spec_decode import verify
 from engine.weights_cache import WeightsCache, cache_for
 from kernels import dispatch, linear, native, quant
-from kernels.attention import build_plan
+from kernels.attention import AttentionPlan
 
 logger = logging.getLogger(__name__)
 
@@ -130,7 +130,6 @@ class ModelRunner:
             config.kernels, self.device, self.dtype, config.cpu_kernels, head_dim, self.block_size
         )
         timings.mark("kernels")
-        self.plan_kind = self.kernels.plan_flags()  # build_plan's kernel flags
         torch.manual_seed(config.seed)
         self.model = self._build_model(hf_config, max_model_len, qkv_bias, head_dim)
         # Counted before the linears are reordered, which leaves them no parameters.
@@ -210,7 +209,7 @@ class ModelRunner:
 
         with torch.device("meta"), weights_from_checkpoint():
             model = LlamaForCausalLM(
-                hf_config, max_model_len, qkv_bias, self.kernels, rotary=rotary()
+                hf_config, max_model_len, self.kernels, qkv_bias, rotary=rotary()
             )
         model = model.to(self.dtype).to_empty(device=self.device)
         model.tie_weights()  # to_empty gave the tied weights storage of their own
@@ -223,7 +222,7 @@ class ModelRunner:
             raise ValueError("int8 quantization needs calibration text")
         ranges = quant.activation_ranges(self.model, self.forward_prompt, calibration)
         quant.smooth(self.model, ranges, quant.SMOOTHING_ALPHA)
-        count = quant.quantize(self.model, native=self.kernels.native)
+        count = self.kernels.quantize(self.model)
         logger.info("int8: %d projections smoothed and quantized", count)
 
     @torch.inference_mode()
@@ -240,12 +239,14 @@ class ModelRunner:
             )
             for _ in range(self.num_layers)
         ]
-        plan = build_plan(
-            np.array([n]), np.array([n]), [[0]], np.arange(n), 0, n, self.device, **self.plan_kind
-        )
+        plan = self._one_prompt_plan(n)
         ids = torch.tensor(token_ids, device=self.device)
         hidden: torch.Tensor = self.model(ids, torch.arange(n, device=self.device), plan, scratch)
         return hidden
+
+    def _one_prompt_plan(self, n: int) -> AttentionPlan:
+        """One prompt of `n` tokens from scratch over a scratch cache of one block of `n`."""
+        return self.kernels.plan(np.array([n]), np.array([n]), [[0]], np.arange(n), 0, n)
 
     @property
     def bytes_per_block(self) -> int:
@@ -279,9 +280,7 @@ class ModelRunner:
             * 2
             for _ in range(self.num_layers)
         ]
-        plan = build_plan(
-            np.array([n]), np.array([n]), [[0]], np.arange(n), 0, n, self.device, **self.plan_kind
-        )
+        plan = self._one_prompt_plan(n)
         with torch.no_grad():
             self.model.compute_logits(self.model(ids, pos, plan, scratch)[-1:])
         torch.cuda.synchronize()
@@ -322,15 +321,13 @@ class ModelRunner:
         batch = self._flatten(self._order_rows(sched), sched.num_batched_tokens, kv)
         large = sched.num_batched_tokens >= self.large_step_tokens
         self._set_threads(self.prefill_threads if large else self.decode_threads)
-        plan = build_plan(
+        plan = self.kernels.plan(
             batch.query_lens,
             batch.seq_lens,
             batch.block_tables,
             batch.slots,
             batch.num_decode,
             self.block_size,
-            self.device,
-            **self.plan_kind,
         )
         ids_t = torch.from_numpy(batch.input_ids).to(self.device)
         pos_t = torch.from_numpy(batch.positions).to(self.device)
@@ -345,20 +342,18 @@ class ModelRunner:
     def _order_rows(self, sched: SchedulerOutput) -> list[tuple[Request, int]]:
         """Decode rows first: a caught-up request's last token, and its drafts if it
         speculates (engine/spec_decode.py), each token an attention row of its own over the
-        request's blocks. The torch attention groups decode rows of similar length, so they
-        go shortest first; the C++ and triton kernels pad nothing, so there rows go by LoRA
-        slot: each adapter's tokens are then one run of rows (two with prefills)."""
+        request's blocks. Within decode rows and within prefill rows, as the kernels rank
+        them (`Kernels.row_rank`): the torch attention groups decode rows of similar length,
+        so they go shortest first; the C++ and triton kernels pad nothing, so there rows go
+        by LoRA slot: each adapter's tokens are then one run of rows (two with prefills)."""
+        rank = self.kernels.row_rank
 
-        def is_decode(item: tuple[Request, int]) -> bool:
-            return item[0].num_computed_tokens + 1 == item[0].num_tokens
+        def key(item: tuple[Request, int]) -> tuple[bool, int]:
+            request = item[0]
+            is_decode = request.num_computed_tokens + 1 == request.num_tokens
+            return not is_decode, rank(request.num_computed_tokens, request.lora_slot)
 
-        if self.kernels.native or self.kernels.triton is not None:
-            return sorted(
-                sched.scheduled, key=lambda item: (not is_decode(item), item[0].lora_slot)
-            )
-        return sorted(
-            sched.scheduled, key=lambda item: (not is_decode(item), item[0].num_computed_tokens)
-        )
+        return sorted(sched.scheduled, key=key)
 
     def _flatten(
         self, rows: list[tuple[Request, int]], num_tokens: int, kv: KVCacheManager

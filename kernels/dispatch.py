@@ -2,12 +2,13 @@
 
     triton  kernels/triton: on CUDA; on the CPU only under triton's interpreter (tests)
     native  kernels/csrc's C++ ops (kernels.native): CPU, float32 or bfloat16
-    torch   the torch specifications (kernels/attention.py, kernels/lora.py, the model's own)
+    torch   the torch specifications (kernels/torch_backend.py)
 
 `auto` (the default) is triton on CUDA, and on the CPU native where it loads (and
 `cpu_kernels` allows it), else torch. `EngineConfig.kernels` (`LLM(..., kernels=...)`; the
 server's `--kernels`, `LORAGATE_KERNELS`) asks for one by name: chosen once, at the engine's
-construction, from its config alone.
+construction, from its config alone. `choose` returns the chosen backend as an object
+(kernels.backend.Kernels), which the engine hands to every module that runs a kernel.
 
 Forcing triton on the CPU runs the kernels under triton's interpreter (slow: tests
 only). The interpreter is chosen as `@triton.jit` decorates, at import, and triton's
@@ -19,26 +20,24 @@ that, set by whoever starts the process (tests/conftest.py for the test session,
 
 from __future__ import annotations
 
-import enum
 import logging
 import os
 import sys
-from dataclasses import dataclass
 from types import ModuleType
 
 import torch
 
 from kernels import native
+from kernels.backend import Backend, Kernels
+from kernels.native_backend import NativeKernels
+from kernels.torch_backend import TorchKernels
+from kernels.triton_backend import TritonKernels
+
+__all__ = ["CHOICES", "Backend", "Kernels", "choose", "select", "triton_ops"]
 
 logger = logging.getLogger(__name__)
 
 CHOICES = ("auto", "triton", "native", "torch")
-
-
-class Backend(enum.Enum):
-    TRITON = "triton"
-    NATIVE = "native"
-    TORCH = "torch"
 
 
 def select(
@@ -58,31 +57,6 @@ def select(
     return Backend.TORCH
 
 
-@dataclass(frozen=True, slots=True)
-class Kernels:
-    """One engine's kernel choice, made once (`choose`) and handed to every module that runs
-    a kernel as it is built: the model's norms and attention, the LoRA manager, int8."""
-
-    backend: Backend
-    triton: ModuleType | None = None  # kernels.triton.ops when the backend is triton
-    native_prefill: bool = False  # prompts' attention in C++ too (bf16 dot products)
-
-    @property
-    def native(self) -> bool:
-        return self.backend is Backend.NATIVE
-
-    def plan_flags(self) -> dict[str, bool]:
-        """kernels.attention.build_plan's keyword flags for this choice."""
-        return {
-            "native": self.native,
-            "triton": self.triton is not None,
-            "native_prefill": self.native_prefill,
-        }
-
-
-TORCH_KERNELS = Kernels(Backend.TORCH)
-
-
 def choose(
     requested: str,
     device: torch.device,
@@ -91,15 +65,15 @@ def choose(
     head_dim: int,
     block_size: int,
 ) -> Kernels:
-    """The kernels of an engine on `device` computing in `dtype` (`EngineConfig.kernels`)."""
+    """The kernels of an engine on `device` computing in `dtype` (`EngineConfig.kernels`),
+    over KV caches of `head_dim` and blocks of `block_size` tokens."""
     backend = select(requested, device, dtype, cpu_kernels)
     logger.info("kernels: %s", backend.value)
     if backend is Backend.TRITON:
-        return Kernels(backend, triton=triton_ops(device))
+        return TritonKernels(triton_ops(device), device)
     if backend is Backend.NATIVE:
-        prefill = native.prefill_attention_available(dtype, head_dim, block_size)
-        return Kernels(backend, native_prefill=prefill)
-    return Kernels(backend)
+        return NativeKernels(device, dtype, head_dim, block_size)
+    return TorchKernels(device)
 
 
 def triton_ops(device: torch.device) -> ModuleType:

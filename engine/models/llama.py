@@ -12,7 +12,6 @@ import math
 from collections.abc import Callable, Iterator
 from contextvars import ContextVar
 from pathlib import Path
-from types import ModuleType
 from typing import Any, cast
 
 import torch
@@ -25,10 +24,9 @@ from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
 from engine import checkpoint_map
 from engine.checkpoint_map import safetensors_files
-from engine.lora import LoRAStep
 from engine.lora_types import DOWN, GATE_UP, O_PROJ, QKV
-from kernels.attention import AttentionPlan, paged_attention, write_kv
-from kernels.dispatch import TORCH_KERNELS, Kernels
+from kernels.attention import AttentionPlan
+from kernels.backend import Kernels, LoRAStep, Rope
 from kernels.quant import Int8Linear
 
 SUPPORTED_ARCHITECTURES = {"LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM"}
@@ -65,51 +63,25 @@ class Embedding(nn.Embedding):
 
 
 class RMSNorm(nn.Module):
-    """Computed in float32 exactly as HF does, so greedy outputs match token for token.
+    """RMSNorm on the engine's kernels, rounded as HF rounds it (kernels.backend.Kernels)."""
 
-    `native`: rows go to the C++ kernels (kernels/csrc/rms_norm.cpp, float32 or bfloat16),
-    which fuse the residual add before the norm; only their sum of squares is ordered
-    differently. `triton`: kernels/triton/rms_norm.py (kernels.dispatch), the same rounding.
-    """
-
-    def __init__(self, hidden_size: int, eps: float, kernels: Kernels = TORCH_KERNELS) -> None:
+    def __init__(self, hidden_size: int, eps: float, kernels: Kernels) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.ones(hidden_size))
         self.eps = eps
-        self.native = kernels.native
-        self.triton: ModuleType | None = kernels.triton
+        self.kernels = kernels
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.native:
-            out = torch.empty_like(x)
-            torch.ops.loragate.rms_norm(x, self.weight, self.eps, out)
-            return out
-        if self.triton is not None:
-            normed: torch.Tensor = self.triton.rms_norm(x, self.weight, self.eps)
-            return normed
-        if x.dtype == torch.float32:
-            # One fused op, bitwise equal to the formula below in float32.
-            return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
-        dtype = x.dtype
-        x32 = x.to(torch.float32)
-        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x32.to(dtype)
+        return self.kernels.rms_norm(x, self.weight, self.eps)
 
     def add_forward(self, residual: torch.Tensor, delta: torch.Tensor) -> torch.Tensor:
         """residual += delta (in place), then the norm of the sum."""
-        if self.native:
-            out = torch.empty_like(residual)
-            torch.ops.loragate.add_rms_norm(residual, delta, self.weight, self.eps, out)
-            return out
-        if self.triton is not None:
-            normed: torch.Tensor = self.triton.add_rms_norm(residual, delta, self.weight, self.eps)
-            return normed
-        normed = self(residual.add_(delta))
-        return normed
+        return self.kernels.add_rms_norm(residual, delta, self.weight, self.eps)
 
 
 class RotaryEmbedding(nn.Module):
-    """cos/sin tables for every position up to max_model_len, indexed per token."""
+    """float32 cos/sin tables for every position up to max_model_len, which each step's
+    rope reads (`Kernels.rope`)."""
 
     cos: torch.Tensor
     signed_sin: torch.Tensor
@@ -137,29 +109,9 @@ class RotaryEmbedding(nn.Module):
         self.register_buffer("cos", emb.cos() * scaling, persistent=False)
         self.register_buffer("signed_sin", signed_sin, persistent=False)
 
-    def forward(
-        self, positions: torch.Tensor, dtype: torch.dtype
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """The step's cos and signed sin, [num_tokens, 1, head_dim], shared by every layer."""
-        cos = self.cos[positions].unsqueeze(1).to(dtype)
-        sin = self.signed_sin[positions].unsqueeze(1).to(dtype)
-        return cos, sin
-
-
-# The torch path's per-token (cos, signed_sin), each [num_tokens, 1, head_dim]; the triton
-# path's (positions, cos table, signed_sin table): its kernel looks the rows up itself.
-Rope = tuple[torch.Tensor, ...]
-
-
-def apply_rope(x: torch.Tensor, rope: Rope) -> torch.Tensor:
-    cos, signed_sin = rope
-    return x * cos + torch.roll(x, x.shape[-1] // 2, dims=-1) * signed_sin
-
 
 class Attention(nn.Module):
-    def __init__(
-        self, config: PretrainedConfig, bias: bool, layer: int, kernels: Kernels = TORCH_KERNELS
-    ) -> None:
+    def __init__(self, config: PretrainedConfig, bias: bool, layer: int, kernels: Kernels) -> None:
         super().__init__()
         self.layer = layer
         self.num_heads: int = config.num_attention_heads
@@ -172,8 +124,7 @@ class Attention(nn.Module):
         self.scale = self.head_dim**-0.5
         self.qkv_proj = Linear(config.hidden_size, self.q_size + 2 * self.kv_size, bias=bias)
         self.o_proj = Linear(self.q_size, config.hidden_size, bias=False)
-        self.triton: ModuleType | None = kernels.triton
-        self.native = kernels.native  # rotary and KV write in C++ (kernels/csrc/layer_ops.cpp)
+        self.kernels = kernels
 
     def forward(
         self,
@@ -189,26 +140,10 @@ class Attention(nn.Module):
             lora.apply(self.layer, QKV, x, qkv)
         # q and k heads side by side: one rotary pass for both.
         qk = qkv[:, : self.q_size + self.kv_size].view(n, -1, self.head_dim)
-        ops = self.triton
-        # The triton and C++ kernels rotate in place, in qkv.
-        if ops is not None:
-            qk = ops.rotary_(qk, *rope)
-        elif self.native:
-            torch.ops.loragate.rotary_(qk, *rope)
-        else:
-            qk = apply_rope(qk, rope)
+        qk = self.kernels.rotate(qk, rope)
         q, k = qk[:, : self.num_heads], qk[:, self.num_heads :]
         v = qkv[:, self.q_size + self.kv_size :].view(n, self.num_kv_heads, self.head_dim)
-        key_cache, value_cache = kv_cache
-        if ops is not None:
-            assert plan.paged is not None, "a plan built for the triton kernels"
-            ops.write_kv(k, v, key_cache, value_cache, plan.slot_mapping)
-            out = ops.paged_attention(q, key_cache, value_cache, plan.paged, self.scale)
-        else:
-            write = torch.ops.loragate.write_kv if self.native else write_kv
-            write(k, v, key_cache, value_cache, plan.slot_mapping)
-            out = paged_attention(q, key_cache, value_cache, plan, self.scale, k, v)
-        out = out.view(n, self.q_size)
+        out = self.kernels.attend(q, k, v, kv_cache, plan, self.scale).view(n, self.q_size)
         y: torch.Tensor = self.o_proj(out)
         if lora is not None:
             lora.apply(self.layer, O_PROJ, out, y)
@@ -242,9 +177,7 @@ class MLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(
-        self, config: PretrainedConfig, bias: bool, layer: int, kernels: Kernels = TORCH_KERNELS
-    ) -> None:
+    def __init__(self, config: PretrainedConfig, bias: bool, layer: int, kernels: Kernels) -> None:
         super().__init__()
         self.self_attn = Attention(config, bias, layer, kernels)
         self.mlp = MLP(config, layer)
@@ -279,13 +212,13 @@ class LlamaForCausalLM(nn.Module):
         self,
         config: PretrainedConfig,
         max_model_len: int,
+        kernels: Kernels,
         qkv_bias: bool = False,
-        kernels: Kernels = TORCH_KERNELS,
         rotary: RotaryEmbedding | None = None,
     ) -> None:
-        """`kernels`: which kernels the norms, rotary, KV writes and attention run
-        (kernels.dispatch.choose); the torch paths by default. `rotary`: tables computed
-        already (a model built on the meta device cannot compute its own)."""
+        """`kernels`: the engine's kernels (kernels.dispatch.choose), which the norms,
+        rotary, KV writes and attention run on. `rotary`: tables computed already (a model
+        built on the meta device cannot compute its own)."""
         super().__init__()
         self.config = config
         self.embed_tokens = Embedding(config.vocab_size, config.hidden_size)
@@ -300,7 +233,7 @@ class LlamaForCausalLM(nn.Module):
         self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
         self.lm_head = Linear(config.hidden_size, config.vocab_size, bias=False)
         self.tie_weights()
-        self.triton: ModuleType | None = kernels.triton
+        self.kernels = kernels
 
     def tie_weights(self) -> None:
         """The output projection is the embedding, where the config ties them (again after
@@ -317,11 +250,8 @@ class LlamaForCausalLM(nn.Module):
         lora: LoRAStep | None = None,
     ) -> torch.Tensor:
         residual = self.embed_tokens(input_ids)
-        rope: Rope
-        if self.triton is not None:
-            rope = (positions, self.rotary.cos, self.rotary.signed_sin)
-        else:
-            rope = self.rotary(positions, residual.dtype)
+        rotary = self.rotary
+        rope = self.kernels.rope(positions, rotary.cos, rotary.signed_sin, residual.dtype)
         delta = None
         for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
             delta = layer(rope, residual, delta, plan, kv_cache, lora)

@@ -14,6 +14,7 @@ from engine.lora import LoRAManager
 from engine.lora_pool import LoRAPool
 from engine.lora_types import LoRALoadError, LoRARequest, LoRAWeights, llama_fused_targets
 from kernels.lora import LoRAGroup, add_lora
+from kernels.torch_backend import TorchKernels
 
 
 class TinyConfig:
@@ -71,6 +72,7 @@ def make_manager(
         loader=loader or default_loader,
         device=torch.device("cpu"),
         dtype=torch.float32,
+        kernels=TorchKernels(torch.device("cpu")),
         lora_memory=lora_memory,
     )
 

@@ -7,9 +7,10 @@ import pytest
 import torch
 from transformers import LlamaConfig
 
-from engine.models.llama import RotaryEmbedding, apply_rope
+from engine.models.llama import RotaryEmbedding
 from kernels import native
 from kernels.attention import write_kv
+from kernels.torch_backend import apply_rope, rope_rows
 
 pytestmark = pytest.mark.skipif(not native.load(), reason="CPU kernels could not be built here")
 
@@ -31,10 +32,11 @@ def test_rotary_is_the_torch_path_bit_for_bit(dtype: torch.dtype, head_dim: int)
     g = torch.Generator().manual_seed(head_dim)
     qkv = (torch.randn(n, (heads + 2 * kv_heads) * head_dim, generator=g) * 3).to(dtype)
     positions = torch.tensor([0, 1, 17, 63, 64, 300, 511])
+    rope = rope_rows(positions, tables.cos, tables.signed_sin, dtype)
     width = (heads + kv_heads) * head_dim
-    expected = apply_rope(qkv[:, :width].view(n, -1, head_dim), tables(positions, dtype))
+    expected = apply_rope(qkv[:, :width].view(n, -1, head_dim), rope)
     values = qkv[:, width:].clone()
-    torch.ops.loragate.rotary_(qkv[:, :width].view(n, -1, head_dim), *tables(positions, dtype))
+    torch.ops.loragate.rotary_(qkv[:, :width].view(n, -1, head_dim), *rope)
     assert torch.equal(qkv[:, :width].view(n, -1, head_dim), expected)
     assert torch.equal(qkv[:, width:], values)
 

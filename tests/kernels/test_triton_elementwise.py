@@ -1,5 +1,6 @@
 """The triton KV write, fused RMSNorm and rotary kernels against their torch specifications:
-`kernels.attention.write_kv`, `engine.models.llama.RMSNorm` and `apply_rope`."""
+`kernels.attention.write_kv`, `engine.models.llama.RMSNorm` on the torch kernels and
+`apply_rope`."""
 
 from __future__ import annotations
 
@@ -8,8 +9,9 @@ import torch
 from transformers import LlamaConfig
 from triton_cases import DEVICE
 
-from engine.models.llama import RMSNorm, RotaryEmbedding, apply_rope
+from engine.models.llama import RMSNorm, RotaryEmbedding
 from kernels.attention import write_kv
+from kernels.torch_backend import TorchKernels, apply_rope, rope_rows
 from kernels.triton.kv_write import write_kv as triton_write_kv
 from kernels.triton.rms_norm import add_rms_norm, rms_norm
 from kernels.triton.rotary import rotary_
@@ -59,7 +61,7 @@ def test_rms_norm_with_and_without_the_residual_add(
     dtype: torch.dtype, rows: int, hidden: int
 ) -> None:
     g = torch.Generator().manual_seed(rows + hidden)
-    norm = RMSNorm(hidden, 1e-5).to(dtype)
+    norm = RMSNorm(hidden, 1e-5, TorchKernels(torch.device("cpu"))).to(dtype)
     norm.weight.data = torch.randn(hidden, generator=g).to(dtype)
     x = (torch.randn(rows, hidden, generator=g) * 3).to(dtype)
     delta = torch.randn(rows, hidden, generator=g).to(dtype)
@@ -114,7 +116,7 @@ def test_rotary_over_the_fused_qk_heads(scaling: str, head_dim: int, dtype: torc
     qkv = torch.randn(n, (heads + 2 * kv_heads) * head_dim, generator=g).to(dtype)
     positions = torch.tensor([0, 1, 17, 63, 64, 255])
     qk = qkv[:, : (heads + kv_heads) * head_dim].view(n, -1, head_dim)
-    expected = apply_rope(qk, tables(positions, dtype))
+    expected = apply_rope(qk, rope_rows(positions, tables.cos, tables.signed_sin, dtype))
     mine = qkv.to(DEVICE)
     mine_qk = mine[:, : (heads + kv_heads) * head_dim].view(n, -1, head_dim)
     rotary_(mine_qk, positions.to(DEVICE), tables.cos.to(DEVICE), tables.signed_sin.to(DEVICE))

@@ -23,8 +23,10 @@ from engine.lora_types import (
 )
 from kernels import dispatch
 from kernels.lora import LoRAGroup, add_lora
+from kernels.torch_backend import TorchKernels
 from kernels.triton.lora_shrink_expand import add_lora as triton_add_lora
 from kernels.triton.lora_shrink_expand import dense_layout, lora_batch
+from kernels.triton_backend import TritonKernels, TritonLoRAStep
 
 CONFIG = SimpleNamespace(
     num_attention_heads=4, num_key_value_heads=2, head_dim=16, hidden_size=64, intermediate_size=96
@@ -58,7 +60,7 @@ def weights(index: int) -> LoRAWeights:
     return LoRAWeights(f"adapter-{index}", rank, 0.5, layers)
 
 
-def manager(dtype: torch.dtype, device: torch.device, triton: bool) -> LoRAManager:
+def manager(dtype: torch.dtype, kernels: TorchKernels | TritonKernels) -> LoRAManager:
     m = LoRAManager(
         llama_fused_targets(CONFIG),
         LAYERS,
@@ -66,11 +68,10 @@ def manager(dtype: torch.dtype, device: torch.device, triton: bool) -> LoRAManag
         max_lora_rank=16,
         max_cpu_loras=4,
         loader=lambda request: weights(int(request.name)),
-        device=device,
+        device=kernels.device,
         dtype=dtype,
+        kernels=kernels,
     )
-    if triton:
-        m.triton = dispatch.triton_ops(device)
     for i in range(len(ADAPTERS)):
         m.load_now(LoRARequest(str(i), "", f"adapter-{i}"))
     return m
@@ -89,7 +90,8 @@ STEPS = {
 @pytest.mark.parametrize("step", list(STEPS))
 def test_every_fused_target_matches_the_specification(dtype: torch.dtype, step: str) -> None:
     slots = np.array(STEPS[step], dtype=np.int64)
-    reference, mine = manager(dtype, torch.device("cpu"), False), manager(dtype, DEVICE, True)
+    reference = manager(dtype, TorchKernels(torch.device("cpu")))
+    mine = manager(dtype, TritonKernels(dispatch.triton_ops(DEVICE), DEVICE))
     # What the triton kernels must never read is poisoned: rows past a slot's width, and the
     # blocks of B outside each module's own columns (zero in the engine's fused stacks).
     for pool in [*mine.pool.pool_a, *mine.pool.pool_b]:
@@ -98,7 +100,7 @@ def test_every_fused_target_matches_the_specification(dtype: torch.dtype, step: 
     if step == "all-base":
         assert ref_step is None and my_step is None
         return
-    assert ref_step is not None and my_step is not None and my_step.triton is not None
+    assert ref_step is not None and isinstance(my_step, TritonLoRAStep)
     g = torch.Generator().manual_seed(len(slots))
     rtol, _ = TOLERANCE[dtype]
     for target in (QKV, O_PROJ, GATE_UP, DOWN):
