@@ -4,7 +4,9 @@ engine/engine_process.py; a `loragate engine` elsewhere, gateway/remote/remote_e
 
 Requests go in as messages; each request's updates reach its own asyncio queue through
 `loop.call_soon_threadsafe`, one wake-up per event loop per step, so no coroutine ever waits
-on a step.
+on a step. A consumer that falls behind the steps (an event loop busy with many long streams)
+reads the updates that piled up for one sequence as one, as vLLM's output collector does: it
+catches up at the cost of one chunk, not one per step it missed.
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ import asyncio
 import threading
 import time
 from abc import abstractmethod
+from collections import deque
 from collections.abc import AsyncIterator
 
 from engine.engine_client import EngineClient, Scaling
@@ -26,15 +29,31 @@ from engine.outputs import SequenceUpdate
 class _Stream:
     """Where one request's updates land on the event loop."""
 
-    __slots__ = ("loop", "queue", "num_unfinished")
+    __slots__ = ("loop", "queue", "num_unfinished", "_backlog")
 
     def __init__(self, loop: asyncio.AbstractEventLoop, n: int) -> None:
         self.loop = loop
         self.queue: asyncio.Queue[SequenceUpdate | BaseException] = asyncio.Queue()
         self.num_unfinished = n
+        self._backlog: deque[SequenceUpdate | BaseException] = deque()
 
     def put(self, item: SequenceUpdate | BaseException) -> None:
         self.loop.call_soon_threadsafe(self.queue.put_nowait, item)
+
+    async def next(self) -> SequenceUpdate | BaseException:
+        """The next update, merged with the ones of the same sequence queued right behind it
+        (never past a finished one, an error, or another sample's update)."""
+        if not self._backlog:
+            self._backlog.append(await self.queue.get())
+        while not self.queue.empty():
+            self._backlog.append(self.queue.get_nowait())
+        item = self._backlog.popleft()
+        while isinstance(item, SequenceUpdate) and not item.finished and self._backlog:
+            later = self._backlog[0]
+            if not isinstance(later, SequenceUpdate) or later.index != item.index:
+                break
+            item = item.followed_by(self._backlog.popleft())
+        return item
 
 
 class LoopClient(EngineClient):
@@ -105,7 +124,7 @@ class LoopClient(EngineClient):
         finished = False
         try:
             while True:
-                item = await stream.queue.get()
+                item = await stream.next()
                 if isinstance(item, BaseException):
                     finished = True
                     raise item

@@ -29,6 +29,26 @@ class SequenceUpdate:
     def finished(self) -> bool:
         return self.finish_reason is not None
 
+    def followed_by(self, later: SequenceUpdate) -> SequenceUpdate:
+        """This update and the same sequence's next one as one update (for a reader that was
+        a step behind): tokens, text and logprobs joined, the later one's ending."""
+        logprobs = None
+        if self.new_logprobs is not None or later.new_logprobs is not None:
+            logprobs = (self.new_logprobs or []) + (later.new_logprobs or [])
+        return SequenceUpdate(
+            request_id=self.request_id,
+            index=self.index,
+            new_token_ids=self.new_token_ids + later.new_token_ids,
+            text_delta=self.text_delta + later.text_delta,
+            new_logprobs=logprobs,
+            num_prompt_tokens=self.num_prompt_tokens,
+            num_cached_tokens=max(self.num_cached_tokens, later.num_cached_tokens),
+            queue_time=self.queue_time,
+            finish_reason=later.finish_reason,
+            stop_reason=later.stop_reason,
+            error=later.error,
+        )
+
 
 @dataclass(slots=True)
 class CompletionOutput:
