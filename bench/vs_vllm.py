@@ -7,7 +7,9 @@ ratio of medians.
         [--rounds 2] [--num-prompts 64] [--vllm-venv /tmp/peers/vllm-venv]
 
 vLLM comes from `../shared/peers/` (setup_vllm.sh installs it, serve_vllm.sh serves a
-directory); ours is `loragate serve --no-auth` at its defaults. `--dtype` goes to both
+directory); ours is `loragate serve --no-auth` at its defaults. `--against-tree DIR` puts
+loragate from another checkout (an older commit's worktree) in vLLM's place: a change measured
+against the tree before it, the same way. `--dtype` goes to both
 servers (`auto`: each resolves it as it does for its users; vLLM picks bfloat16 on a CPU
 with AVX-512 BF16, as ours does). Every run uses its own prompt seed, so no run finds its
 prompts in a prefix cache; both servers of a round get the same seed.
@@ -36,7 +38,9 @@ PEERS = Path(__file__).resolve().parents[1].parent / "shared" / "peers"
 
 def _start(side: str, args: argparse.Namespace, name: str, log: Path) -> subprocess.Popen[bytes]:
     env = os.environ | {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
-    if side == "loragate":
+    if side == "loragate" or args.against_tree is not None:
+        if side != "loragate":  # the other tree's modules ahead of this venv's editable install
+            env |= {"PYTHONPATH": str(args.against_tree)}
         workdir = Path(tempfile.mkdtemp(prefix="vs-vllm-"))
         cmd = [
             str(Path(sys.executable).parent / "loragate"), "serve",
@@ -54,8 +58,9 @@ def _start(side: str, args: argparse.Namespace, name: str, log: Path) -> subproc
             "--dtype", args.dtype,
         ]  # fmt: skip
     out = log.open("wb")
+    cwd = args.against_tree if side != "loragate" else None
     return subprocess.Popen(
-        cmd, stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True
+        cmd, stdout=out, stderr=subprocess.STDOUT, env=env, cwd=cwd, start_new_session=True
     )
 
 
@@ -74,8 +79,7 @@ def _bench(
                 name,
                 "--workload",
                 workload,
-                "--num-prompts",
-                str(args.num_prompts),
+                *(["--num-prompts", str(args.num_prompts)] if args.num_prompts else []),
                 "--seed",
                 str(seed),
                 "--cpu",
@@ -123,10 +127,10 @@ def run(args: argparse.Namespace, console: Console) -> dict[str, dict[str, list[
     return rows
 
 
-def table(rows: dict[str, dict[str, list[dict[str, Any]]]], dtype: str) -> Table:
-    t = Table(title=f"loragate vs vLLM-CPU, {dtype}: runs (median)")
-    for col in ("workload", "loragate tok/s", "vLLM tok/s", "ratio", "TTFT p50 ours / vLLM",
-                "ITL p50 ours / vLLM", "MFU ours / vLLM"):  # fmt: skip
+def table(rows: dict[str, dict[str, list[dict[str, Any]]]], dtype: str, other: str) -> Table:
+    t = Table(title=f"loragate vs {other}, {dtype}: runs (median)")
+    for col in ("workload", "loragate tok/s", f"{other} tok/s", "ratio", f"TTFT p50 ours / {other}",
+                f"ITL p50 ours / {other}", f"MFU ours / {other}"):  # fmt: skip
         t.add_column(col, justify="right")
 
     def med(side_rows: list[dict[str, Any]], key: str) -> float:
@@ -151,9 +155,9 @@ def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(prog="loragate-bench vs-vllm", description=__doc__.split("\n")[0])
     p.add_argument("--model", required=True, help="a Hugging Face model directory")
     p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"])
-    p.add_argument("--workloads", default="w1,w2", help="comma-separated: w1, w2, wv")
+    p.add_argument("--workloads", default="w1,w2", help="comma-separated: w1, w2, wv, wlong")
     p.add_argument("--rounds", type=int, default=2)
-    p.add_argument("--num-prompts", type=int, default=64)
+    p.add_argument("--num-prompts", type=int, default=None, help="default: per workload")
     p.add_argument("--port", type=int, default=18080)
     p.add_argument("--vllm-venv", default="/tmp/peers/vllm-venv")
     p.add_argument(
@@ -161,10 +165,18 @@ def main(argv: list[str] | None = None) -> None:
         default="",
         help="more `loragate serve` flags, e.g. '--quantization int8' (vLLM runs as it is)",
     )
+    p.add_argument(
+        "--against-tree",
+        type=Path,
+        default=None,
+        help="loragate from this checkout in vLLM's place (e.g. a worktree of the commit before)",
+    )
     p.add_argument("--json", type=Path, default=None, help="write every row here")
     args = p.parse_args(argv)
     args.workloads = [w for w in args.workloads.split(",") if w]
-    if not Path(args.vllm_venv, "bin", "python").exists():
+    if args.against_tree is not None:
+        args.against_tree = args.against_tree.resolve()
+    elif not Path(args.vllm_venv, "bin", "python").exists():
         p.error(f"no vLLM at {args.vllm_venv}: run {PEERS / 'setup_vllm.sh'} first")
     bf16 = cpu_features.native_bf16()
     args.peak_dtype = args.dtype if args.dtype != "auto" else ("bfloat16" if bf16 else "float32")
@@ -172,7 +184,8 @@ def main(argv: list[str] | None = None) -> None:
     console.print(f"{Path(args.model).name}, --dtype {args.dtype} ({args.peak_dtype} here) "
                   f"{args.loragate_args}; {cpu_features.describe()}")  # fmt: skip
     rows = run(args, console)
-    console.print(table(rows, args.peak_dtype))
+    other = f"loragate at {args.against_tree}" if args.against_tree else "vLLM-CPU"
+    console.print(table(rows, args.peak_dtype, other))
     if args.json is not None:
         args.json.write_text(json.dumps(rows, indent=2) + "\n")
 
