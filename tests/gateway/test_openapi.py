@@ -16,6 +16,12 @@ from hypothesis.errors import Unsatisfiable
 from live_server import ServerTenancy, build_test_app, lora_engine
 from schemathesis import Case, CheckContext, GenerationMode, Response
 from schemathesis.schemas import APIOperation, BaseSchema
+
+# Imported at collection, not by the fixture's first schema load: CPython 3.11's ast.parse keeps
+# one recursion counter per interpreter, and pytest's rewrite of these modules, run while an
+# engine thread also parses, failed a CI with "AST constructor recursion depth mismatch"
+# (cpython#106905).
+from schemathesis.specs.openapi import adapter  # noqa: F401
 from schemathesis.specs.openapi.checks import negative_data_rejection, positive_data_acceptance
 
 MODEL = "demo"
