@@ -25,7 +25,13 @@ import redis.asyncio as aioredis
 from rich.console import Console
 from rich.table import Table
 
-from gateway.tenancy.ratelimit import RateLimiter, RedisLimiter, TenantLimits, make_limiter
+from gateway.tenancy.ratelimit import (
+    LimiterOptions,
+    RateLimiter,
+    RedisLimiter,
+    TenantLimits,
+    make_limiter,
+)
 
 LIMITS = TenantLimits(rpm=10**9, tpm=10**12, max_concurrency=10**6, monthly_tokens=10**15)
 
@@ -111,7 +117,9 @@ async def bench(args: argparse.Namespace) -> list[Row]:
     try:
         rows.append(await ping_pairs(args.redis_url, args.seconds))
         for tasks in (1, args.concurrency):
-            limiter = RedisLimiter(args.redis_url, failure_mode="closed", key_prefix=prefix)
+            limiter = RedisLimiter(
+                args.redis_url, LimiterOptions(failure_mode="closed", key_prefix=prefix)
+            )
             await run_pairs(limiter, tasks, 0.2, args.tenants)  # connections, script, seeds
             before, trips = evalsha_calls(admin), limiter.pipeline.num_round_trips
             row = await run_pairs(limiter, tasks, args.seconds, args.tenants)

@@ -22,7 +22,7 @@ from gateway.settings import Settings
 from gateway.tenancy.adapter_catalog import AdapterCatalog
 from gateway.tenancy.admin_auth import AdminAuth
 from gateway.tenancy.auth import RequestTenant, TenantAuth, request_tenant
-from gateway.tenancy.ratelimit import RateLimiter, make_limiter
+from gateway.tenancy.ratelimit import LimiterOptions, RateLimiter, make_limiter
 from tenants.db import Database, upgrade
 from tenants.keys import create_key
 from tenants.ledger import Ledger
@@ -131,11 +131,13 @@ def open_tenancy(settings: Settings, bases: dict[str, BaseModelInfo]) -> Tenancy
         ),
         limiter=make_limiter(
             settings.redis_url,
-            settings.redis_failure_mode,
+            LimiterOptions(
+                failure_mode=settings.redis_failure_mode,
+                key_prefix=settings.redis_key_prefix,
+                concurrency_lease=settings.concurrency_lease,
+                timeout=settings.redis_timeout,
+            ),
             quota_used=_monthly_usage(db),
-            key_prefix=settings.redis_key_prefix,
-            concurrency_lease=settings.concurrency_lease,
-            timeout=settings.redis_timeout,
         ),
         secret_key=secret_key,
         metrics_auth=settings.metrics_auth,

@@ -26,6 +26,7 @@ import pytest
 import redis
 
 from gateway.tenancy.ratelimit import (
+    LimiterOptions,
     LimiterUnavailable,
     LocalLimiter,
     RateLimited,
@@ -36,6 +37,7 @@ from gateway.tenancy.ratelimit import (
     format_duration,
     make_limiter,
 )
+from gateway.tenancy.ratelimit.local import QuotaUsed
 
 REDIS_URL = os.environ.get("LORAGATE_TEST_REDIS", "redis://127.0.0.1:6379/0")
 JUNE_15 = datetime(2030, 6, 15, 12, tzinfo=UTC).timestamp()
@@ -102,9 +104,13 @@ class Harness:
     def exact(self) -> bool:
         return self.kind == "local"
 
-    def new(self, **kwargs: Any) -> RateLimiter:
-        kwargs.setdefault("clock", self.clock)
-        limiter = make_limiter(self.url, key_prefix=self.prefix, **kwargs)
+    def new(self, quota_used: QuotaUsed | None = None, **options: Any) -> RateLimiter:
+        limiter = make_limiter(
+            self.url,
+            LimiterOptions(key_prefix=self.prefix, **options),
+            quota_used=quota_used,
+            clock=self.clock,
+        )
         self.limiters.append(limiter)
         return limiter
 
@@ -303,9 +309,13 @@ async def test_monthly_quota(harness: Harness) -> None:
 async def test_monthly_quota_survives_a_new_limiter(redis_url: str, prefix: str) -> None:
     limits = TenantLimits(monthly_tokens=1000)
     clock = FakeClock()
-    first = RedisLimiter(redis_url, key_prefix=prefix, clock=clock, quota_used=Ledger(1000))
+    first = RedisLimiter(
+        redis_url, LimiterOptions(key_prefix=prefix), clock=clock, quota_used=Ledger(1000)
+    )
     ledger = Ledger(used=0)  # a restarted replica, whose ledger lags
-    second = RedisLimiter(redis_url, key_prefix=prefix, clock=clock, quota_used=ledger)
+    second = RedisLimiter(
+        redis_url, LimiterOptions(key_prefix=prefix), clock=clock, quota_used=ledger
+    )
     try:
         await refused(first, limits, 1)
         assert (await refused(second, limits, 1)).code == "insufficient_quota"
@@ -337,7 +347,9 @@ def closed_port() -> int:
 
 
 async def test_no_limits_cost_nothing() -> None:
-    limiter = make_limiter(f"redis://127.0.0.1:{closed_port()}", "closed")
+    limiter = make_limiter(
+        f"redis://127.0.0.1:{closed_port()}", LimiterOptions(failure_mode="closed")
+    )
     assert isinstance(limiter, RedisLimiter)
     reservation, state = await limiter.acquire("t", "r", TenantLimits(), 100)
     assert state.headers() == {} and not reservation.tracked
@@ -358,7 +370,7 @@ def test_limits_are_validated() -> None:
     with pytest.raises(ValueError, match="max_concurrency"):
         TenantLimits(max_concurrency=-1)
     with pytest.raises(ValueError, match="failure_mode"):
-        make_limiter(None, "sideways")  # type: ignore[arg-type]
+        LimiterOptions(failure_mode="sideways")  # type: ignore[arg-type]
 
 
 # -- headers ----------------------------------------------------------------------------------
@@ -399,7 +411,7 @@ def test_headers() -> None:
 
 
 async def test_two_replicas_share_one_limit(redis_url: str, prefix: str) -> None:
-    replicas = [RedisLimiter(redis_url, key_prefix=prefix) for _ in range(2)]
+    replicas = [RedisLimiter(redis_url, LimiterOptions(key_prefix=prefix)) for _ in range(2)]
     try:
         limits = TenantLimits(rpm=10)
         passed = 0
@@ -427,7 +439,7 @@ async def test_two_replicas_share_one_limit(redis_url: str, prefix: str) -> None
 async def test_concurrent_checks_share_a_round_trip(
     redis_url: str, prefix: str, admin: redis.Redis
 ) -> None:
-    limiter = RedisLimiter(redis_url, key_prefix=prefix)
+    limiter = RedisLimiter(redis_url, LimiterOptions(key_prefix=prefix))
     try:
         limits = TenantLimits(rpm=10, max_concurrency=100)
         results = await asyncio.gather(
@@ -452,7 +464,7 @@ async def test_concurrent_checks_share_a_round_trip(
 
 
 async def test_cancelled_callers(redis_url: str, prefix: str, admin: redis.Redis) -> None:
-    limiter = RedisLimiter(redis_url, key_prefix=prefix)
+    limiter = RedisLimiter(redis_url, LimiterOptions(key_prefix=prefix))
     limits = TenantLimits(max_concurrency=1)
     try:
         # An acquire cancelled before its script went out reserves nothing.
@@ -484,7 +496,7 @@ def _hammer(url: str, prefix: str, rpm: int, attempts: int, barrier: Any, out: A
     async def run() -> tuple[int, float, float, int]:
         # A generous timeout: on a busy two-core machine one 0.25 s stall of 128 processes'
         # tasks would fall back to a per-process limit, which is not what this test measures.
-        limiter = RedisLimiter(url, key_prefix=prefix, timeout=5.0)
+        limiter = RedisLimiter(url, LimiterOptions(key_prefix=prefix, timeout=5.0))
         limits = TenantLimits(rpm=rpm)
         await limiter.acquire("warmup", "w", limits, 0)  # connect, load the script
         barrier.wait(timeout=60)
@@ -536,7 +548,9 @@ def test_two_processes_admit_exactly_n(redis_url: str, prefix: str) -> None:
 
 
 async def test_outage_open_falls_back_to_local_limits(caplog: pytest.LogCaptureFixture) -> None:
-    limiter = make_limiter(f"redis://127.0.0.1:{closed_port()}", "open")
+    limiter = make_limiter(
+        f"redis://127.0.0.1:{closed_port()}", LimiterOptions(failure_mode="open")
+    )
     assert isinstance(limiter, RedisLimiter)
     limits = TenantLimits(rpm=2)
     with caplog.at_level(logging.WARNING, logger="gateway.tenancy.ratelimit"):
@@ -552,7 +566,9 @@ async def test_outage_open_falls_back_to_local_limits(caplog: pytest.LogCaptureF
 
 
 async def test_outage_closed_refuses() -> None:
-    limiter = make_limiter(f"redis://127.0.0.1:{closed_port()}", "closed")
+    limiter = make_limiter(
+        f"redis://127.0.0.1:{closed_port()}", LimiterOptions(failure_mode="closed")
+    )
     with pytest.raises(LimiterUnavailable) as info:
         await admitted(limiter, TenantLimits(rpm=2))
     assert 0 < info.value.retry_after <= 1.0
@@ -562,7 +578,7 @@ async def test_outage_closed_refuses() -> None:
 async def test_outage_and_recovery(
     redis_url: str, prefix: str, admin: redis.Redis, caplog: pytest.LogCaptureFixture
 ) -> None:
-    limiter = RedisLimiter(redis_url, key_prefix=prefix)
+    limiter = RedisLimiter(redis_url, LimiterOptions(key_prefix=prefix))
     limits = TenantLimits(rpm=10, tpm=100_000)  # the rpm key lives 6 s per request
     rpm_key = f"{prefix}:{{t}}:rpm"
     try:
@@ -593,7 +609,7 @@ async def test_outage_and_recovery(
 
 
 async def test_outage_closed_then_recovery(redis_url: str, prefix: str, admin: redis.Redis) -> None:
-    limiter = RedisLimiter(redis_url, key_prefix=prefix, failure_mode="closed")
+    limiter = RedisLimiter(redis_url, LimiterOptions(failure_mode="closed", key_prefix=prefix))
     limits = TenantLimits(rpm=1000)
     try:
         await admitted(limiter, limits)

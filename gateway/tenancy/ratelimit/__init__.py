@@ -13,6 +13,8 @@ import time
 from collections.abc import Callable
 
 from gateway.tenancy.ratelimit.limits import (
+    FailureMode,
+    LimiterOptions,
     LimiterUnavailable,
     RateLimited,
     RateLimiter,
@@ -21,10 +23,12 @@ from gateway.tenancy.ratelimit.limits import (
     TenantLimits,
     format_duration,
 )
-from gateway.tenancy.ratelimit.local import FailureMode, LocalLimiter, QuotaUsed
+from gateway.tenancy.ratelimit.local import LocalLimiter, QuotaUsed
 from gateway.tenancy.ratelimit.redis_limiter import RedisLimiter
 
 __all__ = [
+    "FailureMode",
+    "LimiterOptions",
     "LimiterUnavailable",
     "LocalLimiter",
     "RateLimited",
@@ -40,33 +44,21 @@ __all__ = [
 
 def make_limiter(
     redis_url: str | None,
-    failure_mode: FailureMode = "open",
+    options: LimiterOptions | None = None,
     *,
     quota_used: QuotaUsed | None = None,
-    key_prefix: str = "loragate",
-    concurrency_lease: float = 600.0,
     clock: Callable[[], float] = time.time,
-    timeout: float = 0.25,
 ) -> RateLimiter:
     """A RedisLimiter on `redis_url`, or a LocalLimiter without one. `quota_used(tenant_id,
     month_start)` is the usage ledger's token count for the month so far (a month's counter
     starts from it); `clock` is epoch seconds (the local limiter's time, the calendar month
-    for both); `timeout` bounds Redis connects and reads, in seconds."""
-    if failure_mode not in ("open", "closed"):
-        raise ValueError(f"failure_mode must be 'open' or 'closed', not {failure_mode!r}")
+    for both)."""
+    options = options or LimiterOptions()
     if redis_url is None:
         return LocalLimiter(
             quota_used=quota_used,
-            concurrency_lease=concurrency_lease,
+            concurrency_lease=options.concurrency_lease,
             clock=clock,
-            failure_mode=failure_mode,
+            failure_mode=options.failure_mode,
         )
-    return RedisLimiter(
-        redis_url,
-        failure_mode=failure_mode,
-        quota_used=quota_used,
-        key_prefix=key_prefix,
-        concurrency_lease=concurrency_lease,
-        clock=clock,
-        timeout=timeout,
-    )
+    return RedisLimiter(redis_url, options, quota_used=quota_used, clock=clock)

@@ -1,5 +1,6 @@
 """The limiter's values and interface: a tenant's limits, the state OpenAI's `x-ratelimit-*`
-headers report, a reservation to release, the two refusals, and `RateLimiter`.
+headers report, a reservation to release, the two refusals, a limiter's options, and
+`RateLimiter`.
 """
 
 from __future__ import annotations
@@ -7,11 +8,34 @@ from __future__ import annotations
 import math
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
+from typing import Literal
 
 # Where a reservation lives, so release() goes back to the store that made it.
 BACKEND_NONE = "none"  # nothing was reserved (a tenant without limits)
 BACKEND_LOCAL = "local"
 BACKEND_REDIS = "redis"
+
+# What a limiter does when its store (Redis, or the usage ledger for a month's quota) does not
+# answer: "open" admits (from a local limiter), "closed" refuses with LimiterUnavailable.
+FailureMode = Literal["open", "closed"]
+
+
+@dataclass(frozen=True, slots=True)
+class LimiterOptions:
+    """A limiter's settings (`--redis-*`, `--concurrency-lease`). `failure_mode` and
+    `concurrency_lease` (seconds a concurrency slot is held by a holder that never gave it
+    back) are every limiter's; the rest the Redis one's: its keys' prefix, the `timeout` of
+    its connects and reads and the `probe_interval` of its tries during an outage (seconds)."""
+
+    failure_mode: FailureMode = "open"
+    key_prefix: str = "loragate"
+    concurrency_lease: float = 600.0
+    timeout: float = 0.25
+    probe_interval: float = 1.0
+
+    def __post_init__(self) -> None:
+        if self.failure_mode not in ("open", "closed"):
+            raise ValueError(f"failure_mode must be 'open' or 'closed', not {self.failure_mode!r}")
 
 
 @dataclass(frozen=True, slots=True)

@@ -12,13 +12,13 @@ import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from datetime import datetime
-from typing import Literal
 
 from gateway.tenancy.ratelimit.buckets import Month, Snapshot, judge, level, month_of, take
 from gateway.tenancy.ratelimit.limits import (
     BACKEND_LOCAL,
     BACKEND_NONE,
     UNLIMITED,
+    FailureMode,
     LimiterUnavailable,
     RateLimiter,
     RateState,
@@ -30,7 +30,6 @@ from gateway.tenancy.ratelimit.limits import (
 logger = logging.getLogger(__name__)
 
 QuotaUsed = Callable[[str, datetime], Awaitable[int]]
-FailureMode = Literal["open", "closed"]
 SWEEP_INTERVAL = 60.0  # seconds between sweeps of idle tenants and past months
 
 

@@ -29,6 +29,7 @@ from gateway.tenancy.ratelimit.limits import (
     BACKEND_NONE,
     BACKEND_REDIS,
     UNLIMITED,
+    LimiterOptions,
     LimiterUnavailable,
     RateLimited,
     RateLimiter,
@@ -37,7 +38,7 @@ from gateway.tenancy.ratelimit.limits import (
     TenantLimits,
     check_tokens,
 )
-from gateway.tenancy.ratelimit.local import FailureMode, LocalLimiter, QuotaUsed, ledger_used
+from gateway.tenancy.ratelimit.local import LocalLimiter, QuotaUsed, ledger_used
 from gateway.tenancy.ratelimit.pipeline import AutoPipeline
 from gateway.tenancy.ratelimit.scripts import ACQUIRE, RELEASE
 
@@ -52,34 +53,31 @@ class RedisLimiter(RateLimiter):
     def __init__(
         self,
         url: str,
+        options: LimiterOptions | None = None,
         *,
-        failure_mode: FailureMode = "open",
         quota_used: QuotaUsed | None = None,
-        key_prefix: str = "loragate",
-        concurrency_lease: float = 600.0,
         clock: Callable[[], float] = time.time,
-        timeout: float = 0.25,
-        probe_interval: float = 1.0,
     ) -> None:
+        options = options or LimiterOptions()
         # No retries: a retry multiplies the timeout on the request path, and the failure
         # mode is the answer to a Redis that does not answer.
         self.redis = Redis.from_url(
             url,
-            socket_timeout=timeout,
-            socket_connect_timeout=timeout,
+            socket_timeout=options.timeout,
+            socket_connect_timeout=options.timeout,
             retry=Retry(NoBackoff(), 0),
         )
-        self.failure_mode = failure_mode
+        self.failure_mode = options.failure_mode
         self.quota_used = quota_used
-        self.key_prefix = key_prefix
-        self.lease = concurrency_lease
+        self.key_prefix = options.key_prefix
+        self.lease = options.concurrency_lease
         self.clock = clock  # only for the calendar month; buckets run on Redis's TIME
-        self.probe_interval = probe_interval
+        self.probe_interval = options.probe_interval
         self.fallback = LocalLimiter(
             quota_used=quota_used,
-            concurrency_lease=concurrency_lease,
+            concurrency_lease=options.concurrency_lease,
             clock=clock,
-            failure_mode=failure_mode,
+            failure_mode=options.failure_mode,
         )
         self._acquire = self.redis.register_script(ACQUIRE)
         self._release = self.redis.register_script(RELEASE)
