@@ -1,4 +1,5 @@
-"""The usage ledger's read side: sums of the `usage` table (keyword-only, one session each).
+"""The usage ledger's read side: sums of the `usage` table (one session each; the
+parameters keyword-only, or one query object).
 
 Times are Unix seconds, ranges half-open [start, end). Buckets are integer arithmetic on
 `created_epoch` (`created_epoch - created_epoch % width`), the same on SQLite and PostgreSQL,
@@ -14,7 +15,7 @@ from __future__ import annotations
 import base64
 import binascii
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from datetime import UTC, datetime
 from typing import Any
 
@@ -166,7 +167,7 @@ async def summarize_usage(
         where.append(false() if "\x00" in tenant_id else Usage.tenant_id == tenant_id)
     if how.name is None or how.top is None:
         rows = (await session.execute(_grouped_query(how, where))).all()
-        totals = [_totals(row, how, row.grp if how.name else None, False) for row in rows]
+        totals = [_totals(row, how, row.grp if how.name else None) for row in rows]
         return sorted(totals, key=lambda t: (t.day or "", t.group is not None, t.group or ""))
     # Two statements, each a pass over the range with a small hash table (the top groups,
     # then the days x (top groups + other)). One statement summing every (day, group) first
@@ -180,7 +181,7 @@ async def summarize_usage(
         return []  # no rows in the range
     rows = (await session.execute(_ranked_query(how, column, tops, where))).all()
     totals = [
-        _totals(row, how, None if row.rank is None else tops[row.rank], row.rank is None)
+        _other_totals(row, how) if row.rank is None else _totals(row, how, tops[row.rank])
         for row in rows
     ]
     # Days ascending; within a day the top groups in their rank, the other row last.
@@ -241,7 +242,7 @@ def _ranked_query(
     return select(*keys, *_sums(ranked.c)).group_by(*keys)
 
 
-def _totals(row: Any, how: Grouping, group: str | None, other: bool) -> UsageTotals:
+def _totals(row: Any, how: Grouping, group: str | None) -> UsageTotals:
     day = _day(int(row.day)) if how.by_day else None
     return UsageTotals(
         group if how.name else day,
@@ -250,8 +251,12 @@ def _totals(row: Any, how: Grouping, group: str | None, other: bool) -> UsageTot
         int(row.cached_tokens),
         int(row.completion_tokens),
         day=day,
-        other=other,
     )
+
+
+def _other_totals(row: Any, how: Grouping) -> UsageTotals:
+    """The sums of every group outside the top (in a day, by day)."""
+    return replace(_totals(row, how, None), other=True)
 
 
 async def tokens_used(session: AsyncSession, *, tenant_id: str, since: datetime) -> int:
@@ -325,24 +330,31 @@ def _width_and_limit(bucket_width: str, limit: int | None) -> tuple[int, int]:
     return BUCKET_WIDTHS[bucket_width], limit or default
 
 
+@dataclass(frozen=True, slots=True)
+class CompletionsQuery:
+    """A completions_page's parameters, OpenAI's: buckets of `bucket_width` from start_time to
+    end_time (None: now), grouped by COMPLETION_GROUPS, narrowed to tenants (projects), keys
+    and models (empty: all); `page` a next_page of the same query."""
+
+    start_time: int
+    end_time: int | None = None
+    bucket_width: str = "1d"
+    group_by: Sequence[str] = ()
+    limit: int | None = None
+    page: str | None = None
+    tenant_ids: Sequence[str] = ()
+    api_key_ids: Sequence[str] = ()
+    models: Sequence[str] = ()
+
+
 async def completions_page(
-    session: AsyncSession,
-    *,
-    start_time: int,
-    end_time: int | None = None,
-    bucket_width: str = "1d",
-    group_by: Sequence[str] = (),
-    limit: int | None = None,
-    page: str | None = None,
-    tenant_ids: Sequence[str] = (),
-    api_key_ids: Sequence[str] = (),
-    models: Sequence[str] = (),
-    now: int | None = None,
+    session: AsyncSession, query: CompletionsQuery, *, now: int | None = None
 ) -> dict[str, Any]:
     """One page of buckets from start_time (snapped down to its minute, hour or day) to
     end_time (exclusive; default now), every bucket listed, empty ones too. Raises
     UsageQueryError for parameters out of bounds."""
-    width, limit = _width_and_limit(bucket_width, limit)
+    start_time, end_time, group_by = query.start_time, query.end_time, query.group_by
+    width, limit = _width_and_limit(query.bucket_width, query.limit)
     if not 0 <= start_time <= MAX_EPOCH:
         raise UsageQueryError("start_time", f"start_time: Unix seconds in [0, {MAX_EPOCH}]")
     end = int(datetime.now(UTC).timestamp()) if now is None else now
@@ -354,8 +366,8 @@ async def completions_page(
     if unknown:
         raise UsageQueryError("group_by", f"group_by: one of {', '.join(COMPLETION_GROUPS)}")
     first = start_time - start_time % width
-    if page is not None:
-        cursor = decode_page(page)
+    if query.page is not None:
+        cursor = decode_page(query.page)
         if cursor % width or not first <= cursor < end:
             raise UsageQueryError("page", "page: not a next_page of this query")
         first = cursor
@@ -373,19 +385,19 @@ async def completions_page(
     groups = [g for g in COMPLETION_GROUPS if g in group_by]
     bucket = _bucket(width)
     keys: list[Any] = [bucket.label("bucket")] + [columns[g].label(g) for g in groups]
-    query: Select[Any] = select(*keys, *_sums())
-    query = query.group_by(bucket, *(columns[g] for g in groups))
-    query = _in_range(query, max(start_time, first), min(end, stop))
+    sums: Select[Any] = select(*keys, *_sums())
+    sums = sums.group_by(bucket, *(columns[g] for g in groups))
+    sums = _in_range(sums, max(start_time, first), min(end, stop))
     for column, values in (
-        (Usage.tenant_id, tenant_ids),
-        (Usage.key_id, api_key_ids),
-        (Usage.model, models),
+        (Usage.tenant_id, query.tenant_ids),
+        (Usage.key_id, query.api_key_ids),
+        (Usage.model, query.models),
     ):
         if values:
-            query = query.where(column.in_(list(values)))
+            sums = sums.where(column.in_(list(values)))
     results: dict[int, list[dict[str, Any]]] = {first + i * width: [] for i in range(count)}
     if count:
-        for row in (await session.execute(query)).all():
+        for row in (await session.execute(sums)).all():
             results[int(row.bucket)].append(_result(row, groups))
     for found in results.values():
         found.sort(key=lambda r: tuple((r[g] is not None, r[g] or "") for g in groups))

@@ -21,6 +21,7 @@ import csv
 import io
 import math
 from collections.abc import Sequence
+from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Annotated, Any, Literal
 
@@ -38,6 +39,7 @@ from tenants.usage import (
     MAX_EPOCH,
     MAX_PAGE,
     MAX_TOP,
+    CompletionsQuery,
     Grouping,
     UsageQueryError,
     UsageTotals,
@@ -169,7 +171,8 @@ async def admin_summary(
     top: Annotated[int | None, Query(ge=1, le=MAX_TOP, description=_TOP)] = None,
 ) -> Response | dict[str, Any]:
     """Token sums of every tenant, or of one (`tenant_id`)."""
-    return await _summary(request, tenancy, tenant_id, start, end, group_by or [], top)
+    query = SummaryQuery(tenant_id, start, end, group_by or [], top)
+    return await _summary(request, tenancy, query)
 
 
 @router.get("/usage", response_model=Summary, response_model_exclude_unset=True, responses=_SUMMARY)
@@ -192,7 +195,8 @@ async def tenant_summary(
             param="tenant_id",
             code="invalid_value",
         )
-    return await _summary(request, tenancy, tenant.id, start, end, group_by or [], top)
+    query = SummaryQuery(tenant.id, start, end, group_by or [], top)
+    return await _summary(request, tenancy, query)
 
 
 @admin_router.get("/usage/completions", response_model=CompletionsPage)
@@ -226,15 +230,17 @@ async def completions(
         async with tenancy.db.session() as session:
             return await completions_page(
                 session,
-                start_time=start_time,
-                end_time=end_time,
-                bucket_width=bucket_width,
-                group_by=list(group_by or []) + list(group_by_brackets or []),
-                limit=limit,
-                page=page,
-                tenant_ids=projects,
-                api_key_ids=api_key_ids or [],
-                models=models or [],
+                CompletionsQuery(
+                    start_time=start_time,
+                    end_time=end_time,
+                    bucket_width=bucket_width,
+                    group_by=list(group_by or []) + list(group_by_brackets or []),
+                    limit=limit,
+                    page=page,
+                    tenant_ids=projects,
+                    api_key_ids=api_key_ids or [],
+                    models=models or [],
+                ),
             )
     except UsageQueryError as exc:
         raise APIError(400, str(exc), param=exc.param, code="invalid_value") from exc
@@ -250,25 +256,31 @@ organization_router.add_api_route(
 )
 
 
+@dataclass(frozen=True, slots=True)
+class SummaryQuery:
+    """A summary's query parameters: whose (None: every tenant's), from and to, the groups."""
+
+    tenant_id: str | None
+    start: datetime | None
+    end: datetime | None
+    group_by: Sequence[str]
+    top: int | None
+
+
 async def _summary(
-    request: Request,
-    tenancy: Tenancy,
-    tenant_id: str | None,
-    start: datetime | None,
-    end: datetime | None,
-    group_by: Sequence[str],
-    top: int | None,
+    request: Request, tenancy: Tenancy, query: SummaryQuery
 ) -> Response | dict[str, Any]:
-    first, stop = _epoch(start, "from"), _epoch(end, "to")
+    first, stop = _epoch(query.start, "from"), _epoch(query.end, "to")
     if first is not None and stop is not None:
         stop = max(stop, first)  # to at or before from: the empty range, no rows
+    group_by, top = query.group_by, query.top
     try:
         how = grouping(group_by, top)
     except UsageQueryError as exc:
         raise APIError(400, str(exc), param=exc.param, code="invalid_value") from exc
     async with tenancy.db.session() as session:
         totals = await summarize_usage(
-            session, tenant_id=tenant_id, start=first, end=stop, group_by=group_by, top=top
+            session, tenant_id=query.tenant_id, start=first, end=stop, group_by=group_by, top=top
         )
     # The columns: the day, the other group, `other` with top, then the sums.
     groups = (["day"] if how.by_day else []) + ([how.name] if how.name else [])

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Awaitable, Callable
+from dataclasses import replace
 from datetime import UTC, datetime
 from typing import Any
 
@@ -18,6 +19,7 @@ from tenants.db import Database, upgrade
 from tenants.models import Usage
 from tenants.usage import (
     DAY,
+    CompletionsQuery,
     UsageQueryError,
     UsageTotals,
     completions_page,
@@ -103,9 +105,10 @@ def test_tokens_used_since_a_quotas_start(database_url: str) -> None:
 
 def test_openai_buckets_list_empty_ones_and_page_with_a_cursor(database_url: str) -> None:
     async def body(session: AsyncSession) -> None:
-        first = await completions_page(
-            session, start_time=T0 + 1800, end_time=T0 + 4 * 3600, bucket_width="1h", limit=2
+        query = CompletionsQuery(
+            start_time=T0 + 1800, end_time=T0 + 4 * 3600, bucket_width="1h", limit=2
         )
+        first = await completions_page(session, query)
         # Snapped down to 22:00; two buckets of four, the rest behind next_page.
         starts = [b["start_time"] for b in first["data"]]
         assert starts == [T0, T0 + 3600] and first["has_more"]
@@ -114,14 +117,7 @@ def test_openai_buckets_list_empty_ones_and_page_with_a_cursor(database_url: str
         assert first["data"][0]["results"] == []
         (one,) = first["data"][1]["results"]
         assert (one["num_model_requests"], one["input_tokens"], one["output_tokens"]) == (1, 100, 5)
-        rest = await completions_page(
-            session,
-            start_time=T0 + 1800,
-            end_time=T0 + 4 * 3600,
-            bucket_width="1h",
-            limit=2,
-            page=first["next_page"],
-        )
+        rest = await completions_page(session, replace(query, page=first["next_page"]))
         assert [b["start_time"] for b in rest["data"]] == [T0 + 7200, T0 + 3 * 3600]
         assert not rest["has_more"] and rest["next_page"] is None
         assert rest["data"][0]["results"][0]["output_tokens"] == 50
@@ -134,9 +130,11 @@ def test_openai_groups_a_given_group_once(database_url: str) -> None:
     async def body(session: AsyncSession) -> None:
         page = await completions_page(
             session,
-            start_time=T0 - T0 % DAY,
-            end_time=T0 - T0 % DAY + DAY,
-            group_by=["project_id", "project_id", "adapter"],
+            CompletionsQuery(
+                start_time=T0 - T0 % DAY,
+                end_time=T0 - T0 % DAY + DAY,
+                group_by=["project_id", "project_id", "adapter"],
+            ),
         )
         results = page["data"][0]["results"]
         assert [(r["project_id"], r["adapter"], r["num_model_requests"]) for r in results] == [
@@ -166,7 +164,7 @@ def test_refusals_name_their_parameter(
 ) -> None:
     async def body(session: AsyncSession) -> None:
         with pytest.raises(UsageQueryError) as refused:
-            await completions_page(session, now=T0, **kwargs)
+            await completions_page(session, CompletionsQuery(**kwargs), now=T0)
         assert refused.value.param == param
 
     _with_rows(database_url, body)
