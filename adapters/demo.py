@@ -27,6 +27,7 @@ import shutil
 import tempfile
 import warnings
 from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -47,6 +48,18 @@ TARGET_PRESETS: dict[str, tuple[str, ...]] = {
 }
 
 
+@dataclass(frozen=True, slots=True)
+class LoraScaling:
+    """An adapter's `lora_alpha` (None: 2 * rank) and whether its update is scaled by
+    alpha / sqrt(r) (rsLoRA, peft's `use_rslora`) rather than alpha / r."""
+
+    alpha: int | None = None
+    rslora: bool = False
+
+    def lora_alpha(self, rank: int) -> int:
+        return 2 * rank if self.alpha is None else self.alpha
+
+
 def build_demo_adapter(
     model_dir: str | Path,
     out_dir: str | Path,
@@ -54,25 +67,24 @@ def build_demo_adapter(
     rank: int,
     targets: str | Sequence[str] = "all",
     seed: int,
-    alpha: int | None = None,
-    rslora: bool = False,
+    scaling: LoraScaling | None = None,
 ) -> Path:
     """Write a PEFT LoRA adapter for the model in `model_dir` to `out_dir` and return it.
 
     `targets` is "all" (the seven projections), "attention" (q/k/v/o) or a list
-    of module names. `alpha` defaults to 2 * rank. The same arguments give the
-    same bytes; an existing `out_dir` is replaced whole.
+    of module names. `scaling` defaults to alpha 2 * rank, without rsLoRA. The
+    same arguments give the same bytes; an existing `out_dir` is replaced whole.
     """
     modules = _target_modules(targets)
     if rank < 1:
         raise ValueError(f"rank must be positive, got {rank}")
-    lora_alpha = 2 * rank if alpha is None else alpha
+    chosen = scaling or LoraScaling()
     model_dir = Path(model_dir)
     if not (model_dir / "config.json").is_file():
         raise FileNotFoundError(f"no model at {model_dir}: config.json is missing")
     return _replace_dir(
         Path(out_dir),
-        lambda tmp: _save_with_peft(model_dir, tmp, rank, lora_alpha, rslora, modules, seed),
+        lambda tmp: _save_with_peft(model_dir, tmp, rank, chosen, modules, seed),
     )
 
 
@@ -111,8 +123,7 @@ def _save_with_peft(
     model_dir: Path,
     out_dir: Path,
     rank: int,
-    alpha: int,
-    rslora: bool,
+    scaling: LoraScaling,
     modules: tuple[str, ...],
     seed: int,
 ) -> None:
@@ -121,6 +132,7 @@ def _save_with_peft(
     from peft.tuners.lora import LoraLayer
     from transformers import AutoConfig, AutoModelForCausalLM
 
+    alpha, rslora = scaling.lora_alpha(rank), scaling.rslora
     config = AutoConfig.from_pretrained(model_dir, local_files_only=True)
     # Recorded as the adapter's base_model_name_or_path: the directory's name, which the
     # loader matches against the server's model, rather than this machine's path.

@@ -84,7 +84,7 @@ def demo_adapter(
 
     Shared by every test of the session, so tests copy it before changing anything.
     """
-    from adapters.demo import build_demo_adapter
+    from adapters.demo import LoraScaling, build_demo_adapter
 
     root = tmp_path_factory.mktemp("demo-adapter")
     built: dict[tuple[int, str, int, bool], Path] = {}
@@ -94,7 +94,12 @@ def demo_adapter(
         if key not in built:
             name = f"r{rank}-{targets}-seed{seed}" + ("-rslora" if rslora else "")
             built[key] = build_demo_adapter(
-                demo_model_dir, root / name, rank=rank, targets=targets, seed=seed, rslora=rslora
+                demo_model_dir,
+                root / name,
+                rank=rank,
+                targets=targets,
+                seed=seed,
+                scaling=LoraScaling(rslora=rslora),
             )
         return built[key]
 

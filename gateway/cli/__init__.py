@@ -50,12 +50,13 @@ def demo_adapter(
     rslora: Annotated[bool, typer.Option(help="Scale by alpha / sqrt(r) (rsLoRA).")] = False,
 ) -> None:
     """Build a seeded PEFT LoRA adapter for a base model (no training; changes its outputs)."""
-    from adapters.demo import TARGET_PRESETS, build_demo_adapter
+    from adapters.demo import TARGET_PRESETS, LoraScaling, build_demo_adapter
 
     modules = targets if targets in TARGET_PRESETS else targets.split(",")
     try:
+        scaling = LoraScaling(alpha, rslora)
         path = build_demo_adapter(
-            model, out, rank=rank, targets=modules, seed=seed, alpha=alpha, rslora=rslora
+            model, out, rank=rank, targets=modules, seed=seed, scaling=scaling
         )
     except (OSError, ValueError) as exc:
         typer.echo(f"error: {exc}", err=True)

@@ -15,7 +15,7 @@ from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel
 from typer.testing import CliRunner
 
-from adapters.demo import UPDATE_STRENGTH, build_demo_adapter, clone_adapter
+from adapters.demo import UPDATE_STRENGTH, LoraScaling, build_demo_adapter, clone_adapter
 from adapters.peft import CONFIG_FILE, WEIGHTS_FILE, describe_base, load_peft_adapter
 from gateway.cli import app
 
@@ -94,7 +94,12 @@ def test_build_is_reproducible(
 
 def test_explicit_targets_and_alpha(demo_model_dir: Path, tmp_path: Path) -> None:
     path = build_demo_adapter(
-        demo_model_dir, tmp_path / "qv", rank=4, targets=["v_proj", "q_proj"], seed=7, alpha=6
+        demo_model_dir,
+        tmp_path / "qv",
+        rank=4,
+        targets=["v_proj", "q_proj"],
+        seed=7,
+        scaling=LoraScaling(alpha=6),
     )
     assert json.loads((path / CONFIG_FILE).read_text())["target_modules"] == ["q_proj", "v_proj"]
     loaded = load_peft_adapter(path, describe_base(demo_model_dir), max_lora_rank=8)
