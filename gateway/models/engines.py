@@ -21,7 +21,7 @@ from engine.zygote import Zygote
 from gateway.models.engine_knobs import engine_config
 from gateway.models.models_file import ServedModelSpec
 from gateway.models.on_demand import OnDemandEngine, ScalePolicy
-from gateway.models.replica_pool import HoldPolicy, Replica, ReplicaPool
+from gateway.models.replica_pool import HoldPolicy, PoolRouting, Replica, ReplicaPool
 from gateway.models.scale_up import ScaleUpPolicy
 from gateway.remote.picked_engine import PickedEngine
 from gateway.remote.remote_engine import CONNECT_TIMEOUT, RemoteEngine
@@ -104,9 +104,8 @@ def model_engine(
         return replicas[0]
     names = [f"{spec.name}/{i}" for i in range(len(replicas))]
     scale_up = ScaleUpPolicy(entry.scale_up_waiting, entry.scale_up_window)
-    return ReplicaPool(
-        spec.name, replicas, names, settings.block_size, settings.routing, scale_up=scale_up
-    )
+    routing = PoolRouting(settings.block_size, settings.routing)
+    return ReplicaPool(spec.name, replicas, names, routing, scale_up=scale_up)
 
 
 def _on_demand(
@@ -217,9 +216,8 @@ def remote_pool(spec: ServedModelSpec) -> ReplicaPool:
     while time.monotonic() < deadline and not all(r.is_alive for r in replicas):
         time.sleep(0.05)
     urls = spec.entry.urls
-    return ReplicaPool(
-        spec.name, replicas, urls, settings.block_size, settings.routing, hold_policy(spec)
-    )
+    routing = PoolRouting(settings.block_size, settings.routing)
+    return ReplicaPool(spec.name, replicas, urls, routing, hold_policy(spec))
 
 
 def _without_progress(load: Callable[[Any], Any]) -> Any:

@@ -51,6 +51,19 @@ class HoldPolicy:
     scale_to_zero: bool = False  # no replica up is a state, not a failure (health stays ok)
 
 
+@dataclass(frozen=True, slots=True)
+class PoolRouting:
+    """How the pool picks a replica: `policy` (one of POLICIES), and for affinity the prompt's
+    first `block_size` tokens (the engines' KV block), the prefix the key is made of."""
+
+    block_size: int
+    policy: str = "affinity"
+
+    def __post_init__(self) -> None:
+        if self.policy not in POLICIES:
+            raise ValueError(f"routing is one of {', '.join(POLICIES)}, not {self.policy!r}")
+
+
 # A pool's replica: a `loragate engine` elsewhere (gateway.remote's RemoteEngine), or a local
 # engine started on demand.
 Replica = LoopClient | OnDemandEngine
@@ -64,8 +77,7 @@ class ReplicaPool(EngineClient):
         name: str,
         replicas: Sequence[Replica],
         names: Sequence[str],
-        block_size: int,
-        policy: str = "affinity",
+        routing: PoolRouting,
         hold: HoldPolicy | None = None,
         scale_up: ScaleUpPolicy | None = None,
     ) -> None:
@@ -73,14 +85,12 @@ class ReplicaPool(EngineClient):
         (gateway.models.scale_up)."""
         if not replicas:
             raise ValueError("a pool has at least one replica")
-        if policy not in POLICIES:
-            raise ValueError(f"routing is one of {', '.join(POLICIES)}, not {policy!r}")
         self.name = name
-        self.policy = policy
+        self.policy = routing.policy
         self._turn = 0  # round_robin's next replica
         self.replicas = list(replicas)
         self.names = list(names)
-        self.block_size = block_size
+        self.block_size = routing.block_size
         self.in_flight = [0] * len(replicas)
         self.routed = [0] * len(replicas)  # requests sent to each, for tests and benchmarks
         self.hold = hold

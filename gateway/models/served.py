@@ -14,7 +14,6 @@ from typing import Any
 from engine.engine_client import EngineClient
 from gateway.http.request_limits import RequestLimits, ServerBounds
 
-
 # How a server's health reads when its models' engines disagree: the worst one speaks.
 _HEALTH_ORDER = ("dead", "stopping", "restarting", "ok")
 

@@ -25,7 +25,7 @@ from engine.engine_facts import EngineFacts
 from engine.messages import EngineStats
 from gateway.http.request_limits import RequestLimits
 from gateway.models.on_demand import OnDemandEngine, ScalePolicy
-from gateway.models.replica_pool import ReplicaPool
+from gateway.models.replica_pool import PoolRouting, ReplicaPool
 from gateway.models.served import ServedModels
 from gateway.models.states import model_statuses, replica_state, routing_of
 
@@ -228,7 +228,7 @@ def test_idle_is_half_the_idle_timeout_unused_on_an_engine_that_scales_to_zero()
 def test_a_pools_replicas_by_index_and_a_stopped_one_reports_nothing() -> None:
     first, second = _on_demand(min_replicas=1), _on_demand(min_replicas=0)
     first.start_now()
-    pool = ReplicaPool("m", [first, second], ["m/0", "m/1"], block_size=16)
+    pool = ReplicaPool("m", [first, second], ["m/0", "m/1"], PoolRouting(16))
     assert routing_of(pool) == "on_demand" and routing_of(first) == "local"
     (status,) = model_statuses(ServedModels({"m": pool}, RequestLimits()), now=first.last_used)
     assert status.routing == "on_demand" and status.num_cold_starts == 1

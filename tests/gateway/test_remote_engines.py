@@ -38,7 +38,7 @@ from engine.errors import GuidedSpecError
 from engine.messages import EngineRequest
 from engine.request import GuidedSpec
 from gateway.models.engine_knobs import engine_config
-from gateway.models.replica_pool import ReplicaPool
+from gateway.models.replica_pool import PoolRouting, ReplicaPool
 from gateway.remote.remote_engine import RemoteEngine, engine_socket_url
 from gateway.settings import Settings
 
@@ -78,7 +78,7 @@ def gateway(demo_model_dir: Path, root: Path, engines: list[EngineService]) -> I
     ]
     for replica in replicas:
         replica.start()
-    pool = ReplicaPool("demo", replicas, [e.url for e in engines], block_size=16)
+    pool = ReplicaPool("demo", replicas, [e.url for e in engines], PoolRouting(16))
     app = build_test_app(pool, "demo", root, demo_model_dir)  # type: ignore[arg-type]
     with live_server(app, pool) as server:  # type: ignore[arg-type]
         yield server

@@ -25,7 +25,7 @@ from engine.engine_facts import EngineFacts
 from engine.errors import EngineOverloaded
 from engine.messages import EngineRequest
 from gateway.models.engine_knobs import engine_config
-from gateway.models.replica_pool import HoldPolicy, ReplicaPool
+from gateway.models.replica_pool import HoldPolicy, PoolRouting, ReplicaPool
 from gateway.remote.remote_engine import RemoteEngine
 from gateway.settings import Settings
 
@@ -43,7 +43,7 @@ def _pool(model_dir: Path, url: str, hold: HoldPolicy) -> ReplicaPool:
         token=TOKEN,
     )
     replica.start(wait=0)  # nothing answers there yet: retried in the background
-    return ReplicaPool("demo", [replica], [url], block_size=16, hold=hold)
+    return ReplicaPool("demo", [replica], [url], PoolRouting(16), hold=hold)
 
 
 def _pending(server: Server) -> float:
