@@ -340,7 +340,8 @@ def test_redis_going_quiet_falls_back_or_refuses(
                 assert int(refused.value.response.headers["retry-after"]) >= 1
         finally:
             quiet.execute_command("CLIENT", "UNPAUSE")
-        # Redis answers again: the limiter goes back to it.
+        # Redis answers again: the limiter goes back to it. Waited out, not polled: it tries
+        # Redis once a probe interval (1 s), and each try is a request the rpm limit counts.
         time.sleep(1.2)
         assert _complete(client).status_code == 200
         metrics = httpx.get(f"{server.base_url}/metrics").text

@@ -360,7 +360,8 @@ def test_a_tenants_rate_limit_holds_across_both_gateways(cluster: Cluster) -> No
     with httpx.Client(headers=_admin(), timeout=60) as admin:
         assert admin.patch(b.url + patch, json={"rpm_limit": rpm}).status_code == 200
         try:
-            time.sleep(3 * TENANT_CACHE_TTL)  # a's cached tenant has expired
+            # a's cached tenant expires (its limits show only in a request, which would count).
+            time.sleep(3 * TENANT_CACHE_TTL)
             started = time.monotonic()
             with ThreadPoolExecutor(4) as pool:
                 answers = list(
@@ -373,6 +374,7 @@ def test_a_tenants_rate_limit_holds_across_both_gateways(cluster: Cluster) -> No
             assert time.monotonic() - started < 60 / rpm
         finally:
             assert admin.patch(a.url + patch, json={"rpm_limit": None}).status_code == 200
+            # No signal without spending a request: wait out b's cached tenant, as above.
             time.sleep(3 * TENANT_CACHE_TTL)
     codes = [r.status_code for r in answers]
     assert codes.count(200) == rpm and codes.count(429) == 12 - rpm, codes
@@ -430,7 +432,11 @@ def test_every_request_through_either_gateway_has_exactly_one_usage_row(
     assert {rows[i]["status"] for i in hung_up} == {"aborted"}
     assert all(0 < rows[i]["completion_tokens"] < 300 for i in hung_up)
     assert sum(r["adapter_name"] == cluster.adapter for r in rows.values()) == 2
-    time.sleep(3 * float(FLUSH_INTERVAL))  # nothing more to come
+    # Nothing more to come: no gateway holds a row not yet in the database.
+    deadline = time.monotonic() + 30
+    while any(g.metric("loragate:usage_rows_pending") for g in cluster.gateways):
+        assert time.monotonic() < deadline, "usage rows still pending"
+        time.sleep(0.05)
     after = _tenant_rows(cluster.database_url, cluster.tenant_id)
     assert after - before == len(rows)
 
@@ -450,6 +456,28 @@ def _ran_on(cluster: Cluster, send: Any) -> int:
     ]
     assert len(rose) == 1, rose
     return rose[0]
+
+
+def _wait_resident(cluster: Cluster, engine_url: str, timeout: float = 10.0) -> None:
+    """Until both gateways see the tenant's adapter in a slot of that engine, as they route by
+    it (each engine reports what its slots hold at most every 0.1 s)."""
+    deadline = time.monotonic() + timeout
+    for gateway in cluster.gateways[:2]:
+        while cluster.adapter not in _resident(gateway, engine_url):
+            assert time.monotonic() < deadline, f"{gateway.url} never saw the adapter resident"
+            time.sleep(0.02)
+
+
+def _resident(gateway: Gateway, engine_url: str) -> list[str | None]:
+    """The adapters `gateway`'s GET /admin/engines lists in the slots of that engine."""
+    models = httpx.get(f"{gateway.url}/admin/engines", headers=_admin(), timeout=10).json()
+    return [
+        adapter["name"]
+        for model in models["data"]
+        for replica in model["replicas"]
+        if replica["id"] == engine_url
+        for adapter in replica["resident_adapters"]
+    ]
 
 
 def test_a_prefixs_and_an_adapters_requests_run_on_one_engine_through_either_gateway(
@@ -492,8 +520,9 @@ def test_a_prefixs_and_an_adapters_requests_run_on_one_engine_through_either_gat
             resp = _complete(gateway, cluster, model=cluster.adapter, prompt=prompt)
             assert resp.status_code == 200, resp.text
 
-        ran_on.add(_ran_on(cluster, adapted))
-        time.sleep(0.3)  # engines report the adapters they hold at most every 0.1 s
+        engine = _ran_on(cluster, adapted)
+        ran_on.add(engine)
+        _wait_resident(cluster, cluster.engines[engine].url)
     assert len(ran_on) == 1, ran_on
     assert sum(e.metric("loragate:lora_loads_total") for e in cluster.engines) - loads <= 1
 
