@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Mapping
+from dataclasses import dataclass
 
 from fastapi import FastAPI
 
@@ -22,24 +23,48 @@ from gateway.openai.responses.serving import ResponsesServing
 from gateway.openai.routes import health_router, router
 from gateway.openai.serving import OpenAIServing
 from gateway.routers import admin, admin_adapters, admin_engines, lora, usage
+from gateway.settings import Settings
 from gateway.tenancy.admission import Admission
 from gateway.tenancy.state import Tenancy
 
 ADAPTER_UPLOADS = "/admin/adapters"
 
 
+@dataclass(frozen=True)
+class AppOptions:
+    """What the app is built with beside its engines and tenancy: the settings that shape its
+    routes and bounds (`loragate serve` makes it from its Settings, tests name a few fields)."""
+
+    max_body_bytes: int = 4 << 20
+    enable_lora: bool = True
+    # The /v1/load_lora_adapter routes (vLLM's); needs enable_lora.
+    allow_runtime_lora_updating: bool = False
+    limits: RequestLimits = RequestLimits()
+    metrics_max_tenants: int = 100
+    tool_call_parser: str | None = None
+    console_oauth: ConsoleOAuth | None = None
+
+    @classmethod
+    def from_settings(cls, settings: Settings, console_oauth: ConsoleOAuth | None) -> AppOptions:
+        return cls(
+            max_body_bytes=settings.max_body_bytes,
+            enable_lora=settings.enable_lora,
+            allow_runtime_lora_updating=(
+                settings.allow_runtime_lora_updating and settings.enable_lora
+            ),
+            limits=RequestLimits(max_n=settings.max_n, max_prompt_chars=settings.max_prompt_chars),
+            metrics_max_tenants=settings.metrics_max_tenants,
+            tool_call_parser=(
+                settings.tool_call_parser if settings.enable_auto_tool_choice else None
+            ),
+            console_oauth=console_oauth,
+        )
+
+
 def build_app(
-    engines: Mapping[str, EngineClient],
-    tenancy: Tenancy,
-    *,
-    max_body_bytes: int = 4 << 20,
-    enable_lora: bool = True,
-    allow_runtime_lora_updating: bool = False,
-    limits: RequestLimits | None = None,
-    metrics_max_tenants: int = 100,
-    tool_call_parser: str | None = None,
-    console_oauth: ConsoleOAuth | None = None,
+    engines: Mapping[str, EngineClient], tenancy: Tenancy, options: AppOptions | None = None
 ) -> FastAPI:
+    options = options or AppOptions()
     app = FastAPI(
         title="loragate",
         summary="Multi-tenant, OpenAI-compatible LoRA serving gateway",
@@ -47,11 +72,11 @@ def build_app(
         redoc_url=None,
     )
     app.state.tenancy = tenancy
-    app.state.console_oauth = console_oauth
-    models = app.state.models = ServedModels(engines, limits or RequestLimits())
-    metrics = app.state.metrics = Metrics(models, metrics_max_tenants)
+    app.state.console_oauth = options.console_oauth
+    models = app.state.models = ServedModels(engines, options.limits)
+    metrics = app.state.metrics = Metrics(models, options.metrics_max_tenants)
     metrics.watch_tenancy(tenancy.limiter, tenancy.ledger)
-    catalog = tenancy.catalog if enable_lora else None
+    catalog = tenancy.catalog if options.enable_lora else None
     if catalog is not None:
         catalog.on_unreferenced = models.unload_lora
     app.state.serving = OpenAIServing(
@@ -60,7 +85,7 @@ def build_app(
         Admission(tenancy.limiter, metrics.tenants),
         tenancy.ledger,
         catalog,
-        tool_call_parser,
+        options.tool_call_parser,
     )
     app.state.responses = (
         None
@@ -73,7 +98,7 @@ def build_app(
     # (adapter uploads have a limit of their own).
     app.add_middleware(
         BodySizeLimit,
-        max_bytes=max_body_bytes,
+        max_bytes=options.max_body_bytes,
         overrides={ADAPTER_UPLOADS: tenancy.max_adapter_bytes},
     )
     app.add_middleware(ConsoleHeaders)
@@ -89,7 +114,7 @@ def build_app(
         admin_engines.router,
         health_router,
     ]
-    if allow_runtime_lora_updating:
+    if options.allow_runtime_lora_updating:
         if catalog is None:
             raise ValueError("runtime LoRA updating needs LoRA enabled")
         routers.append(lora.router)

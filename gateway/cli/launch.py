@@ -48,8 +48,8 @@ async def _start_up(
         first = tenancy.catalog.model_names[0]
         for name, path in modules:
             try:
-                row = await tenancy.catalog.add_local(
-                    owner_id=None, name=name, path=path, base_model=first, replace=True
+                row = await tenancy.catalog.put_local(
+                    owner_id=None, name=name, path=path, base_model=first
                 )
             except (AdapterError, AdapterExists, ValueError, OSError) as exc:
                 raise typer.BadParameter(f"{name}: {exc}", param_hint="--lora-modules") from exc
@@ -62,8 +62,7 @@ async def _start_up(
 def run_server(settings: Settings, with_progress: Callable[[Any], Any]) -> None:
     import uvicorn
 
-    from gateway.app import build_app
-    from gateway.http.request_limits import RequestLimits
+    from gateway.app import AppOptions, build_app
 
     modules = lora_modules(settings)
     try:
@@ -88,17 +87,7 @@ def run_server(settings: Settings, with_progress: Callable[[Any], Any]) -> None:
         engines[spec.name] = model_engine(spec, start, with_progress)
     if spares is not None:
         spares.start()  # the engines that start with the server have loaded
-    app = build_app(
-        engines,
-        tenancy,
-        max_body_bytes=settings.max_body_bytes,
-        enable_lora=settings.enable_lora,
-        allow_runtime_lora_updating=settings.allow_runtime_lora_updating and settings.enable_lora,
-        limits=RequestLimits(max_n=settings.max_n, max_prompt_chars=settings.max_prompt_chars),
-        metrics_max_tenants=settings.metrics_max_tenants,
-        tool_call_parser=settings.tool_call_parser if settings.enable_auto_tool_choice else None,
-        console_oauth=console_oauth,
-    )
+    app = build_app(engines, tenancy, AppOptions.from_settings(settings, console_oauth))
 
     @contextlib.asynccontextmanager
     async def lifespan(_: object):  # type: ignore[no-untyped-def]

@@ -82,12 +82,8 @@ async def load_lora_adapter(
             code="invalid_adapter",
         )
     try:
-        await tenancy.catalog.add_local(
-            owner_id=None,
-            name=body.lora_name,
-            path=path,
-            base_model=body.base_model,
-            replace=True,
+        await tenancy.catalog.put_local(
+            owner_id=None, name=body.lora_name, path=path, base_model=body.base_model
         )
     except InvalidBaseModel as exc:
         raise APIError(400, str(exc), param="base_model", code="invalid_value") from exc

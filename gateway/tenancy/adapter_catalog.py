@@ -22,6 +22,7 @@ import time
 from collections.abc import Callable, Collection
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Protocol
 
 from adapters.peft import BaseModelInfo
 from adapters.peft_config import AdapterError
@@ -73,6 +74,20 @@ class AmbiguousAdapter(LookupError):
 class InvalidBaseModel(ValueError):
     """An adapter's `base_model` left out where several models are served, or naming none of
     them."""
+
+
+class AdapterResolver(Protocol):
+    """What serving asks of adapters: which one a tenant's `model` field names, and which
+    names a tenant may list. `AdapterCatalog` answers from its rows; `loragate engine`'s
+    service from the adapter header its gateway sent (gateway.engine_service.openai)."""
+
+    async def resolve(
+        self, tenant_id: str, name: str, allowed_models: Collection[str] | None = None
+    ) -> ResolvedAdapter | None: ...
+
+    async def names(
+        self, tenant_id: str, allowed_models: Collection[str] | None = None
+    ) -> list[tuple[str, str]]: ...
 
 
 # Per tenant: adapter name -> base model -> the adapter, the bases in the catalog's order.
@@ -201,31 +216,37 @@ class AdapterCatalog:
         return await self._insert(owner_id, name, base, info)
 
     async def add_local(
-        self,
-        *,
-        owner_id: str | None,
-        name: str,
-        path: Path,
-        base_model: str | None = None,
-        replace: bool = False,
+        self, *, owner_id: str | None, name: str, path: Path, base_model: str | None = None
     ) -> Adapter:
         """Register a server-local adapter directory (its files are copied into the store) on
-        `base_model` (None: the only one). With `replace`, a name in use on that model moves
-        to these files (vLLM's runtime loading does so)."""
-        base = self.base_model_for(base_model)
-        check_adapter_name(name)  # before any file is stored under it
-        info = await asyncio.to_thread(self._inspect, path, base)
-        if replace:
-            async with self.db.session() as session:
-                old = await get_by_name(session, owner_id=owner_id, base_model=base, name=name)
-            if old is not None:
-                if old.sha256 == info.adapter_id:
-                    return old
-                await self.remove(old)
-        else:
-            await self._check_name_free(owner_id, base, name)
+        `base_model` (None: the only one). Raises AdapterExists for a name the owner uses on
+        that model; put_local replaces it."""
+        base, info = await self._inspect_local(name, path, base_model)
+        await self._check_name_free(owner_id, base, name)
         await asyncio.to_thread(self.store.copy_in, path, info.adapter_id)
         return await self._insert(owner_id, name, base, info)
+
+    async def put_local(
+        self, *, owner_id: str | None, name: str, path: Path, base_model: str | None = None
+    ) -> Adapter:
+        """add_local, except that a name in use on that model moves to these files (vLLM's
+        runtime loading, `--lora-modules`); the same files again leave its row as it is."""
+        base, info = await self._inspect_local(name, path, base_model)
+        async with self.db.session() as session:
+            old = await get_by_name(session, owner_id=owner_id, base_model=base, name=name)
+        if old is not None:
+            if old.sha256 == info.adapter_id:
+                return old
+            await self.remove(old)
+        await asyncio.to_thread(self.store.copy_in, path, info.adapter_id)
+        return await self._insert(owner_id, name, base, info)
+
+    async def _inspect_local(
+        self, name: str, path: Path, base_model: str | None
+    ) -> tuple[str, AdapterInfo]:
+        base = self.base_model_for(base_model)
+        check_adapter_name(name)  # before any file is stored under it
+        return base, await asyncio.to_thread(self._inspect, path, base)
 
     async def remove(self, adapter: Adapter) -> None:
         """Delete the row; the files and the engines' copies go with the last reference."""

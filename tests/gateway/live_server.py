@@ -183,12 +183,14 @@ def build_test_app(
     """build_app with a fresh test tenancy (kept on app.state.server_tenancy). `more_models`:
     base models served beside `served_name`, each with its engine; `extra_bases`: base models
     the adapter catalog knows beside `served_name`'s."""
-    from gateway.app import build_app
+    from gateway.app import AppOptions, build_app
 
     tenancy = make_tenancy(
         root, model_dir, served_name, database_url, extra_bases, **(settings or {})
     )
-    app = build_app({served_name: engine} | (more_models or {}), tenancy.tenancy, **build)
+    app = build_app(
+        {served_name: engine} | (more_models or {}), tenancy.tenancy, AppOptions(**build)
+    )
     app.state.server_tenancy = tenancy
     return app
 
@@ -242,7 +244,7 @@ def register_public(app: FastAPI, name: str, path: Path) -> None:
     catalog = tenancy.tenancy.catalog
 
     async def add() -> None:
-        await catalog.add_local(owner_id=None, name=name, path=path, replace=True)
+        await catalog.put_local(owner_id=None, name=name, path=path)
         await tenancy.tenancy.db.close()
 
     asyncio.run(add())
