@@ -61,8 +61,3 @@ class EngineClient(Protocol):
     async def shutdown(self, grace_period: float = 10.0) -> None:
         """Stop admitting, let running requests finish for `grace_period`, abort the rest."""
         ...
-
-    @property
-    def max_model_len(self) -> int:
-        """`facts.max_model_len`, for gateway/openai's readers until they read the facts."""
-        return self.facts.max_model_len

@@ -139,8 +139,8 @@ def add_openai_routes(app: FastAPI, service: EngineService, metrics: Metrics) ->
         models,
         metrics,
         Admission(limiter, metrics.tenants),
-        NoLedger(),  # type: ignore[arg-type]
-        HeaderAdapters(service),  # type: ignore[arg-type]
+        NoLedger(),
+        HeaderAdapters(service),
     )
     app.state.started_at = 0
     app.dependency_overrides[current_tenant] = engine_tenant

@@ -1,21 +1,24 @@
 """What a response accumulates while its engine updates arrive: each choice's text, tokens,
 finish and guided or tool-call state, the usage figures, the latency metrics, and the
 finish reason and status its usage row records; `Answer` holds them for one response, from
-the engine's first update to the last byte, whether it answers in one JSON body or in SSE."""
+the engine's first update to the last byte, whether it answers in one JSON body or in SSE.
+
+An `AnswerForm` is the shape of one endpoint's answer (chat's in gateway.openai.chat,
+completions' in gateway.openai.completions): the JSON and SSE responders ask it, never which
+endpoint they answer for."""
 
 from __future__ import annotations
 
 import time
-from collections.abc import AsyncGenerator
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 from engine.outputs import SequenceUpdate
 from engine.request import SamplingParams
 from gateway.http.errors import APIError
 from gateway.metrics import Metrics
 from gateway.openai.guided_validation import Violation
-from gateway.openai.streaming import chain
+from gateway.openai.streaming import UpdateStream
 from gateway.openai.tools.stream import ToolCallStream
 from gateway.tenancy.metering import STATUS_ABORTED, STATUS_OK, Meter, UsageFigures
 
@@ -119,29 +122,67 @@ def usage_finish_reason(choices: list[Choice]) -> str | None:
     return choices[0].finish_reason or "abort" if choices else None
 
 
+class AnswerForm(Protocol):
+    """The shape of one endpoint's answer: its objects' names, its choices whole and as
+    chunks, its log probabilities."""
+
+    @property
+    def object(self) -> str:
+        """The whole answer's `object`."""
+        ...
+
+    @property
+    def chunk_object(self) -> str:
+        """Each SSE chunk's `object`."""
+        ...
+
+    @property
+    def prompt_param(self) -> str:
+        """The field a prompt too long for the context is refused by."""
+        ...
+
+    def opening(self, choices: list[Choice]) -> list[dict[str, Any]]:
+        """The choices of a stream's first chunk, before any update; none: no such chunk."""
+        ...
+
+    def chunk_choice(self, choice: Choice, update: SequenceUpdate) -> dict[str, Any] | None:
+        """A chunk's choice for an update just applied to it: its index and what it adds
+        (the logprobs, finish reason and error follow); None: nothing to send yet."""
+        ...
+
+    def whole_choice(self, choice: Choice, tokenizer: Any) -> dict[str, Any]:
+        """A collected choice as the whole answer shows it."""
+        ...
+
+    def logprobs(
+        self, tokenizer: Any, token_ids: list[int], entries: list[dict[int, float]]
+    ) -> dict[str, Any]:
+        """`entries[i]` maps the top token ids at step i (the chosen one among them) to their
+        log probabilities."""
+        ...
+
+
 @dataclass(slots=True)
 class Answer:
-    """One response under way: its engine updates (`first`, already received, then the rest,
-    in prompt order), the choices and usage they fill, its latency timer and its usage meter.
-    The JSON and the SSE responders share it."""
+    """One response under way: its engine updates (the first already received), the choices
+    and usage they fill, its latency timer and usage meter, and what its response carries.
+    The JSON and the SSE responders share it; `updates` is the one owner of the engine's
+    streams."""
 
     request_id: str
     model: str  # as the client named it
-    chat: bool
-    created: int  # epoch seconds
+    form: AnswerForm
     params: SamplingParams
+    stream: bool  # answered in SSE chunks, else in one JSON body
     include_usage: bool  # SSE: a last chunk with the usage
+    tokenizer: Any  # the model's: log probabilities' tokens
+    headers: dict[str, str]  # the limiter's, on the response
     choices: list[Choice]
     usage: Usage
     timer: Timer
     meter: Meter
-    first: tuple[int, SequenceUpdate] | None
-    updates: AsyncGenerator[tuple[int, SequenceUpdate]]
-
-    def in_order(self) -> AsyncGenerator[tuple[int, SequenceUpdate]]:
-        """(prompt index, update) from the first on; close it however the loop ends, so that a
-        failed choice aborts its siblings."""
-        return chain(self.first, self.updates)
+    updates: UpdateStream
+    created: int = field(default_factory=lambda: int(time.time()))  # epoch seconds
 
     def apply(self, prompt_index: int, update: SequenceUpdate) -> Choice:
         """The update added to its choice (and the usage); the choice it belongs to."""
@@ -167,6 +208,13 @@ class Answer:
     def end_nowait(self, status: str) -> None:
         """The usage row, written in the background (a cancelled response cannot wait)."""
         self.meter.end_nowait(self.figures, usage_finish_reason(self.choices), status)
+
+    async def abandon(self) -> None:
+        """A response that ends before its updates did (a client gone mid-stream, or before
+        the first chunk): the row as aborted, unless it was written, and the engine's
+        requests that still run aborted."""
+        self.end_nowait(STATUS_ABORTED)
+        await self.updates.aclose()
 
     @property
     def figures(self) -> UsageFigures:

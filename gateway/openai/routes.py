@@ -13,6 +13,8 @@ from pydantic import BaseModel
 from gateway.http.body import StrictJSONRoute
 from gateway.http.deps import TenantDep, get_tenancy
 from gateway.http.error_schemas import ADMIN_ERRORS, OPENAI_ERRORS
+from gateway.openai.chat import ChatServing
+from gateway.openai.completions import CompletionServing
 from gateway.openai.protocol import ChatCompletionRequest, CompletionRequest
 from gateway.openai.serving import OpenAIServing
 
@@ -30,6 +32,7 @@ _GENERATION: dict[int | str, dict[str, Any]] = {
 
 
 def get_serving(request: Request) -> OpenAIServing:
+    """The app's serving core; each request's endpoint is built over it."""
     serving: OpenAIServing = request.app.state.serving
     return serving
 
@@ -52,14 +55,14 @@ def hung_up(request: Request) -> Callable[[], Awaitable[None]]:
 async def completions(
     body: CompletionRequest, serving: ServingDep, tenant: TenantDep, request: Request
 ) -> Response:
-    return await serving.completions(body, tenant, hung_up(request))
+    return await CompletionServing(serving).create(body, tenant, hung_up(request))
 
 
 @router.post("/chat/completions", response_model=None, responses=_GENERATION)
 async def chat_completions(
     body: ChatCompletionRequest, serving: ServingDep, tenant: TenantDep, request: Request
 ) -> Response:
-    return await serving.chat(body, tenant, hung_up(request))
+    return await ChatServing(serving).create(body, tenant, hung_up(request))
 
 
 @router.get("/models")
@@ -74,7 +77,7 @@ async def list_models(serving: ServingDep, tenant: TenantDep, request: Request) 
             "owned_by": "loragate",
             "root": model.name,
             "parent": None,
-            "max_model_len": model.engine.max_model_len,
+            "max_model_len": model.engine.facts.max_model_len,
         }
         for model in serving.models_for(tenant)
     }

@@ -1,53 +1,47 @@
-"""From a parsed OpenAI body to the engine's requests: the model resolved for the tenant, the
-prompts tokenized (chat through its template, with tools), the sampling parameters and
-grammar checked, admission, and the engine's first update (so that a refusal is an HTTP error
-before anything is answered). Then gateway.openai.json_response or gateway.openai.sse answers.
+"""The OpenAI endpoints' shared core. An endpoint (gateway.openai.chat, .completions) makes a
+`Generation` of its body: the base model and adapter resolved for the tenant (`resolve_model`),
+the prompts tokenized, the sampling parameters and the server's bounds checked here. The core
+starts it: the grammar compiled, admission, every prompt at the engine and its first update
+received (so that a refusal is an HTTP error before anything is answered), the usage meter; then
+it answers in one JSON body (gateway.openai.json_response) or in SSE (gateway.openai.sse), in
+the endpoint's form.
 
 Each prompt x n sample is one choice; the usage counts prompt, cached and completion tokens.
 """
 
 from __future__ import annotations
 
-import asyncio
-import dataclasses
-import json
 import logging
-import time
-import uuid
-from collections.abc import AsyncGenerator
 from dataclasses import dataclass
-from typing import Any, cast
 
 from fastapi.responses import JSONResponse, Response
 
 from engine.errors import ContextLengthExceeded, GuidedSpecError, RequestRefused
 from engine.lora_types import LoRARequest
 from engine.messages import EngineRequest
-from engine.outputs import SequenceUpdate
 from engine.request import GuidedSpec, SamplingParams
 from gateway.http.errors import APIError, api_error
-from gateway.http.request_limits import (
-    EMPTY_PROMPT,
-    INVALID_GRAMMAR,
-    INVALID_VALUE,
-)
+from gateway.http.request_limits import INVALID_GRAMMAR, INVALID_VALUE
 from gateway.metrics import Metrics
 from gateway.models.served import ServedModel, ServedModels
-from gateway.openai.answer import Answer, Choice, Timer, Usage
+from gateway.openai.answer import Answer, AnswerForm, Choice, Timer, Usage
 from gateway.openai.json_response import collect, json_body
 from gateway.openai.output_checks import OutputChecks
 from gateway.openai.protocol import ChatCompletionRequest, CompletionRequest, FieldError
 from gateway.openai.sse import sse_chunks
-from gateway.openai.streaming import Disconnected, MeteredStream, merge, unless_disconnected
-from gateway.openai.tools.calls import ToolPlan, tool_plan
+from gateway.openai.streaming import (
+    Disconnected,
+    MeteredStream,
+    UpdateStream,
+    unless_disconnected,
+)
+from gateway.openai.tools.calls import ToolPlan
 from gateway.openai.tools.parsers import FORMATS, ToolFormat
-from gateway.openai.tools.prompt import render_messages, template_knows_tools
 from gateway.openai.tools.stream import ToolCallStream
-from gateway.tenancy.adapter_catalog import AdapterCatalog, AmbiguousAdapter
+from gateway.tenancy.adapter_catalog import AdapterResolver, AmbiguousAdapter
 from gateway.tenancy.admission import Admission
 from gateway.tenancy.auth import RequestTenant
-from gateway.tenancy.metering import STATUS_ABORTED, Meter
-from tenants.ledger import Ledger
+from gateway.tenancy.metering import Meter, UsageSink
 
 logger = logging.getLogger(__name__)
 
@@ -55,16 +49,24 @@ logger = logging.getLogger(__name__)
 CLIENT_CLOSED_REQUEST = 499
 
 
-@dataclass(slots=True)
-class Started:
-    """A request admitted and at its engine: its answer (to collect, or to stream), its
-    model, the engine's update stream (closing it aborts the request) and the limiter's
-    headers for the response."""
+@dataclass(frozen=True, slots=True)
+class Generation:
+    """What an endpoint made of its body: the engine's prompts and sampling parameters on a
+    model (and adapter), and how the answer is shaped. The core starts it and answers it."""
 
-    answer: Answer
+    form: AnswerForm
     model: ServedModel
-    updates: AsyncGenerator[tuple[int, SequenceUpdate]]
-    headers: dict[str, str]
+    lora: LoRARequest | None  # None: the base model itself
+    named: str  # the `model` field as the client sent it
+    request_id: str
+    endpoint: str  # the API the usage row names
+    prompts: list[list[int]]
+    params: SamplingParams
+    stream: bool  # SSE chunks, else one JSON body
+    include_usage: bool  # SSE: a last chunk with the usage
+    guided_param: str | None = None  # the field a grammar came from: its refusal names it
+    tools: ToolPlan | None = None  # each choice's output read for calls
+    tool_format: ToolFormat | None = None  # the calls' format under tool_choice "auto"
 
 
 class OpenAIServing:
@@ -73,8 +75,8 @@ class OpenAIServing:
         models: ServedModels,
         metrics: Metrics,
         admission: Admission,
-        ledger: Ledger,
-        catalog: AdapterCatalog | None = None,
+        ledger: UsageSink,
+        catalog: AdapterResolver | None = None,
         tool_call_parser: str | None = None,
     ) -> None:
         self.models = models
@@ -116,244 +118,111 @@ class OpenAIServing:
             )
         return served, found.lora
 
-    # -- routes -------------------------------------------------------------------------------
-
-    async def completions(
-        self,
-        body: CompletionRequest,
-        tenant: RequestTenant,
-        disconnected: Disconnected | None = None,
-    ) -> Response:
-        model, lora = await self.resolve_model(body.model, tenant)
-        prompts = self._completion_prompts(body.prompt)
-        self._check_bounds(model, body, len(prompts))
-        params = self._params(body, body.max_tokens, body.logprobs)
-        for prompt in prompts:
-            if isinstance(prompt, str):
-                model.bounds.check_prompt_chars(len(prompt), "prompt")
-            else:
-                model.bounds.check_token_ids(prompt, "prompt")
-        # Text is tokenized here, off the event loop, so that a long prompt delays neither
-        # other clients nor the engine's steps.
-        token_ids = (
-            await asyncio.to_thread(_tokenize, model.tokenizer, prompts)
-            if any(isinstance(p, str) for p in prompts)
-            else cast(list[list[int]], prompts)
-        )
-        if not all(token_ids):
-            raise APIError(400, "the prompt is empty", param="prompt", code=EMPTY_PROMPT)
-        started = await self._begin(
-            body,
-            model,
-            token_ids,
-            params,
-            lora,
-            tenant,
-            chat=False,
-            endpoint="completions",
-            guided_param=body.guided_param,
-        )
-        return await self._render(body, started, disconnected)
-
-    async def chat(
-        self,
-        body: ChatCompletionRequest,
-        tenant: RequestTenant,
-        disconnected: Disconnected | None = None,
-    ) -> Response:
-        return await self._render(body, await self.start_chat(body, tenant), disconnected)
-
-    async def start_chat(
-        self,
-        body: ChatCompletionRequest,
-        tenant: RequestTenant,
-        endpoint: str = "chat",
-        request_id: str | None = None,
-    ) -> Started:
-        """A chat request admitted and at its engine (the Responses API answers from it too):
-        from here on it ends with exactly one usage row, `endpoint` naming the route and
-        `request_id` (default: a new chat completion id) the request."""
-        model, lora = await self.resolve_model(body.model, tenant)
-        self._check_bounds(model, body, 1)
-        try:
-            plan = tool_plan(body, auto=self.tool_format is not None)
-        except FieldError as exc:
-            raise APIError(400, str(exc), param=exc.param, code=INVALID_VALUE) from exc
-        native = template_knows_tools(getattr(model.tokenizer, "chat_template", None))
-        fmt = self.tool_format or FORMATS["hermes"]
-        messages, tools = render_messages(body.messages, plan, native, fmt)
-        chars = sum(len(m["content"]) for m in messages) + len(json.dumps(tools or ""))
-        model.bounds.check_prompt_chars(chars, "messages")
-        params = self._params(body, body.requested_max_tokens, body.num_logprobs)
-        guided_param = body.guided_param
-        calls = None if plan is None or plan.mode == "none" else plan
-        if calls is not None:
-            for spec, param in calls.tool_specs():  # a bad schema is refused by its tool
-                await _compile_grammar(model, spec, param)
-            guided = (
-                calls.output_spec()
-                if calls.forced
-                else GuidedSpec(structural_tag=fmt.structural_tag(calls))
-            )
-            params = dataclasses.replace(params, guided=guided)
-            guided_param = "tools"
-        try:
-            encoded = await asyncio.to_thread(
-                model.tokenizer.apply_chat_template,
-                messages,
-                tools=tools,
-                add_generation_prompt=True,
-                tokenize=True,
-                return_dict=True,
-            )
-        except Exception as exc:  # noqa: BLE001 - a template may reject a conversation
-            raise APIError(
-                400, f"chat template failed: {exc}", param="messages", code=INVALID_VALUE
-            ) from exc
-        prompt_ids = list(cast(list[int], encoded["input_ids"]))
-        return await self._begin(
-            body,
-            model,
-            [prompt_ids],
-            params,
-            lora,
-            tenant,
-            chat=True,
-            endpoint=endpoint,
-            request_id=request_id,
-            guided_param=guided_param,
-            tools=calls,
-            tool_format=fmt,
-        )
-
-    # -- helpers ------------------------------------------------------------------------------
-
-    @staticmethod
-    def _completion_prompts(prompt: Any) -> list[str | list[int]]:
-        if isinstance(prompt, str):
-            return [prompt]
-        if prompt and all(isinstance(t, int) for t in prompt):
-            return [list(prompt)]
-        return list(prompt)
-
-    @staticmethod
-    def _check_bounds(
-        model: ServedModel, body: CompletionRequest | ChatCompletionRequest, num_prompts: int
-    ) -> None:
-        """The bounds that depend on this server and model: --max-n and the vocabulary."""
-        model.bounds.check_choices(body.n, num_prompts)
-        model.bounds.check_token_ids(body.stop_token_ids, "stop_token_ids")
-        model.bounds.check_token_ids(body.logit_bias, "logit_bias")
-
-    @staticmethod
-    def _params(
-        body: CompletionRequest | ChatCompletionRequest,
-        max_tokens: int | None,
-        logprobs: int | None,
-    ) -> SamplingParams:
-        try:
-            return body.sampling_params(max_tokens, logprobs)
-        except ValueError as exc:
-            param = exc.param if isinstance(exc, FieldError) else None
-            raise APIError(400, str(exc), param=param, code=INVALID_VALUE) from exc
-
-    async def _begin(
-        self,
-        body: Any,
-        model: ServedModel,
-        prompts: list[list[int]],
-        params: SamplingParams,
-        lora: LoRARequest | None,
-        tenant: RequestTenant,
-        chat: bool,
-        endpoint: str,
-        request_id: str | None = None,
-        guided_param: str | None = None,
-        tools: ToolPlan | None = None,
-        tool_format: ToolFormat | None = None,
-    ) -> Started:
-        """Admit and start the engine's requests: an engine's refusal is an HTTP error here,
-        before anything is answered."""
+    async def start(self, generation: Generation, tenant: RequestTenant) -> Answer:
+        """Admit the generation and start its engine requests: a refusal (its grammar,
+        admission, the engine's) is an HTTP error here, before anything is answered. From
+        here on the request ends with exactly one usage row."""
+        g = generation
         timer = Timer(self.metrics)  # time to first token includes a grammar's compile
-        if params.guided is not None:
-            await _compile_grammar(model, params.guided, guided_param)
-        request_id = request_id or f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
-        reserved = _reserved(model, prompts, params)
-        ticket = await self.admission.admit(tenant, request_id, reserved)
+        if g.params.guided is not None:
+            await compile_grammar(g.model, g.params.guided, g.guided_param)
+        ticket = await self.admission.admit(tenant, g.request_id, _reserved(g))
         try:
-            first, updates = await _start(
-                model, guided_param, request_id, prompts, params, lora, tenant, chat
-            )
+            updates = await self._submit(g, tenant)
         except BaseException:
             ticket.release(0)  # refused by the engine: nothing used
             raise
-        # From here on the request has reached the engine: it ends with exactly one usage row.
         meter = Meter(
             self.ledger,
             ticket,
             self.metrics.tenants,
             tenant,
-            request_id,
-            model.name,
+            g.request_id,
+            g.model.name,
             # The adapter's own name: `sql@demo` is billed as `sql` (the row names demo).
-            None if lora is None else body.model.partition("@")[0],
-            lora,
+            None if g.lora is None else g.named.partition("@")[0],
+            g.lora,
             timer.start,
-            endpoint=endpoint,
+            endpoint=g.endpoint,
         )
-        answer = Answer(
-            request_id,
-            body.model,
-            chat,
-            int(time.time()),
-            params,
-            body.stream and body.include_usage,
-            [
-                Choice(
-                    i,
-                    calls=None
-                    if tools is None
-                    else ToolCallStream(tools, None if tools.forced else tool_format),
-                )
-                for i in range(len(prompts) * params.n)
-            ],
-            Usage(),
-            timer,
-            meter,
-            first,
-            updates,
+        return Answer(
+            request_id=g.request_id,
+            model=g.named,
+            form=g.form,
+            params=g.params,
+            stream=g.stream,
+            include_usage=g.stream and g.include_usage,
+            tokenizer=g.model.tokenizer,
+            headers=ticket.headers,
+            choices=[Choice(i, calls=_calls(g)) for i in range(len(g.prompts) * g.params.n)],
+            usage=Usage(),
+            timer=timer,
+            meter=meter,
+            updates=updates,
         )
-        return Started(answer, model, updates, ticket.headers)
 
-    async def _render(
-        self, body: Any, started: Started, disconnected: Disconnected | None
-    ) -> Response:
+    async def respond(self, answer: Answer, disconnected: Disconnected | None) -> Response:
         """Answer in one JSON body, or in SSE chunks."""
-        answer, tokenizer = started.answer, started.model.tokenizer
-        if body.stream:
+        if answer.stream:
             return MeteredStream(
-                sse_chunks(answer, self.checks, tokenizer),
-                on_close=lambda: answer.end_nowait(STATUS_ABORTED),
-                updates=started.updates,
+                sse_chunks(answer, self.checks),
+                on_close=answer.abandon,
                 media_type="text/event-stream",
-                headers=started.headers,
+                headers=answer.headers,
             )
         if not await unless_disconnected(collect(answer), disconnected):
             # Nobody is left to answer; the engine's requests are aborted, the row written.
             return Response(status_code=CLIENT_CLOSED_REQUEST)
-        return JSONResponse(
-            await json_body(answer, self.checks, tokenizer), headers=started.headers
-        )
+        return JSONResponse(await json_body(answer, self.checks), headers=answer.headers)
+
+    @staticmethod
+    async def _submit(g: Generation, tenant: RequestTenant) -> UpdateStream:
+        """Every prompt at the engine and the first update received, so that the engine's
+        refusals (context length, a grammar) become HTTP errors before anything is answered."""
+        streams = [
+            # The salt, the fairness key and its weight are the tenant's, never the client's.
+            g.model.engine.generate(
+                EngineRequest(
+                    f"{g.request_id}-{i}",
+                    prompt,
+                    g.params,
+                    lora=g.lora,
+                    cache_salt=tenant.cache_salt,
+                    fairness_key=tenant.id,
+                    fairness_weight=tenant.weight,
+                )
+            )
+            for i, prompt in enumerate(g.prompts)
+        ]
+        try:
+            return await UpdateStream.open(streams)
+        except ValueError as exc:
+            raise _refusal(exc, g) from exc
 
 
-def _tokenize(tokenizer: Any, prompts: list[str | list[int]]) -> list[list[int]]:
-    return [
-        list(tokenizer(p, add_special_tokens=True)["input_ids"]) if isinstance(p, str) else p
-        for p in prompts
-    ]
+def check_bounds(
+    model: ServedModel, body: CompletionRequest | ChatCompletionRequest, num_prompts: int
+) -> None:
+    """The bounds that depend on this server and model: --max-n and the vocabulary."""
+    model.bounds.check_choices(body.n, num_prompts)
+    model.bounds.check_token_ids(body.stop_token_ids, "stop_token_ids")
+    model.bounds.check_token_ids(body.logit_bias, "logit_bias")
 
 
-async def _compile_grammar(model: ServedModel, spec: GuidedSpec, param: str | None) -> None:
+def sampling_params(
+    body: CompletionRequest | ChatCompletionRequest,
+    max_tokens: int | None,
+    logprobs: int | None,
+) -> SamplingParams:
+    """The body's sampling parameters; a bad value is a 400 naming its field."""
+    try:
+        return body.sampling_params(max_tokens, logprobs)
+    except ValueError as exc:
+        param = exc.param if isinstance(exc, FieldError) else None
+        raise APIError(400, str(exc), param=param, code=INVALID_VALUE) from exc
+
+
+async def compile_grammar(model: ServedModel, spec: GuidedSpec, param: str | None) -> None:
     """A spec that cannot compile (or not in time) answers 400 before anything is queued or
     streamed; the engine then finds the grammar in its cache."""
     try:
@@ -362,56 +231,29 @@ async def _compile_grammar(model: ServedModel, spec: GuidedSpec, param: str | No
         raise APIError(400, str(exc), param=param, code=INVALID_GRAMMAR) from exc
 
 
-def _reserved(model: ServedModel, prompts: list[list[int]], params: SamplingParams) -> int:
+def _reserved(g: Generation) -> int:
     """Tokens the limiter reserves: each prompt, and each sample's max_tokens (what remains of
     the context where none is given). The actual count replaces it at the end."""
-    max_len = model.engine.max_model_len
-    return sum(len(p) + params.n * (params.max_tokens or max(0, max_len - len(p))) for p in prompts)
+    max_len, params = g.model.engine.facts.max_model_len, g.params
+    return sum(
+        len(p) + params.n * (params.max_tokens or max(0, max_len - len(p))) for p in g.prompts
+    )
 
 
-async def _start(
-    model: ServedModel,
-    guided_param: str | None,
-    request_id: str,
-    prompts: list[list[int]],
-    params: SamplingParams,
-    lora: LoRARequest | None,
-    tenant: RequestTenant,
-    chat: bool,
-) -> tuple[tuple[int, SequenceUpdate] | None, AsyncGenerator[tuple[int, SequenceUpdate]]]:
-    """Submit every prompt and wait for the first update, so that the engine's refusals
-    (context length, a grammar) become HTTP errors before anything is answered."""
-    streams = [
-        # The salt, the fairness key and its weight are the tenant's, never the client's.
-        model.engine.generate(
-            EngineRequest(
-                f"{request_id}-{i}",
-                prompt,
-                params,
-                lora=lora,
-                cache_salt=tenant.cache_salt,
-                fairness_key=tenant.id,
-                fairness_weight=tenant.weight,
-            )
-        )
-        for i, prompt in enumerate(prompts)
-    ]
-    updates = merge(streams)
-    try:
-        return await anext(updates), updates
-    except StopAsyncIteration:
-        return None, updates
-    except BaseException as exc:
-        await updates.aclose()  # the other prompts' requests end too
-        if not isinstance(exc, ValueError):
-            raise
-        if not isinstance(exc, RequestRefused):  # a malformed field the edge let through
-            raise APIError(400, str(exc), code=INVALID_VALUE) from exc
-        param = None
-        if isinstance(exc, GuidedSpecError):
-            param = guided_param
-        elif isinstance(exc, ContextLengthExceeded):
-            param = "messages" if chat else "prompt"
-        error = api_error(exc, param)
-        assert error is not None  # ENGINE_ERRORS has a row for every RequestRefused
-        raise error from exc
+def _calls(g: Generation) -> ToolCallStream | None:
+    """A choice's reader of tool calls, for a request with tools."""
+    return None if g.tools is None else ToolCallStream(g.tools, g.tool_format)
+
+
+def _refusal(exc: ValueError, g: Generation) -> APIError:
+    """The engine's refusal of a request as the HTTP error that answers it."""
+    if not isinstance(exc, RequestRefused):  # a malformed field the edge let through
+        return APIError(400, str(exc), code=INVALID_VALUE)
+    param = None
+    if isinstance(exc, GuidedSpecError):
+        param = g.guided_param
+    elif isinstance(exc, ContextLengthExceeded):
+        param = g.form.prompt_param
+    error = api_error(exc, param)
+    assert error is not None  # ENGINE_ERRORS has a row for every RequestRefused
+    return error

@@ -1,6 +1,6 @@
-"""A streamed response: OpenAI's SSE chunks as the engine's updates arrive (deltas of text,
-tool calls and log probabilities), an error chunk for a failure once the stream has begun,
-the usage chunk when asked for, and `[DONE]`. The usage row is durable before the last
+"""A streamed response: SSE chunks in its endpoint's form as the engine's updates arrive (deltas
+of text, tool calls and log probabilities), an error chunk for a failure once the stream has
+begun, the usage chunk when asked for, and `[DONE]`. The usage row is durable before the last
 bytes: a client that saw `[DONE]` is billed."""
 
 from __future__ import annotations
@@ -12,54 +12,43 @@ from collections.abc import AsyncGenerator
 from typing import Any
 
 from gateway.http.errors import APIError, api_error
-from gateway.openai.answer import Answer, Choice, status_of, violation_body
-from gateway.openai.logprobs import logprobs_body
+from gateway.openai.answer import Answer, status_of, violation_body
 from gateway.openai.output_checks import OutputChecks
 from gateway.tenancy.metering import STATUS_ERROR, STATUS_OK
 
 logger = logging.getLogger(__name__)
 
 
-async def sse_chunks(answer: Answer, checks: OutputChecks, tokenizer: Any) -> AsyncGenerator[str]:
-    async with contextlib.aclosing(chunk_bodies(answer, checks, tokenizer)) as bodies:
+async def sse_chunks(answer: Answer, checks: OutputChecks) -> AsyncGenerator[str]:
+    async with contextlib.aclosing(chunk_bodies(answer, checks)) as bodies:
         async for data in bodies:
             yield f"data: {json.dumps(data, ensure_ascii=False)}\n\n"
     yield "data: [DONE]\n\n"
 
 
-async def chunk_bodies(
-    answer: Answer, checks: OutputChecks, tokenizer: Any
-) -> AsyncGenerator[dict[str, Any]]:
+async def chunk_bodies(answer: Answer, checks: OutputChecks) -> AsyncGenerator[dict[str, Any]]:
     """Each chunk's JSON body (an error's body once the stream has begun), the usage chunk
     when asked for; the usage row is written before the last."""
-    if answer.chat:
-        yield _chunk(answer, [_role_delta(c) for c in answer.choices])
+    form = answer.form
+    opening = form.opening(answer.choices)
+    if opening:
+        yield _chunk(answer, opening)
     status = STATUS_OK
     try:
-        async with contextlib.aclosing(answer.in_order()) as in_order:
-            async for prompt_index, update in in_order:
+        async with contextlib.aclosing(answer.updates) as updates:
+            async for prompt_index, update in updates:
                 choice = answer.apply(prompt_index, update)
-                delta = update.text_delta
-                if not delta and not update.finished:
+                if not update.text_delta and not update.finished:
                     continue
-                body: dict[str, Any] = {"index": choice.index}
-                if answer.chat and choice.calls is not None:
-                    text, calls = choice.calls.deltas(choice.text, update.finished)
-                    body["delta"] = {"content": text} if text else {}
-                    if calls:
-                        body["delta"]["tool_calls"] = calls
-                    if not body["delta"] and not update.finished:
-                        continue
-                elif answer.chat:
-                    body["delta"] = {"content": delta} if delta else {}
-                else:
-                    body["text"] = delta
+                body = form.chunk_choice(choice, update)
+                if body is None:
+                    continue
                 body["logprobs"] = (
-                    logprobs_body(tokenizer, update.new_token_ids, update.new_logprobs, answer.chat)
+                    form.logprobs(answer.tokenizer, update.new_token_ids, update.new_logprobs)
                     if update.new_logprobs
                     else None
                 )
-                if update.finished:
+                if update.finished and answer.params.guided is not None:
                     await checks.check(answer.params.guided, choice, answer.request_id)
                 body["finish_reason"] = choice.answered_reason
                 body |= violation_body(choice)
@@ -83,7 +72,7 @@ async def chunk_bodies(
 def _chunk(answer: Answer, choices: list[dict[str, Any]], usage: Any = None) -> dict[str, Any]:
     data: dict[str, Any] = {
         "id": answer.request_id,
-        "object": "chat.completion.chunk" if answer.chat else "text_completion",
+        "object": answer.form.chunk_object,
         "created": answer.created,
         "model": answer.model,
         "choices": choices,
@@ -91,14 +80,3 @@ def _chunk(answer: Answer, choices: list[dict[str, Any]], usage: Any = None) -> 
     if answer.include_usage:
         data["usage"] = usage
     return data
-
-
-def _role_delta(choice: Choice) -> dict[str, Any]:
-    """Chat's first chunk: the assistant's role, content "" (None while tool calls are forced)."""
-    content = None if choice.calls is not None and choice.calls.fmt is None else ""
-    return {
-        "index": choice.index,
-        "delta": {"role": "assistant", "content": content},
-        "logprobs": None,
-        "finish_reason": None,
-    }

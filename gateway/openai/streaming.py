@@ -1,5 +1,6 @@
-"""Plumbing of a response's updates: merging several prompts' engine streams, a whole response
-abandoned when its client hangs up, and an SSE response metered however it ends."""
+"""Plumbing of a response's updates: several prompts' engine streams merged into one
+`UpdateStream` (which owns them), a whole response abandoned when its client hangs up, and an
+SSE response metered however it ends."""
 
 from __future__ import annotations
 
@@ -16,30 +17,73 @@ from engine.outputs import SequenceUpdate
 Disconnected = Callable[[], Awaitable[None]]
 
 
+class UpdateStream:
+    """A response's engine updates as (prompt index, update), in prompt order, and their one
+    owner: `open` waits for the first (so that the engine's refusals, a context too long or a
+    grammar, are HTTP errors before anything is answered); closing it aborts the engine's
+    requests that still run, and closing it again does nothing."""
+
+    __slots__ = ("_first", "_rest")
+
+    def __init__(
+        self,
+        first: tuple[int, SequenceUpdate] | None,
+        rest: AsyncGenerator[tuple[int, SequenceUpdate]],
+    ) -> None:
+        self._first = first
+        self._rest = rest
+
+    @classmethod
+    async def open(cls, streams: list[AsyncIterator[SequenceUpdate]]) -> UpdateStream:
+        """The streams merged, their first update received; a failure closes every stream."""
+        rest = merge(streams)
+        try:
+            first = await anext(rest)
+        except StopAsyncIteration:
+            return cls(None, rest)
+        except BaseException:
+            await rest.aclose()  # the other prompts' requests end too
+            raise
+        return cls(first, rest)
+
+    def __aiter__(self) -> UpdateStream:
+        return self
+
+    async def __anext__(self) -> tuple[int, SequenceUpdate]:
+        first, self._first = self._first, None
+        if first is not None:
+            return first
+        return await anext(self._rest)
+
+    async def aclose(self) -> None:
+        self._first = None
+        await self._rest.aclose()  # a closed generator closes as nothing
+
+
 class MeteredStream(StreamingResponse):
     """A stream whose request is metered however the response ends. The chunks' generator
-    records the row itself when it runs to the end; `on_close` covers the rest: a client gone
-    mid-stream, or before the first chunk, when the generator never ran at all."""
+    records the row itself when it runs to the end; `on_close` covers the rest (a client gone
+    mid-stream, or before the first chunk, when the generator never ran at all) and ends what
+    the response was streaming."""
 
     def __init__(
         self,
         content: AsyncGenerator[str],
-        on_close: Callable[[], None],
-        updates: AsyncGenerator[Any],
+        on_close: Callable[[], Awaitable[None]],
         **kwargs: Any,
     ) -> None:
         super().__init__(content, **kwargs)
         self._content = content
         self._on_close = on_close
-        self._updates = updates
 
     async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
         try:
             await super().__call__(scope, receive, send)
         finally:
-            self._on_close()
-            await self._content.aclose()
-            await self._updates.aclose()  # aborts the engine's requests if they still run
+            try:
+                await self._on_close()
+            finally:
+                await self._content.aclose()
 
 
 async def unless_disconnected(
@@ -64,18 +108,6 @@ async def unless_disconnected(
         return False
     task.result()
     return True
-
-
-async def chain(
-    first: tuple[int, SequenceUpdate] | None, rest: AsyncIterator[tuple[int, SequenceUpdate]]
-) -> AsyncGenerator[tuple[int, SequenceUpdate]]:
-    try:
-        if first is not None:
-            yield first
-        async for item in rest:
-            yield item
-    finally:
-        await rest.aclose()  # type: ignore[attr-defined]
 
 
 async def merge(

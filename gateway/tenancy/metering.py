@@ -12,15 +12,29 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 from datetime import datetime
+from typing import Protocol
 
 from engine.lora_types import LoRARequest
 from gateway.metrics import TenantMetrics
 from gateway.tenancy.admission import Ticket
 from gateway.tenancy.auth import RequestTenant
-from tenants.ledger import Ledger, UsageRecord
+from tenants.ledger import UsageRecord
 from tenants.models import utcnow
 
 STATUS_OK, STATUS_ABORTED, STATUS_ERROR = "ok", "aborted", "error"
+
+
+class UsageSink(Protocol):
+    """Where usage rows go: the tenants' ledger (tenants.ledger.Ledger), or nowhere on a
+    server whose gateway in front keeps the usage (`loragate engine`)."""
+
+    async def record(self, record: UsageRecord) -> None:
+        """Return once the row is durable."""
+        ...
+
+    def record_nowait(self, record: UsageRecord) -> None:
+        """Queue the row without waiting for it (a cancelled response's cleanup)."""
+        ...
 
 
 @dataclass(frozen=True, slots=True)
@@ -36,7 +50,7 @@ class UsageFigures:
 
 @dataclass(slots=True)
 class Meter:
-    ledger: Ledger
+    ledger: UsageSink
     ticket: Ticket
     metrics: TenantMetrics
     tenant: RequestTenant

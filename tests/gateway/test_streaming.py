@@ -1,6 +1,6 @@
-"""gateway/openai/streaming.py alone: several prompts' engine streams merged and tagged, a first
-update chained before the rest, a failure that ends every sibling stream, and a whole response
-cancelled when its client hangs up first."""
+"""gateway/openai/streaming.py alone: several prompts' engine streams merged and tagged, an
+update stream that receives its first update on opening and owns the streams, a failure that
+ends every sibling stream, and a whole response cancelled when its client hangs up first."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ from collections.abc import AsyncIterator
 import pytest
 
 from engine.outputs import SequenceUpdate
-from gateway.openai.streaming import chain, merge, unless_disconnected
+from gateway.openai.streaming import UpdateStream, merge, unless_disconnected
 
 
 def _update(request: str, text: str) -> SequenceUpdate:
@@ -70,14 +70,29 @@ def test_a_failing_stream_fails_the_merge_and_stops_its_siblings() -> None:
     asyncio.run(run())
 
 
-def test_chain_puts_the_first_update_before_the_rest_and_closes_the_rest() -> None:
+def test_an_update_stream_opens_on_its_first_update_and_closes_its_streams() -> None:
     async def run() -> None:
-        rest = merge([_Stream("r", ["2", "3"]).__aiter__()])
-        got = await _drain(chain((0, _update("r", "1")), rest))
-        assert got == [(0, "1"), (0, "2"), (0, "3")]
-        assert await _drain(chain(None, merge([_Stream("r", ["only"]).__aiter__()]))) == [
-            (0, "only")
-        ]
+        stream = _Stream("r", ["1", "2", "3"])
+        updates = await UpdateStream.open([stream.__aiter__()])
+        assert not stream.closed  # the first update received, the rest still to come
+        assert await _drain(updates) == [(0, "1"), (0, "2"), (0, "3")]
+        assert await _drain(await UpdateStream.open([_Stream("e", []).__aiter__()])) == []
+
+        a, b = _Stream("a", ["forever"]), _Stream("b", ["forever"])
+        early = await UpdateStream.open([a.__aiter__(), b.__aiter__()])
+        assert (await anext(early))[1].text_delta == "forever"
+        await early.aclose()  # closing aborts what still runs
+        await early.aclose()  # and closing again is nothing
+        await asyncio.sleep(0)  # the pumps' cancellation runs
+        assert a.closed and b.closed
+        assert await _drain(early) == []
+
+        failing = _Stream("bad", [], RuntimeError("refused"))
+        sibling = _Stream("slow", ["forever"])
+        with pytest.raises(RuntimeError, match="refused"):
+            await UpdateStream.open([failing.__aiter__(), sibling.__aiter__()])
+        await asyncio.sleep(0)
+        assert sibling.closed
 
     asyncio.run(run())
 

@@ -223,7 +223,7 @@ def request(**fields: Any) -> ChatCompletionRequest:
 
 
 def test_partial_outputs_stream_the_calls_they_hold() -> None:
-    plan = tool_plan(request(tools=[WEATHER, ADD], tool_choice="required"), auto=False)
+    plan = tool_plan(request(tools=[WEATHER, ADD], tool_choice="required"), None)
     assert plan is not None
     text = (
         '[{"name":"get_weather","parameters":{"city":"P\\"a,r}is","unit":"celsius"}},'
@@ -269,7 +269,7 @@ def test_tools_reach_a_template_that_does_not_know_them_as_a_system_message(
             {"role": "tool", "tool_call_id": "call_2", "content": "5"},
         ],
     )
-    messages, tools = render_messages(body.messages, tool_plan(body, False), False, HERMES)
+    messages, tools = render_messages(body.messages, tool_plan(body, None), HERMES, None)
     assert tools is None
     assert messages[0]["role"] == "system" and messages[0]["content"].startswith("Be brief.")
     assert INSTRUCTIONS.split("{tools}")[0].strip() in messages[0]["content"]
@@ -317,7 +317,7 @@ def test_a_template_that_knows_tools_gets_them_as_they_are(demo_model_dir: Path)
             {"role": "tool", "tool_call_id": "call_9", "content": "3 C"},
         ],
     )
-    messages, tools = render_messages(body.messages, tool_plan(body, False), True, HERMES)
+    messages, tools = render_messages(body.messages, tool_plan(body, None), HERMES, NATIVE_TEMPLATE)
     tokenizer = AutoTokenizer.from_pretrained(demo_model_dir)
     text = tokenizer.apply_chat_template(
         messages, tools=tools, chat_template=NATIVE_TEMPLATE, tokenize=False
@@ -326,7 +326,9 @@ def test_a_template_that_knows_tools_gets_them_as_they_are(demo_model_dir: Path)
     assert "assistant:[call get_weather Oslo]" in text
     assert "tool:3 C(get_weather call_9)" in text
     # Mistral's templates want ids of 9 letters or digits: the same call, shortened alike.
-    mistral, _ = render_messages(body.messages, tool_plan(body, False), True, FORMATS["mistral"])
+    mistral, _ = render_messages(
+        body.messages, tool_plan(body, None), FORMATS["mistral"], NATIVE_TEMPLATE
+    )
     assert mistral[1]["tool_calls"][0]["id"] == mistral[2]["tool_call_id"] == "00000call9"[-9:]
 
 

@@ -57,7 +57,7 @@ def plan(parallel: bool = True) -> ToolPlan:
             "parallel_tool_calls": parallel,
         }
     )
-    result = tool_plan(body, auto=True)
+    result = tool_plan(body, "hermes")
     assert result is not None and result.mode == "auto"
     return result
 

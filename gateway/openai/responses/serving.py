@@ -1,7 +1,7 @@
-"""The Responses API over the chat path: a response is a chat request made of the stored
-conversation (`previous_response_id`) and this turn's input, admitted, metered (one usage row,
-endpoint `responses`) and answered as chat is; its result is stored per tenant (unless
-`store: false`) for later turns, `GET`, `input_items` and deletion.
+"""The Responses API over the chat path (gateway.openai.chat): a response is a chat request
+made of the stored conversation (`previous_response_id`) and this turn's input, admitted,
+metered (one usage row, endpoint `responses`) and answered as chat is; its result is stored
+per tenant (unless `store: false`) for later turns, `GET`, `input_items` and deletion.
 
 Stored responses are the tenant's alone: another tenant's id answers exactly as an id that
 never existed (404). A background response runs detached from its HTTP request in this
@@ -22,6 +22,8 @@ from fastapi.responses import JSONResponse, Response
 from gateway.http.errors import APIError
 from gateway.http.request_limits import INVALID_VALUE
 from gateway.models.served import ServedModel
+from gateway.openai.answer import Answer
+from gateway.openai.chat import ChatServing
 from gateway.openai.json_response import collect, json_body
 from gateway.openai.protocol import FieldError
 from gateway.openai.responses.events import EventStream
@@ -34,11 +36,10 @@ from gateway.openai.responses.objects import (
     usage_body,
 )
 from gateway.openai.responses.protocol import ResponsesRequest, chat_messages, new_id
-from gateway.openai.serving import CLIENT_CLOSED_REQUEST, OpenAIServing, Started
+from gateway.openai.serving import CLIENT_CLOSED_REQUEST, OpenAIServing
 from gateway.openai.sse import chunk_bodies
 from gateway.openai.streaming import Disconnected, MeteredStream, unless_disconnected
 from gateway.tenancy.auth import RequestTenant
-from gateway.tenancy.metering import STATUS_ABORTED
 from tenants.responses import BEAT_INTERVAL, ResponseStore, StoredResponse
 
 logger = logging.getLogger(__name__)
@@ -59,6 +60,7 @@ def not_found(response_id: str, param: str | None = None) -> APIError:
 class ResponsesServing:
     def __init__(self, serving: OpenAIServing, store: ResponseStore) -> None:
         self.serving = serving
+        self.chat = ChatServing(serving)
         self.store = store
         self._background: dict[str, asyncio.Task[None]] = {}
         self._beating: asyncio.Task[None] | None = None
@@ -91,30 +93,29 @@ class ResponsesServing:
         meta = ResponseMeta(new_id("resp"), body)
         try:
             # The usage row's request id is the response's: billing joins the two.
-            started = await self.serving.start_chat(chat, tenant, "responses", meta.id)
+            answer = await self.chat.start(chat, tenant, "responses", meta.id)
         except APIError as exc:
             if exc.param == "messages":  # this API's name for the conversation
                 exc.param = "input"
             raise
         if body.background:
-            return await self._detach(meta, started, tenant, items)
+            return await self._detach(meta, answer, tenant, items)
         if body.stream:
             return MeteredStream(
-                self._events(meta, started, tenant, items),
-                on_close=lambda: started.answer.end_nowait(STATUS_ABORTED),
-                updates=started.updates,
+                self._events(meta, answer, tenant, items),
+                on_close=answer.abandon,
                 media_type="text/event-stream",
-                headers=started.headers,
+                headers=answer.headers,
             )
-        if not await unless_disconnected(collect(started.answer), disconnected):
+        if not await unless_disconnected(collect(answer), disconnected):
             return Response(status_code=CLIENT_CLOSED_REQUEST)
-        response = await self._result(meta, started)
+        response = await self._result(meta, answer)
         await self._save(meta, tenant, items, response)
-        return JSONResponse(response, headers=started.headers)
+        return JSONResponse(response, headers=answer.headers)
 
-    async def _result(self, meta: ResponseMeta, started: Started) -> dict[str, Any]:
+    async def _result(self, meta: ResponseMeta, answer: Answer) -> dict[str, Any]:
         """The collected chat answer as the response object."""
-        chat = await json_body(started.answer, self.serving.checks, started.model.tokenizer)
+        chat = await json_body(answer, self.serving.checks)
         (choice,) = chat["choices"]
         reason = choice["finish_reason"]
         error = choice.get("error")
@@ -129,18 +130,15 @@ class ResponsesServing:
     async def _events(
         self,
         meta: ResponseMeta,
-        started: Started,
+        answer: Answer,
         tenant: RequestTenant,
         items: list[dict[str, Any]],
     ) -> AsyncGenerator[str]:
         stream = EventStream(meta)
         for event in stream.start():
             yield event
-        answer = started.answer
         closing: list[str] | None = None
-        async with contextlib.aclosing(
-            chunk_bodies(answer, self.serving.checks, started.model.tokenizer)
-        ) as chunks:
+        async with contextlib.aclosing(chunk_bodies(answer, self.serving.checks)) as chunks:
             async for chunk in chunks:
                 if "error" in chunk and "choices" not in chunk:
                     closing, response = stream.fail(chunk["error"])
@@ -160,18 +158,18 @@ class ResponsesServing:
     async def _detach(
         self,
         meta: ResponseMeta,
-        started: Started,
+        answer: Answer,
         tenant: RequestTenant,
         items: list[dict[str, Any]],
     ) -> Response:
         pending = meta.body("in_progress", [])
         await self._save(meta, tenant, items, pending)
-        task = asyncio.create_task(self._run_detached(meta, started, tenant, items))
+        task = asyncio.create_task(self._run_detached(meta, answer, tenant, items))
         self._background[meta.id] = task
         task.add_done_callback(lambda _: self._background.pop(meta.id, None))
         if self._beating is None or self._beating.done():
             self._beating = asyncio.create_task(self._beat())
-        return JSONResponse(pending, headers=started.headers)
+        return JSONResponse(pending, headers=answer.headers)
 
     async def _beat(self) -> None:
         """While background responses run here, say so: a gateway that falls silent has
@@ -186,15 +184,15 @@ class ResponsesServing:
     async def _run_detached(
         self,
         meta: ResponseMeta,
-        started: Started,
+        answer: Answer,
         tenant: RequestTenant,
         items: list[dict[str, Any]],
     ) -> None:
         try:
-            await collect(started.answer)  # writes the usage row however it ends
-            response = await self._result(meta, started)
+            await collect(answer)  # writes the usage row however it ends
+            response = await self._result(meta, answer)
         except asyncio.CancelledError:
-            text = started.answer.choices[0].text
+            text = answer.choices[0].text
             output = [message_item(new_id("msg"), text)] if text else []
             response = meta.body("cancelled", output)
         except Exception as exc:  # noqa: BLE001 - the response records it
@@ -291,7 +289,7 @@ def _fit(
 ) -> list[dict[str, Any]]:
     """`truncation: auto`: the oldest turns dropped (never the system message or the last
     one) until the prompt leaves room for the output in the model's context."""
-    budget = model.engine.max_model_len - (max_output_tokens or 1)
+    budget = model.engine.facts.max_model_len - (max_output_tokens or 1)
     kept = list(messages)
     while True:
         try:

@@ -88,9 +88,10 @@ class ToolPlan:
         return calls | {"$defs": defs}
 
 
-def tool_plan(body: ChatCompletionRequest, auto: bool) -> ToolPlan | None:
-    """The request's tool plan; None when it has no tools. `auto`: the server reads calls out
-    of free text (--enable-auto-tool-choice). Raises FieldError (HTTP 400)."""
+def tool_plan(body: ChatCompletionRequest, auto_parser: str | None) -> ToolPlan | None:
+    """The request's tool plan; None when it has no tools. `auto_parser`: the format in which
+    the server reads calls out of free text (--enable-auto-tool-choice --tool-call-parser);
+    None: tool_choice "auto" is refused. Raises FieldError (HTTP 400)."""
     choice = body.tool_choice
     named = None if isinstance(choice, str) or choice is None else choice.function.name
     if not body.tools:
@@ -103,7 +104,7 @@ def tool_plan(body: ChatCompletionRequest, auto: bool) -> ToolPlan | None:
             raise FieldError(f"tools[{i}].function.name", f"two tools are named {name!r}")
     if choice == "none":
         return ToolPlan(tuple(body.tools), "none")
-    if choice in (None, "auto") and not auto:
+    if choice in (None, "auto") and auto_parser is None:
         raise FieldError(
             "tool_choice",
             'tool_choice "auto" (the default with tools) needs the server started with '

@@ -22,21 +22,43 @@ INSTRUCTIONS = (
 )
 
 
+# The messages for the chat template, and the tools to pass it (None: none, or in a system
+# message of ours).
+Rendered = tuple[list[dict[str, Any]], list[dict[str, Any]] | None]
+
+
 def template_knows_tools(chat_template: Any) -> bool:
     return isinstance(chat_template, str) and "tools" in chat_template
 
 
 def render_messages(
-    messages: list[ChatMessage], plan: ToolPlan | None, native: bool, fmt: ToolFormat
-) -> tuple[list[dict[str, Any]], list[dict[str, Any]] | None]:
-    """The messages for the chat template, and the tools to pass it (None: the tools, if any,
-    are in a system message of ours). `native`: the template knows tools; `fmt`: the call
-    format the generic rendering shows."""
+    messages: list[ChatMessage], plan: ToolPlan | None, fmt: ToolFormat, chat_template: Any
+) -> Rendered:
+    """The conversation and its tools for `chat_template` (the model's, None where it has
+    none): through the template where it knows tools, else with ours. `fmt`: the server's call
+    format, which past calls are written in."""
+    if template_knows_tools(chat_template):
+        return native_messages(messages, plan, fmt)
+    return generic_messages(messages, plan, fmt)
+
+
+def native_messages(
+    messages: list[ChatMessage], plan: ToolPlan | None, fmt: ToolFormat
+) -> Rendered:
+    """For a template that knows tools: the tools passed to it, calls and results as messages
+    of its own."""
     tools = None if plan is None else [_tool_json(t) for t in plan.tools]
-    if native:
-        # Mistral's templates refuse call ids that are not 9 letters or digits.
-        ids = _mistral_id if fmt.name == "mistral" else str
-        return [_native_message(m, messages, ids) for m in messages], tools
+    # Mistral's templates refuse call ids that are not 9 letters or digits.
+    ids = _mistral_id if fmt.name == "mistral" else str
+    return [_native_message(m, messages, ids) for m in messages], tools
+
+
+def generic_messages(
+    messages: list[ChatMessage], plan: ToolPlan | None, fmt: ToolFormat
+) -> Rendered:
+    """For a template that does not know tools: the tools in a system message of ours that
+    shows `fmt`, past calls written in it, results as user turns."""
+    tools = None if plan is None else [_tool_json(t) for t in plan.tools]
     rendered: list[dict[str, Any]] = []
     for message in messages:
         entry = _generic_message(message, fmt)
