@@ -132,3 +132,18 @@ def test_the_gateways_packages_point_one_way() -> None:
             assert not {
                 t for t in targets if t.startswith(("gateway.openai", "gateway.routers"))
             }, name
+
+
+def test_the_endpoints_stand_on_the_openai_core_not_on_each_other() -> None:
+    """Chat and completions each build on the shared core (gateway/openai/serving.py) and never
+    on each other; the core and the responders below it (answer, JSON, SSE) ask an endpoint's
+    form and import neither endpoint; `loragate engine`'s service builds the core."""
+    graph = _graph()
+    endpoints = {"gateway.openai.chat", "gateway.openai.completions"}
+    for endpoint in endpoints:
+        assert "gateway.openai.serving" in graph[endpoint], endpoint
+        assert not graph[endpoint] & (endpoints - {endpoint}), endpoint
+    below = ("serving", "answer", "json_response", "sse", "streaming", "output_checks")
+    for name in below:
+        assert not graph[f"gateway.openai.{name}"] & endpoints, name
+    assert "gateway.openai.serving" in graph["gateway.engine_service.openai"]
