@@ -40,7 +40,7 @@ from engine.lora import LoRAManager
 from engine.lora_types import LoRARequest, LoRAWeights, llama_fused_targets
 from engine.models.llama import LlamaForCausalLM
 from kernels import dispatch
-from kernels.attention import build_plan
+from kernels.attention import StepMetadata, build_triton_plan
 from kernels.backend import Kernels
 from kernels.triton_backend import TritonKernels
 
@@ -98,9 +98,8 @@ def random_step(batch: int, context: int, num_blocks: int, device: torch.device,
     pos = context - 1
     slots = np.array([t[pos // BLOCK_SIZE] * BLOCK_SIZE + pos % BLOCK_SIZE for t in tables])
     lens = np.full(batch, context)
-    return build_plan(
-        np.ones(batch, np.int64), lens, tables, slots, batch, BLOCK_SIZE, device, triton=True
-    )
+    step = StepMetadata(np.ones(batch, np.int64), lens, tables, slots, batch, BLOCK_SIZE)
+    return build_triton_plan(step, device)
 
 
 def bench_attention(s: Shapes, device: torch.device, iters: int, peak: float) -> list[list[str]]:
@@ -117,7 +116,7 @@ def bench_attention(s: Shapes, device: torch.device, iters: int, peak: float) ->
             plan = random_step(batch, context, num_blocks, device, batch + context)
             assert plan.paged is not None
             meta = plan.paged
-            call = partial(ops.paged_attention, q, kc, vc, meta, d**-0.5)
+            call = partial(ops.paged_attention, q, (kc, vc), meta, d**-0.5)
             seconds = timed(call, iters, device)
             nbytes = 2 * batch * context * s.kv_heads * d * 2
             gbps = nbytes / seconds / 1e9

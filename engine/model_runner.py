@@ -36,7 +36,7 @@ from engine.scheduler import SchedulerOutput
 from engine.spec_decode import verify
 from engine.weights_cache import WeightsCache, cache_for
 from kernels import dispatch, linear, native, quant
-from kernels.attention import AttentionPlan
+from kernels.attention import AttentionPlan, StepMetadata
 
 logger = logging.getLogger(__name__)
 
@@ -246,7 +246,9 @@ class ModelRunner:
 
     def _one_prompt_plan(self, n: int) -> AttentionPlan:
         """One prompt of `n` tokens from scratch over a scratch cache of one block of `n`."""
-        return self.kernels.plan(np.array([n]), np.array([n]), [[0]], np.arange(n), 0, n)
+        return self.kernels.plan(
+            StepMetadata(np.array([n]), np.array([n]), [[0]], np.arange(n), 0, n)
+        )
 
     @property
     def bytes_per_block(self) -> int:
@@ -322,12 +324,14 @@ class ModelRunner:
         large = sched.num_batched_tokens >= self.large_step_tokens
         self._set_threads(self.prefill_threads if large else self.decode_threads)
         plan = self.kernels.plan(
-            batch.query_lens,
-            batch.seq_lens,
-            batch.block_tables,
-            batch.slots,
-            batch.num_decode,
-            self.block_size,
+            StepMetadata(
+                batch.query_lens,
+                batch.seq_lens,
+                batch.block_tables,
+                batch.slots,
+                batch.num_decode,
+                self.block_size,
+            )
         )
         ids_t = torch.from_numpy(batch.input_ids).to(self.device)
         pos_t = torch.from_numpy(batch.positions).to(self.device)

@@ -9,8 +9,9 @@ head, ready for a batched matmul with no further copy:
 
 A step's tokens arrive flattened ("super sequence"), decode rows (one query
 token each) first, then prefill rows (a prompt chunk, or a recompute after
-preemption). `build_plan` turns the step's host-side metadata into the index
-tensors every layer reuses.
+preemption). A plan builder turns the step's host-side metadata (`StepMetadata`) into the
+index tensors every layer reuses: one builder per kind of kernels, which each backend
+(kernels/backend.py) chooses once, at its construction.
 
 Decode rows are attended in a few groups of similar length (padding a row to
 the group's longest costs a copy of K/V it does not need), one batched matmul
@@ -25,11 +26,13 @@ one call per layer). Rows with cached context are attended one at a time with
 SDPA over their gathered blocks: padding them together would waste more than
 the loop costs.
 
-This torch version is the specification; the triton kernels (kernels/triton) must
-match it. They take a plan of their own (`build_plan(..., triton=True)`): no groups, no
-masks, only `PagedMetadata`, the step's block tables and lengths for every row, which
-the kernels read in place. A plan is built for one path; the CPU paths never build the
-triton one's tensors.
+This torch version (`build_plan`, `paged_attention`) is the specification; the C++ and
+triton kernels must match it. The C++ kernels read a plan whose decode rows are one group
+(`build_native_decode_plan`) and, where they attend prompts too, whose prefill rows are
+theirs (`build_native_plan`). The triton kernels take a plan of their own
+(`build_triton_plan`): no groups, no masks, only `PagedMetadata`, the step's block tables
+and lengths for every row, which the kernels read in place. A plan is built for one path;
+the CPU paths never build the triton one's tensors.
 """
 
 from __future__ import annotations
@@ -39,6 +42,20 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 import torch.nn.functional as F
+
+
+@dataclass(frozen=True, slots=True)
+class StepMetadata:
+    """A step's attention rows as the model runner laid them out, on the host: rows
+    [0, num_decode) decode (query_len 1 each, sorted by seq_len where the kernels group rows
+    of similar length), the rest prefills."""
+
+    query_lens: np.ndarray  # [rows]
+    seq_lens: np.ndarray  # [rows]: keys each row attends, its queries included
+    block_tables: list[list[int]]  # each row's blocks
+    slot_mapping: np.ndarray  # [num_tokens]: where each token's K/V is written
+    num_decode: int
+    block_size: int
 
 
 @dataclass(slots=True)
@@ -126,53 +143,80 @@ class AttentionPlan:
 _GROUP_COST_SLOTS = 2048
 
 
-def build_plan(
-    query_lens: np.ndarray,
-    seq_lens: np.ndarray,
-    block_tables: list[list[int]],
-    slot_mapping: np.ndarray,
-    num_decode: int,
-    block_size: int,
-    device: torch.device,
-    native: bool = False,
-    triton: bool = False,
-    native_prefill: bool = False,
-) -> AttentionPlan:
-    """Rows [0, num_decode) must have query_len == 1, sorted by seq_len for the
-    grouping to pay off; the rest are prefills. `native`: decode with the C++ kernel,
-    which pads nothing, so its rows are one group (one pass over a shared prefix).
-    `triton`: only the triton kernels' metadata. `native_prefill`: the prefill rows go to
-    the C++ prefill kernel (bf16 caches with bf16 dot products, which the caller checks)
-    where blocks hold a multiple of NATIVE_PREFILL_BLOCK_MULTIPLE tokens."""
-    if triton:
-        return AttentionPlan(
-            slot_mapping=torch.from_numpy(slot_mapping).to(device),
-            num_decode=num_decode,
-            decode_groups=[],
-            prefill_rows=[],
-            fresh_prefills=[],
-            paged=_paged_metadata(query_lens, seq_lens, block_tables, num_decode, device),
-        )
+def build_plan(step: StepMetadata, device: torch.device) -> AttentionPlan:
+    """The torch specification's plan: decode rows in groups of similar length, each with
+    the blocks its rows share and a mask over the tails; prefill rows attended by SDPA."""
     groups = []
-    if num_decode:
-        bt = np.zeros((num_decode, max(len(t) for t in block_tables[:num_decode])), np.int64)
-        for i, table in enumerate(block_tables[:num_decode]):
-            bt[i, : len(table)] = table
-        lens = seq_lens[:num_decode]
-        for start, end in [(0, num_decode)] if native else _split_by_length(lens):
+    if step.num_decode:
+        bt, lens = _decode_tables(step)
+        for start, end in _split_by_length(lens):
             groups.append(
-                _decode_group(bt[start:end], lens[start:end], start, block_size, device, native)
+                _masked_group(bt[start:end], lens[start:end], start, step.block_size, device)
             )
+    prefill_rows, fresh = _torch_prefills(step, device)
+    return AttentionPlan(
+        slot_mapping=torch.from_numpy(step.slot_mapping).to(device),
+        num_decode=step.num_decode,
+        decode_groups=groups,
+        prefill_rows=prefill_rows,
+        fresh_prefills=fresh,
+    )
+
+
+def build_native_decode_plan(step: StepMetadata, device: torch.device) -> AttentionPlan:
+    """The decode rows for the C++ kernel, which pads nothing, so they are one group (one
+    pass over a shared prefix); the prefill rows as `build_plan` makes them."""
+    prefill_rows, fresh = _torch_prefills(step, device)
+    return AttentionPlan(
+        slot_mapping=torch.from_numpy(step.slot_mapping).to(device),
+        num_decode=step.num_decode,
+        decode_groups=_native_groups(step, device),
+        prefill_rows=prefill_rows,
+        fresh_prefills=fresh,
+        native=True,
+    )
+
+
+def build_native_plan(step: StepMetadata, device: torch.device) -> AttentionPlan:
+    """Every row for the C++ kernels, the prefill rows too (bf16 caches with bf16 dot
+    products, which the caller checked: kernels.native.prefill_attention_available) where
+    blocks hold a multiple of NATIVE_PREFILL_BLOCK_MULTIPLE tokens; elsewhere
+    `build_native_decode_plan`."""
+    if step.block_size % NATIVE_PREFILL_BLOCK_MULTIPLE:
+        return build_native_decode_plan(step, device)
+    return AttentionPlan(
+        slot_mapping=torch.from_numpy(step.slot_mapping).to(device),
+        num_decode=step.num_decode,
+        decode_groups=_native_groups(step, device),
+        prefill_rows=[],
+        fresh_prefills=[],
+        native=True,
+        native_prefills=_native_prefills(step, device),
+    )
+
+
+def build_triton_plan(step: StepMetadata, device: torch.device) -> AttentionPlan:
+    """Only the triton kernels' metadata: every row's block table and lengths."""
+    return AttentionPlan(
+        slot_mapping=torch.from_numpy(step.slot_mapping).to(device),
+        num_decode=step.num_decode,
+        decode_groups=[],
+        prefill_rows=[],
+        fresh_prefills=[],
+        paged=_paged_metadata(step, device),
+    )
+
+
+def _torch_prefills(
+    step: StepMetadata, device: torch.device
+) -> tuple[list[PrefillRow], list[FreshPrefills]]:
+    """The prefill rows for SDPA: those with cached context one at a time over their gathered
+    blocks, the fresh ones batched by length straight from the step's K/V."""
+    query_lens, seq_lens, block_size = step.query_lens, step.seq_lens, step.block_size
     prefill_rows: list[PrefillRow] = []
     fresh: list[FreshPrefills] = []
-    query_start = int(query_lens[:num_decode].sum())
-    natives = (
-        _native_prefills(query_lens, seq_lens, block_tables, num_decode, device)
-        if native_prefill and block_size % NATIVE_PREFILL_BLOCK_MULTIPLE == 0
-        else None
-    )
-    torch_rows = range(num_decode, len(query_lens)) if natives is None else range(0)
-    for i in torch_rows:
+    query_start = int(query_lens[: step.num_decode].sum())
+    for i in range(step.num_decode, len(query_lens)):
         q_len, s_len = int(query_lens[i]), int(seq_lens[i])
         if s_len == q_len:  # no cached context
             last = fresh[-1] if fresh else None
@@ -183,30 +227,18 @@ def build_plan(
             query_start += q_len
             continue
         num_blocks = -(-s_len // block_size)
-        ids = torch.tensor(block_tables[i][:num_blocks], dtype=torch.long, device=device)
+        ids = torch.tensor(step.block_tables[i][:num_blocks], dtype=torch.long, device=device)
         ctx = s_len - q_len
         rows = torch.arange(q_len, device=device)[:, None]
         mask = torch.arange(s_len, device=device)[None, :] <= rows + ctx
         prefill_rows.append(PrefillRow(query_start, q_len, s_len, ids, mask))
         query_start += q_len
-    return AttentionPlan(
-        slot_mapping=torch.from_numpy(slot_mapping).to(device),
-        num_decode=num_decode,
-        decode_groups=groups,
-        prefill_rows=prefill_rows,
-        fresh_prefills=fresh,
-        native=native,
-        native_prefills=natives,
-    )
+    return prefill_rows, fresh
 
 
-def _native_prefills(
-    query_lens: np.ndarray,
-    seq_lens: np.ndarray,
-    block_tables: list[list[int]],
-    num_decode: int,
-    device: torch.device,
-) -> NativePrefills | None:
+def _native_prefills(step: StepMetadata, device: torch.device) -> NativePrefills | None:
+    query_lens, seq_lens, num_decode = step.query_lens, step.seq_lens, step.num_decode
+    block_tables = step.block_tables
     rows = len(query_lens) - num_decode
     if rows == 0:
         return None
@@ -224,13 +256,9 @@ def _native_prefills(
     return NativePrefills(dev[: rows * width].view(rows, width), dev[rows * width :].view(rows, 3))
 
 
-def _paged_metadata(
-    query_lens: np.ndarray,
-    seq_lens: np.ndarray,
-    block_tables: list[list[int]],
-    num_decode: int,
-    device: torch.device,
-) -> PagedMetadata:
+def _paged_metadata(step: StepMetadata, device: torch.device) -> PagedMetadata:
+    query_lens, seq_lens, num_decode = step.query_lens, step.seq_lens, step.num_decode
+    block_tables = step.block_tables
     rows = len(query_lens)
     # One host buffer, one copy to the device: tables, then lengths, then query offsets.
     width = max((len(t) for t in block_tables[:rows]), default=0) or 1
@@ -268,17 +296,23 @@ def _split_by_length(lens: np.ndarray) -> list[tuple[int, int]]:
     return best
 
 
-def _decode_group(
-    bt: np.ndarray,
-    lens: np.ndarray,
-    row_start: int,
-    block_size: int,
-    device: torch.device,
-    native: bool,
-) -> DecodeGroup:
-    rows = len(lens)
+def _decode_tables(step: StepMetadata) -> tuple[np.ndarray, np.ndarray]:
+    """The decode rows' block tables, zero-padded ([num_decode, max_blocks] int64), and
+    their lengths."""
+    tables = step.block_tables[: step.num_decode]
+    bt = np.zeros((step.num_decode, max(len(t) for t in tables)), np.int64)
+    for i, table in enumerate(tables):
+        bt[i, : len(table)] = table
+    return bt, step.seq_lens[: step.num_decode]
+
+
+def _cascade(
+    bt: np.ndarray, lens: np.ndarray, block_size: int, device: torch.device
+) -> tuple[torch.Tensor | None, torch.Tensor, int]:
+    """A group's blocks: those every row starts with (None: none), each row's blocks after
+    them ([rows, max_tail_blocks]), and how many those shared blocks are."""
     num_shared = 0
-    if rows > 1:
+    if len(lens) > 1:
         same = (bt == bt[0]).all(axis=0)
         num_shared = int(same.argmin()) if not same.all() else bt.shape[1]
         # Every row keeps at least its own last token in the tail.
@@ -286,12 +320,28 @@ def _decode_group(
     shared = torch.from_numpy(bt[0, :num_shared].copy()).to(device) if num_shared else None
     tail_blocks = int(-(-lens.max() // block_size)) - num_shared
     tables = torch.from_numpy(bt[:, num_shared : num_shared + tail_blocks].copy()).to(device)
-    if native:
-        seq_lens = torch.from_numpy(lens.astype(np.int64, copy=True)).to(device)
-        return DecodeGroup(row_start, row_start + rows, shared, tables, None, seq_lens)
-    key_pos = np.arange(tail_blocks * block_size) + num_shared * block_size
+    return shared, tables, num_shared
+
+
+def _masked_group(
+    bt: np.ndarray, lens: np.ndarray, row_start: int, block_size: int, device: torch.device
+) -> DecodeGroup:
+    """Rows [row_start, row_start + len(lens)) for the torch path: a mask over the tails."""
+    rows = len(lens)
+    shared, tables, num_shared = _cascade(bt, lens, block_size, device)
+    key_pos = np.arange(tables.shape[1] * block_size) + num_shared * block_size
     mask = torch.from_numpy(key_pos[None, :] < lens[:, None]).view(1, rows, 1, -1).to(device)
     return DecodeGroup(row_start, row_start + rows, shared, tables, mask, None)
+
+
+def _native_groups(step: StepMetadata, device: torch.device) -> list[DecodeGroup]:
+    """Every decode row in one group for the C++ kernel, which reads each row's length."""
+    if not step.num_decode:
+        return []
+    bt, lens = _decode_tables(step)
+    shared, tables, _ = _cascade(bt, lens, step.block_size, device)
+    seq_lens = torch.from_numpy(lens.astype(np.int64, copy=True)).to(device)
+    return [DecodeGroup(0, step.num_decode, shared, tables, None, seq_lens)]
 
 
 def write_kv(
@@ -322,12 +372,11 @@ def _gather(cache: torch.Tensor, block_ids: torch.Tensor) -> torch.Tensor:
 
 def paged_attention(
     query: torch.Tensor,
-    key_cache: torch.Tensor,
-    value_cache: torch.Tensor,
-    plan: AttentionPlan,
-    scale: float,
     key: torch.Tensor,
     value: torch.Tensor,
+    kv_cache: tuple[torch.Tensor, torch.Tensor],
+    plan: AttentionPlan,
+    scale: float,
 ) -> torch.Tensor:
     """Causal attention of each query token over its sequence's cached K/V.
 
@@ -335,6 +384,7 @@ def paged_attention(
     own [num_tokens, num_kv_heads, head_dim], which must also be in the cache already
     (`write_kv`): fresh prefills read them directly, everything else from the cache.
     """
+    key_cache, value_cache = kv_cache
     out = torch.empty_like(query)
     for group in plan.decode_groups:
         if plan.native:

@@ -19,7 +19,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from kernels.attention import AttentionPlan
+from kernels.attention import AttentionPlan, StepMetadata
 
 
 class Backend(enum.Enum):
@@ -80,16 +80,9 @@ class Kernels(Protocol):
     @property
     def backend(self) -> Backend: ...
 
-    def plan(
-        self,
-        query_lens: np.ndarray,
-        seq_lens: np.ndarray,
-        block_tables: list[list[int]],
-        slot_mapping: np.ndarray,
-        num_decode: int,
-        block_size: int,
-    ) -> AttentionPlan:
-        """The step's attention plan for these kernels (kernels.attention.build_plan)."""
+    def plan(self, step: StepMetadata) -> AttentionPlan:
+        """The step's attention plan for these kernels (kernels.attention's builder of
+        theirs)."""
         ...
 
     def row_rank(self, num_computed_tokens: int, lora_slot: int) -> int:
@@ -137,7 +130,8 @@ class Kernels(Protocol):
 
     def quantize(self, module: nn.Module) -> int:
         """`--quantization int8`: every projection under `module` made an int8 linear
-        (kernels.quant.quantize) running on these kernels; returns how many."""
+        (kernels.quant.quantize; quantize_native on the C++ kernels) running on these kernels;
+        returns how many."""
         ...
 
     def lora_steps(self, pool: LoRAPoolView, max_rank: int) -> LoRASteps:

@@ -31,17 +31,27 @@ class LoRAGroup:
     rows: slice | torch.Tensor
 
 
+@dataclass(frozen=True, slots=True)
+class SlotRows:
+    """Where each slot's rows lie in one LoRA-targeted linear's pool: slot s owns rows
+    [offsets[s], offsets[s] + widths[s]) (engine/lora_pool.py's `offsets[target]` and
+    `widths[target]`, read as they are)."""
+
+    offsets: Sequence[int]
+    widths: Sequence[int]
+
+
 def add_lora(
     y: torch.Tensor,
     x: torch.Tensor,
     pool_a: torch.Tensor,
     pool_b: torch.Tensor,
     groups: Sequence[LoRAGroup],
-    offsets: Sequence[int],
-    widths: Sequence[int],
+    slots: SlotRows,
 ) -> None:
-    """y[rows] += (x[rows] @ A.T) @ B for every group, in place, with A and B the rows
-    [offsets[slot], offsets[slot] + widths[slot]) of pool_a [rows, in] and pool_b [rows, out]."""
+    """y[rows] += (x[rows] @ A.T) @ B for every group, in place, with A and B the group's
+    slot's rows (`slots`) of pool_a [rows, in] and pool_b [rows, out]."""
+    offsets, widths = slots.offsets, slots.widths
     for group in groups:
         width = widths[group.slot]
         if width == 0:

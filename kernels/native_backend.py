@@ -10,7 +10,13 @@ import torch
 from torch import nn
 
 from kernels import native, quant
-from kernels.attention import AttentionPlan, build_plan, paged_attention
+from kernels.attention import (
+    AttentionPlan,
+    StepMetadata,
+    build_native_decode_plan,
+    build_native_plan,
+    paged_attention,
+)
 from kernels.backend import Backend, Kernels, LoRAPoolView, LoRAStep, LoRASteps, Rope
 from kernels.torch_backend import rope_rows, slot_runs
 
@@ -51,28 +57,14 @@ class NativeKernels(Kernels):
         """The C++ ops must be loaded (kernels.native.load) and take `dtype`; the prompts'
         attention goes to them too where they run caches of this kind."""
         self.device = device
-        self.native_prefill = native.prefill_attention_available(dtype, head_dim, block_size)
-
-    def plan(
-        self,
-        query_lens: np.ndarray,
-        seq_lens: np.ndarray,
-        block_tables: list[list[int]],
-        slot_mapping: np.ndarray,
-        num_decode: int,
-        block_size: int,
-    ) -> AttentionPlan:
-        return build_plan(
-            query_lens,
-            seq_lens,
-            block_tables,
-            slot_mapping,
-            num_decode,
-            block_size,
-            self.device,
-            native=True,
-            native_prefill=self.native_prefill,
+        self._build_plan = (
+            build_native_plan
+            if native.prefill_attention_available(dtype, head_dim, block_size)
+            else build_native_decode_plan
         )
+
+    def plan(self, step: StepMetadata) -> AttentionPlan:
+        return self._build_plan(step, self.device)
 
     def row_rank(self, num_computed_tokens: int, lora_slot: int) -> int:
         # The C++ attention pads nothing: rows go by slot, each adapter's tokens one run.
@@ -100,11 +92,10 @@ class NativeKernels(Kernels):
         plan: AttentionPlan,
         scale: float,
     ) -> torch.Tensor:
-        key_cache, value_cache = kv_cache
-        torch.ops.loragate.write_kv(k, v, key_cache, value_cache, plan.slot_mapping)
-        # The plan built for these kernels sends its decode rows (and prefill rows, with
-        # native_prefill) to the C++ attention.
-        return paged_attention(q, key_cache, value_cache, plan, scale, k, v)
+        torch.ops.loragate.write_kv(k, v, *kv_cache, plan.slot_mapping)
+        # The plan built for these kernels sends its decode rows (and its prefill rows, where
+        # build_native_plan made it) to the C++ attention.
+        return paged_attention(q, k, v, kv_cache, plan, scale)
 
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         out = torch.empty_like(x)
@@ -119,7 +110,7 @@ class NativeKernels(Kernels):
         return out
 
     def quantize(self, module: nn.Module) -> int:
-        return quant.quantize(module, native=True)
+        return quant.quantize_native(module)
 
     def lora_steps(self, pool: LoRAPoolView, max_rank: int) -> LoRASteps:
         return NativeLoRASteps(pool)

@@ -138,7 +138,7 @@ class Int8Linear(nn.Module):
         self.register_buffer("scales", scales.t().contiguous())
         bias = linear.bias
         self.bias = None if bias is None else bias.detach().float()
-        self.native = False  # the C++ halves (kernels.native): quantize(native=True), use_native
+        self.native = False  # the C++ halves (kernels.native): quantize_native, use_native
         # The weight packed for the C++ linear, and its column sums per group (pack_for_vnni).
         self.packed: torch.Tensor | None = None
         self.col_sums: torch.Tensor | None = None
@@ -246,11 +246,18 @@ def smooth(model: Any, ranges: dict[str, torch.Tensor], alpha: float = SMOOTHING
         _scale_(attn.o_proj.weight, s[:, None, :].expand(-1, per_kv, -1).reshape(-1))
 
 
-def quantize(module: nn.Module, native: bool = False) -> int:
-    """Replace every projection under `module` by its Int8Linear, on the C++ kernels when
-    `native` (packed for them where the CPU has VNNI); returns how many."""
+def quantize(module: nn.Module) -> int:
+    """Replace every projection under `module` by its Int8Linear, on torch's int8 GEMM;
+    returns how many."""
     count = _replace_projections(module)
-    use_native(module, native)
+    use_native(module, False)
+    return count
+
+
+def quantize_native(module: nn.Module) -> int:
+    """`quantize`, the linears on the C++ kernels (packed for them where the CPU has VNNI)."""
+    count = _replace_projections(module)
+    use_native(module, True)
     return count
 
 

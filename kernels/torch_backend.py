@@ -9,9 +9,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from kernels import quant
-from kernels.attention import AttentionPlan, build_plan, paged_attention, write_kv
+from kernels.attention import AttentionPlan, StepMetadata, build_plan, paged_attention, write_kv
 from kernels.backend import Backend, Kernels, LoRAPoolView, LoRAStep, LoRASteps, Rope
-from kernels.lora import LoRAGroup, add_lora
+from kernels.lora import LoRAGroup, SlotRows, add_lora
 
 
 def rope_rows(
@@ -50,16 +50,18 @@ def slot_runs(token_slots: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarr
 class TorchLoRAStep:
     """A group of rows per slot: a slice where its tokens are one run, else their indices."""
 
-    __slots__ = ("pool", "groups")
+    __slots__ = ("pool", "groups", "slots")
 
     def __init__(self, pool: LoRAPoolView, groups: list[LoRAGroup]) -> None:
         self.pool = pool
         self.groups = groups
+        # Per target: the pool's offsets and widths, as they stand for this step.
+        self.slots = [SlotRows(o, w) for o, w in zip(pool.offsets, pool.widths, strict=True)]
 
     def apply(self, layer: int, target: int, x: torch.Tensor, y: torch.Tensor) -> None:
         pool = self.pool
         a, b = pool.layer_a[target][layer], pool.layer_b[target][layer]
-        add_lora(y, x, a, b, self.groups, pool.offsets[target], pool.widths[target])
+        add_lora(y, x, a, b, self.groups, self.slots[target])
 
 
 class TorchLoRASteps:
@@ -81,7 +83,7 @@ class TorchLoRASteps:
         return TorchLoRAStep(self.pool, groups)
 
     def pool_changed(self) -> None:
-        pass  # a step reads the pool's offsets and widths as it applies
+        pass  # a step reads the pool's offsets and widths as they stand
 
 
 class TorchKernels(Kernels):
@@ -90,24 +92,8 @@ class TorchKernels(Kernels):
     def __init__(self, device: torch.device) -> None:
         self.device = device
 
-    def plan(
-        self,
-        query_lens: np.ndarray,
-        seq_lens: np.ndarray,
-        block_tables: list[list[int]],
-        slot_mapping: np.ndarray,
-        num_decode: int,
-        block_size: int,
-    ) -> AttentionPlan:
-        return build_plan(
-            query_lens,
-            seq_lens,
-            block_tables,
-            slot_mapping,
-            num_decode,
-            block_size,
-            self.device,
-        )
+    def plan(self, step: StepMetadata) -> AttentionPlan:
+        return build_plan(step, self.device)
 
     def row_rank(self, num_computed_tokens: int, lora_slot: int) -> int:
         # Decode rows are attended in groups of similar length: shortest first.
@@ -134,9 +120,8 @@ class TorchKernels(Kernels):
         plan: AttentionPlan,
         scale: float,
     ) -> torch.Tensor:
-        key_cache, value_cache = kv_cache
-        write_kv(k, v, key_cache, value_cache, plan.slot_mapping)
-        return paged_attention(q, key_cache, value_cache, plan, scale, k, v)
+        write_kv(k, v, *kv_cache, plan.slot_mapping)
+        return paged_attention(q, k, v, kv_cache, plan, scale)
 
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         return rms_norm(x, weight, eps)

@@ -12,7 +12,7 @@ import torch
 from torch import nn
 
 from kernels import quant
-from kernels.attention import AttentionPlan, build_plan
+from kernels.attention import AttentionPlan, StepMetadata, build_triton_plan
 from kernels.backend import Backend, Kernels, LoRAPoolView, LoRAStep, LoRASteps, Rope
 
 if TYPE_CHECKING:
@@ -70,25 +70,8 @@ class TritonKernels(Kernels):
         self.ops = ops
         self.device = device
 
-    def plan(
-        self,
-        query_lens: np.ndarray,
-        seq_lens: np.ndarray,
-        block_tables: list[list[int]],
-        slot_mapping: np.ndarray,
-        num_decode: int,
-        block_size: int,
-    ) -> AttentionPlan:
-        return build_plan(
-            query_lens,
-            seq_lens,
-            block_tables,
-            slot_mapping,
-            num_decode,
-            block_size,
-            self.device,
-            triton=True,
-        )
+    def plan(self, step: StepMetadata) -> AttentionPlan:
+        return build_triton_plan(step, self.device)
 
     def row_rank(self, num_computed_tokens: int, lora_slot: int) -> int:
         # The triton attention pads nothing: rows go by slot, each adapter's tokens one run.
@@ -118,9 +101,8 @@ class TritonKernels(Kernels):
         scale: float,
     ) -> torch.Tensor:
         assert plan.paged is not None, "a plan built for the triton kernels"
-        key_cache, value_cache = kv_cache
-        self.ops.write_kv(k, v, key_cache, value_cache, plan.slot_mapping)
-        out: torch.Tensor = self.ops.paged_attention(q, key_cache, value_cache, plan.paged, scale)
+        self.ops.write_kv(k, v, *kv_cache, plan.slot_mapping)
+        out: torch.Tensor = self.ops.paged_attention(q, kv_cache, plan.paged, scale)
         return out
 
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:

@@ -27,6 +27,7 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels.attention import PagedMetadata
 from kernels.triton._checks import check, check_float, check_index, next_pow2, same_device
 from kernels.triton._tile import dot
 
@@ -188,8 +189,7 @@ def _num_splits(rows: int, kv_heads: int, max_seq_len: int, device: torch.device
 
 def _check_arguments(
     query: torch.Tensor,
-    key_cache: torch.Tensor,
-    value_cache: torch.Tensor,
+    kv_cache: tuple[torch.Tensor, torch.Tensor],
     block_tables: torch.Tensor,
     seq_lens: torch.Tensor,
     max_seq_len: int,
@@ -198,6 +198,7 @@ def _check_arguments(
     """Refuses what the kernel would misread (decode_attention's docstring has the shapes)."""
     check(query.dim() == 3 and out.shape == query.shape, "query/out must be [rows, heads, dim]")
     rows, num_heads, head_dim = query.shape
+    key_cache, value_cache = kv_cache
     check(key_cache.dim() == 4 and key_cache.shape == value_cache.shape, "caches differ")
     check(key_cache.stride() == value_cache.stride(), "key and value caches differ in strides")
     kvh, _, block_size, cache_dim = key_cache.shape
@@ -225,22 +226,25 @@ def _split_keys(max_seq_len: int, wanted: int, block_n: int) -> tuple[int, int]:
 
 def decode_attention(
     query: torch.Tensor,
-    key_cache: torch.Tensor,
-    value_cache: torch.Tensor,
-    block_tables: torch.Tensor,
-    seq_lens: torch.Tensor,
-    max_seq_len: int,
+    kv_cache: tuple[torch.Tensor, torch.Tensor],
+    meta: PagedMetadata,
     scale: float,
     out: torch.Tensor,
     num_splits: int | None = None,
 ) -> None:
-    """out[r] = softmax(query[r] . K[r]^T * scale) . V[r] for every row r.
+    """out[r] = softmax(query[r] . K[r]^T * scale) . V[r] for every decode row r of the step
+    (its first `meta.num_decode` tokens, one query each).
 
-    query/out: [rows, num_heads, head_dim] (any row and head strides); caches: the engine's
-    layout; block_tables: [rows, max_blocks] int32/int64; seq_lens: [rows], each <= max_seq_len
-    (a host int: it sizes the splits without reading the device). `num_splits`: None picks
-    one for the GPU; tests pass their own."""
-    _check_arguments(query, key_cache, value_cache, block_tables, seq_lens, max_seq_len, out)
+    query/out: [num_tokens, num_heads, head_dim] (any token and head strides); kv_cache: the
+    engine's layout; meta's block_tables: [rows, max_blocks] int32/int64, seq_lens: [rows],
+    each decode row's <= meta.max_decode_seq_len (a host int: it sizes the splits without
+    reading the device). `num_splits`: None picks one for the GPU; tests pass their own."""
+    nd = meta.num_decode
+    query, out = query[:nd], out[:nd]
+    block_tables, seq_lens = meta.block_tables[:nd], meta.seq_lens[:nd]
+    max_seq_len = meta.max_decode_seq_len
+    _check_arguments(query, kv_cache, block_tables, seq_lens, max_seq_len, out)
+    key_cache, value_cache = kv_cache
     rows, num_heads, head_dim = query.shape
     kvh, _, block_size, _ = key_cache.shape
     if rows == 0:

@@ -34,39 +34,16 @@ __all__ = [
 
 def paged_attention(
     query: torch.Tensor,
-    key_cache: torch.Tensor,
-    value_cache: torch.Tensor,
+    kv_cache: tuple[torch.Tensor, torch.Tensor],
     meta: PagedMetadata,
     scale: float,
 ) -> torch.Tensor:
-    """`kernels.attention.paged_attention` for a plan built with `triton=True`: decode rows
-    (the first `meta.num_decode` tokens, one each) by the split-K kernel, the rest by the
+    """`kernels.attention.paged_attention` for a plan built by `build_triton_plan`: decode
+    rows (the first `meta.num_decode` tokens, one each) by the split-K kernel, the rest by the
     prefill kernel, both reading every key from the cache (write_kv first)."""
     out = torch.empty(query.shape, dtype=query.dtype, device=query.device)
-    nd = meta.num_decode
-    if nd:
-        decode_attention(
-            query[:nd],
-            key_cache,
-            value_cache,
-            meta.block_tables[:nd],
-            meta.seq_lens[:nd],
-            meta.max_decode_seq_len,
-            scale,
-            out[:nd],
-        )
-    if meta.num_rows > nd:
-        prefill_attention(
-            query,
-            key_cache,
-            value_cache,
-            meta.block_tables,
-            meta.seq_lens,
-            meta.query_start_loc,
-            nd,
-            meta.num_rows - nd,
-            meta.max_prefill_query_len,
-            scale,
-            out,
-        )
+    if meta.num_decode:
+        decode_attention(query, kv_cache, meta, scale, out)
+    if meta.num_rows > meta.num_decode:
+        prefill_attention(query, kv_cache, meta, scale, out)
     return out

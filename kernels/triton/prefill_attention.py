@@ -18,6 +18,7 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels.attention import PagedMetadata
 from kernels.triton._checks import check, check_float, check_index, next_pow2, same_device
 from kernels.triton._tile import dot
 
@@ -109,23 +110,22 @@ def _prefill_kernel(  # type: ignore[no-untyped-def]  # triton reads annotations
 
 def prefill_attention(
     query: torch.Tensor,
-    key_cache: torch.Tensor,
-    value_cache: torch.Tensor,
-    block_tables: torch.Tensor,
-    seq_lens: torch.Tensor,
-    query_start_loc: torch.Tensor,
-    first_row: int,
-    num_rows: int,
-    max_query_len: int,
+    kv_cache: tuple[torch.Tensor, torch.Tensor],
+    meta: PagedMetadata,
     scale: float,
     out: torch.Tensor,
 ) -> None:
-    """Causal attention of rows [first_row, first_row + num_rows) of the step.
+    """Causal attention of the step's prefill rows, [meta.num_decode, meta.num_rows).
 
-    query/out: [num_tokens, num_heads, head_dim] (any token and head strides); block_tables
-    [rows, max_blocks], seq_lens [rows], query_start_loc [rows + 1]: every attention row of
-    the step, indexed from 0. `max_query_len`: the longest chunk among the rows attended (a
-    host int: it sizes the grid). A row with no queries writes nothing."""
+    query/out: [num_tokens, num_heads, head_dim] (any token and head strides); meta's
+    block_tables [rows, max_blocks], seq_lens [rows], query_start_loc [rows + 1]: every
+    attention row of the step, indexed from 0; its `max_prefill_query_len`: the longest chunk
+    among the rows attended (a host int: it sizes the grid). A row with no queries writes
+    nothing."""
+    key_cache, value_cache = kv_cache
+    block_tables, seq_lens, query_start_loc = meta.block_tables, meta.seq_lens, meta.query_start_loc
+    first_row, num_rows = meta.num_decode, meta.num_rows - meta.num_decode
+    max_query_len = meta.max_prefill_query_len
     check(query.dim() == 3 and out.shape == query.shape, "query/out must be [tokens, heads, dim]")
     _, num_heads, head_dim = query.shape
     check(key_cache.dim() == 4 and key_cache.shape == value_cache.shape, "caches differ")

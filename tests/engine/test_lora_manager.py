@@ -13,7 +13,7 @@ import torch
 from engine.lora import LoRAManager
 from engine.lora_pool import LoRAPool
 from engine.lora_types import LoRALoadError, LoRARequest, LoRAWeights, llama_fused_targets
-from kernels.lora import LoRAGroup, add_lora
+from kernels.lora import LoRAGroup, SlotRows, add_lora
 from kernels.torch_backend import TorchKernels
 
 
@@ -207,7 +207,9 @@ def test_a_slot_computes_exactly_the_adapters_update() -> None:
     y = torch.zeros(5, 16)  # q 8 + k 4 + v 4
     pool = manager.pool
     a, b = pool.pool_a[qkv][layer], pool.pool_b[qkv][layer]
-    add_lora(y, x, a, b, [LoRAGroup(sa, slice(1, 4))], pool.offsets[qkv], pool.widths[qkv])
+    add_lora(
+        y, x, a, b, [LoRAGroup(sa, slice(1, 4))], SlotRows(pool.offsets[qkv], pool.widths[qkv])
+    )
     a_q, b_q = w.layers[layer]["q_proj"]
     a_v, b_v = w.layers[layer]["v_proj"]
     expected = torch.zeros(5, 16)
@@ -217,7 +219,7 @@ def test_a_slot_computes_exactly_the_adapters_update() -> None:
     # Scattered rows go through index_add and give the same rows.
     y2 = torch.zeros(5, 16)
     groups = [LoRAGroup(sa, torch.tensor([1, 2, 3]))]
-    add_lora(y2, x, a, b, groups, pool.offsets[qkv], pool.widths[qkv])
+    add_lora(y2, x, a, b, groups, SlotRows(pool.offsets[qkv], pool.widths[qkv]))
     torch.testing.assert_close(y2, expected)
 
 
@@ -263,7 +265,9 @@ def test_an_evicted_adapter_comes_back_from_the_cache_with_the_same_update() -> 
     def update(slot: int) -> torch.Tensor:
         pool, y = manager.pool, torch.zeros(3, 16)
         a, b = pool.pool_a[0][1], pool.pool_b[0][1]
-        add_lora(y, x, a, b, [LoRAGroup(slot, slice(0, 3))], pool.offsets[0], pool.widths[0])
+        add_lora(
+            y, x, a, b, [LoRAGroup(slot, slice(0, 3))], SlotRows(pool.offsets[0], pool.widths[0])
+        )
         return y
 
     slot = acquire_when_loaded(manager, lora("a"))
@@ -321,7 +325,9 @@ def test_a_narrower_adapter_where_a_wider_one_was_computes_only_its_own_update()
         torch.zeros(2, 16),
     )
     a, b = pool.pool_a[qkv][0], pool.pool_b[qkv][0]
-    add_lora(y, x, a, b, [LoRAGroup(slot, slice(0, 2))], pool.offsets[qkv], pool.widths[qkv])
+    add_lora(
+        y, x, a, b, [LoRAGroup(slot, slice(0, 2))], SlotRows(pool.offsets[qkv], pool.widths[qkv])
+    )
     expected = torch.cat([x @ w.layers[0][m][0].t() @ w.layers[0][m][1].t() for m in modules], 1)
     torch.testing.assert_close(y, expected * w.scaling)
 

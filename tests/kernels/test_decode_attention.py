@@ -10,7 +10,12 @@ import pytest
 import torch
 
 from kernels import cpu_features, native
-from kernels.attention import build_plan, paged_attention
+from kernels.attention import (
+    StepMetadata,
+    build_native_decode_plan,
+    build_plan,
+    paged_attention,
+)
 
 pytestmark = pytest.mark.skipif(not native.load(), reason="CPU kernels could not be built here")
 
@@ -67,19 +72,20 @@ def _attend(query, key_cache, value_cache, tables, lens, native_path):  # type: 
     lens_np = np.array(lens)
     order = np.argsort(lens_np, kind="stable")  # build_plan wants decode rows sorted by length
     slots = np.array([tables[i][(lens[i] - 1) // block_size] * block_size for i in order])
-    plan = build_plan(
+    step = StepMetadata(
         np.ones(len(lens), np.int64),
         lens_np[order],
         [tables[i] for i in order],
         slots,
         len(lens),
         block_size,
-        torch.device("cpu"),
-        native=native_path,
     )
+    build = build_native_decode_plan if native_path else build_plan
+    plan = build(step, torch.device("cpu"))
     scale = query.shape[2] ** -0.5
     unused = torch.empty(0, key_cache.shape[0], key_cache.shape[3])  # no prefill rows
-    out = paged_attention(query[order], key_cache, value_cache, plan, scale, unused, unused)
+    kv_cache = (key_cache, value_cache)
+    out = paged_attention(query[order], unused, unused, kv_cache, plan, scale)
     return out[np.argsort(order)]
 
 

@@ -9,7 +9,7 @@ import torch
 
 from engine.lora_pool import SEGMENTS, TABLE_COLUMNS
 from kernels import native
-from kernels.lora import LoRAGroup, add_lora
+from kernels.lora import LoRAGroup, SlotRows, add_lora
 
 pytestmark = pytest.mark.skipif(not native.load(), reason="CPU kernels could not be built here")
 
@@ -61,7 +61,7 @@ def reference(
     expected = y.clone()
     clean_a, clean_b = a.nan_to_num(0.0), b.nan_to_num(0.0)
     groups = [LoRAGroup(s, slice(i, j)) for s, i, j in runs]
-    add_lora(expected, x, clean_a, clean_b, groups, offsets, widths)
+    add_lora(expected, x, clean_a, clean_b, groups, SlotRows(offsets, widths))
     return expected
 
 

@@ -9,7 +9,12 @@ import pytest
 import torch
 
 from kernels import native
-from kernels.attention import build_plan, paged_attention
+from kernels.attention import (
+    StepMetadata,
+    build_native_decode_plan,
+    build_native_plan,
+    paged_attention,
+)
 
 pytestmark = pytest.mark.skipif(
     not native.prefill_attention_available(torch.bfloat16, 64, 16),
@@ -92,21 +97,21 @@ def _assert_one_rounding_off(ours: torch.Tensor, dense: torch.Tensor) -> None:
 
 def _attend(query, key_cache, value_cache, rows, tables, native_prefill):  # type: ignore[no-untyped-def]
     block_size = key_cache.shape[2]
-    plan = build_plan(
+    step = StepMetadata(
         np.array([q for q, _ in rows]),
         np.array([s for _, s in rows]),
         tables,
         np.zeros(query.shape[0], np.int64),
         0,
         block_size,
-        torch.device("cpu"),
-        native=True,
-        native_prefill=native_prefill,
     )
+    build = build_native_plan if native_prefill else build_native_decode_plan
+    plan = build(step, torch.device("cpu"))
     assert (plan.native_prefills is not None) == native_prefill
     key = _own_kv(key_cache, rows, tables, block_size)
     value = _own_kv(value_cache, rows, tables, block_size)
-    return paged_attention(query, key_cache, value_cache, plan, query.shape[2] ** -0.5, key, value)
+    kv_cache = (key_cache, value_cache)
+    return paged_attention(query, key, value, kv_cache, plan, query.shape[2] ** -0.5)
 
 
 @pytest.mark.parametrize(

@@ -7,48 +7,29 @@ import pytest
 import torch
 from triton_cases import DEVICE, TOLERANCE, paged_step
 
-from kernels.attention import build_plan, paged_attention
+from kernels.attention import PagedMetadata, build_plan, build_triton_plan, paged_attention
 from kernels.triton import ops
 from kernels.triton.decode_attention import decode_attention
 
 
 def spec(step, block_size: int, scale: float) -> torch.Tensor:  # type: ignore[no-untyped-def]
     """The torch specification in float32 on the step's (rounded) inputs."""
-    plan = build_plan(
-        step.query_lens,
-        step.seq_lens,
-        step.block_tables,
-        step.slot_mapping,
-        step.num_decode,
-        block_size,
-        torch.device("cpu"),
-    )
+    plan = build_plan(step.metadata(block_size), torch.device("cpu"))
     f = torch.float32
     return paged_attention(
         step.query.to(f),
-        step.key_cache.to(f),
-        step.value_cache.to(f),
-        plan,
-        scale,
         step.key.to(f),
         step.value.to(f),
+        (step.key_cache.to(f), step.value_cache.to(f)),
+        plan,
+        scale,
     )
 
 
 def triton_attention(step, block_size: int, scale: float) -> torch.Tensor:  # type: ignore[no-untyped-def]
-    plan = build_plan(
-        step.query_lens,
-        step.seq_lens,
-        step.block_tables,
-        step.slot_mapping,
-        step.num_decode,
-        block_size,
-        DEVICE,
-        triton=True,
-    )
+    plan = build_triton_plan(step.metadata(block_size), DEVICE)
     assert plan.paged is not None and not plan.decode_groups and not plan.prefill_rows
-    key_cache, value_cache = poisoned(step, block_size)
-    out = ops.paged_attention(step.query.to(DEVICE), key_cache, value_cache, plan.paged, scale)
+    out = ops.paged_attention(step.query.to(DEVICE), poisoned(step, block_size), plan.paged, scale)
     return out.cpu().float()
 
 
@@ -118,27 +99,11 @@ def test_split_k_merges_to_the_same_result(num_splits: int) -> None:
         dtype=torch.float32,
         seed=7,
     )
-    plan = build_plan(
-        step.query_lens,
-        step.seq_lens,
-        step.block_tables,
-        step.slot_mapping,
-        3,
-        8,
-        DEVICE,
-        triton=True,
-    )
-    assert plan.paged is not None
+    plan = build_triton_plan(step.metadata(8), DEVICE)
+    assert plan.paged is not None and plan.paged.max_decode_seq_len == 100
     out = torch.zeros(step.query.shape, device=DEVICE)
     decode_attention(
-        step.query.to(DEVICE),
-        *poisoned(step, 8),
-        plan.paged.block_tables,
-        plan.paged.seq_lens,
-        100,
-        0.125,
-        out,
-        num_splits=num_splits,
+        step.query.to(DEVICE), poisoned(step, 8), plan.paged, 0.125, out, num_splits=num_splits
     )
     torch.testing.assert_close(out.cpu(), spec(step, 8, 0.125), rtol=2e-5, atol=2e-5)
 
@@ -158,15 +123,7 @@ def test_decode_rows_sharing_leading_blocks() -> None:
         seed=3,
         shared_blocks=4,
     )
-    plan = build_plan(
-        step.query_lens,
-        step.seq_lens,
-        step.block_tables,
-        step.slot_mapping,
-        4,
-        8,
-        torch.device("cpu"),
-    )
+    plan = build_plan(step.metadata(8), torch.device("cpu"))
     assert plan.decode_groups[0].shared_block_ids is not None  # the spec does take the cascade
     torch.testing.assert_close(
         triton_attention(step, 8, 0.125), spec(step, 8, 0.125), rtol=2e-5, atol=2e-5
@@ -230,13 +187,20 @@ def test_launchers_refuse_what_they_would_misread() -> None:
     )
     tables = torch.zeros(1, 1, dtype=torch.int32)
     lens = torch.tensor([5], dtype=torch.int32)
-    args = (step.key_cache, step.value_cache, tables, lens, 5, 1.0)
+    starts = torch.tensor([0, 1], dtype=torch.int32)
+
+    def one_row(tables: torch.Tensor, max_seq_len: int) -> PagedMetadata:
+        return PagedMetadata(tables, lens, starts, 1, 1, max_seq_len, 0)
+
+    caches = (step.key_cache, step.value_cache)
     with pytest.raises(ValueError, match="do not group"):
-        decode_attention(step.query, *args, torch.empty_like(step.query))
+        decode_attention(step.query, caches, one_row(tables, 5), 1.0, torch.empty_like(step.query))
     q = torch.randn(1, 4, 64)
     with pytest.raises(ValueError, match="int32 or int64"):
-        decode_attention(q, step.key_cache, step.value_cache, tables.float(), lens, 5, 1.0, q)
+        decode_attention(q, caches, one_row(tables.float(), 5), 1.0, q)
     with pytest.raises(ValueError, match="exceeds the tables"):
-        decode_attention(q, step.key_cache, step.value_cache, tables, lens, 9, 1.0, q)
+        decode_attention(q, caches, one_row(tables, 9), 1.0, q)
     with pytest.raises(ValueError, match="contiguous in head_dim"):
-        decode_attention(q.transpose(1, 2).contiguous().transpose(1, 2), *args, q)
+        decode_attention(
+            q.transpose(1, 2).contiguous().transpose(1, 2), caches, one_row(tables, 5), 1.0, q
+        )

@@ -22,7 +22,7 @@ from engine.lora_types import (
     llama_fused_targets,
 )
 from kernels import dispatch
-from kernels.lora import LoRAGroup, add_lora
+from kernels.lora import LoRAGroup, SlotRows, add_lora
 from kernels.torch_backend import TorchKernels
 from kernels.triton.lora_shrink_expand import add_lora as triton_add_lora
 from kernels.triton.lora_shrink_expand import dense_layout, lora_batch
@@ -137,7 +137,7 @@ def test_widths_bound_what_is_read() -> None:
     offsets, widths = [16, 0], [4, 0]
     expected = y.clone()
     groups = [LoRAGroup(0, slice(0, 3)), LoRAGroup(1, slice(3, 5))]
-    add_lora(expected, x, a, b, groups, offsets, widths)
+    add_lora(expected, x, a, b, groups, SlotRows(offsets, widths))
     batch = lora_batch(torch.tensor([0, 0, 0, 1, 1]), DEVICE)
     assert batch is not None
     out = y.to(DEVICE)

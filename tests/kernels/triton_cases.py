@@ -7,6 +7,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from kernels.attention import StepMetadata
+
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 
 # (rtol, atol) of a kernel in each dtype against its float32 specification on the same
@@ -32,6 +34,17 @@ class PagedStep:
     query: torch.Tensor
     key: torch.Tensor  # the step's own K/V, as already written to the cache
     value: torch.Tensor
+
+    def metadata(self, block_size: int) -> StepMetadata:
+        """What the plan builders take of the step."""
+        return StepMetadata(
+            self.query_lens,
+            self.seq_lens,
+            self.block_tables,
+            self.slot_mapping,
+            self.num_decode,
+            block_size,
+        )
 
 
 def paged_step(
