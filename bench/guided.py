@@ -193,19 +193,11 @@ def measure_decode(
 
 def measure_compiles(llm: Any) -> list[dict[str, Any]]:
     """Cold and cached compile times in a fresh GrammarCache with the engine's limits."""
-    from engine.guided import GrammarCache, canonical_text
+    from engine.guided import canonical_text
+    from engine.llm_engine import grammar_cache
 
     engine = llm.engine
-    config = engine.config
-    cache = GrammarCache(
-        engine.tokenizer,
-        engine.vocab_size,
-        engine.eos_token_ids,
-        max_entries=config.guided_cache_size,
-        max_bytes=config.guided_max_schema_bytes,
-        max_depth=config.guided_max_schema_depth,
-        compile_timeout=config.guided_compile_timeout,
-    )
+    cache = grammar_cache(engine.config, engine.tokenizer, engine.vocab_size, engine.eos_token_ids)
     t0 = time.perf_counter()
     cache._xgrammar_compiler()  # tokenizer info: once per engine, before its first compile
     rows = [{"spec": "tokenizer info (once)", "bytes": None, "cold_ms": _ms(t0), "cached_us": None}]

@@ -17,7 +17,7 @@ from transformers import AutoConfig, AutoTokenizer
 from engine.config import EngineConfig
 from engine.detokenizer import IncrementalDetokenizer
 from engine.errors import ContextLengthExceeded, GuidedSpecError, RequestRefused
-from engine.guided import GrammarCache, grammar_ready
+from engine.guided import GrammarCache, GuidedLimits, grammar_ready
 from engine.kv_cache.manager import KVCacheManager, cdiv
 from engine.load_timings import LoadTimings
 from engine.lora import LoRAManager
@@ -26,9 +26,9 @@ from engine.messages import EngineRequest
 from engine.model_runner import ModelRunner, ProgressFn
 from engine.models.llama import eos_token_ids
 from engine.outputs import SequenceUpdate
-from engine.request import Request, RequestStatus, SamplingParams
+from engine.request import Owner, Request, RequestStatus, SamplingParams
 from engine.sampler import SamplerOutput
-from engine.scheduler import Scheduler, SchedulerOutput
+from engine.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
 from engine.spec_decode import NgramIndex, SpeculativeConfig, can_speculate
 from engine.step_failure import Rows, StepFailures, failure_message
 from kernels import quant_calibration
@@ -110,15 +110,14 @@ class LLMEngine:
                 config.max_loras,
                 config.max_cpu_loras,
             )
-        self.scheduler = Scheduler(
-            self.kv,
-            max_num_seqs=config.max_num_seqs,
-            max_num_batched_tokens=config.max_num_batched_tokens,
-            enable_chunked_prefill=config.enable_chunked_prefill,
-            lora=self.lora,
-            policy=config.scheduling_policy,
-            fair_delay_ratio=config.fair_delay_ratio,
+        scheduling = SchedulerConfig(
+            config.max_num_seqs,
+            config.max_num_batched_tokens,
+            config.enable_chunked_prefill,
+            config.scheduling_policy,
+            config.fair_delay_ratio,
         )
+        self.scheduler = Scheduler(self.kv, scheduling, lora=self.lora)
         self.sequences: dict[str, _Sequence] = {}
         self.parents: dict[str, list[str]] = {}
         self.grammars = grammar_cache(config, self.tokenizer, self.vocab_size, self.eos_token_ids)
@@ -159,16 +158,10 @@ class LLMEngine:
         params: SamplingParams,
         *,
         lora: LoRARequest | None = None,
-        cache_salt: str | None = None,
-        fairness_key: str | None = None,
-        fairness_weight: float = 1.0,
     ) -> list[int]:
-        """vLLM's offline spelling of `add`: the fields of an EngineRequest, one by one."""
-        return self.add(
-            EngineRequest(
-                request_id, prompt, params, lora, cache_salt, fairness_key, fairness_weight
-            )
-        )
+        """vLLM's offline spelling of `add`, for a request of nobody in particular; a
+        tenant's (its cache salt, fairness key and weight) is an EngineRequest for `add`."""
+        return self.add(EngineRequest(request_id, prompt, params, lora))
 
     def add(self, request: EngineRequest) -> list[int]:
         """Queue a request; returns its prompt token ids. Raises RequestRefused (a
@@ -192,6 +185,7 @@ class LLMEngine:
             params = replace(params, max_tokens=self.max_model_len - len(prompt_ids))
         eos = None if not self.eos_token_ids else min(self.eos_token_ids)
         compiled = None if params.guided is None else self.grammars.submit(params.guided)
+        owner = Owner(request.lora, request.cache_salt, request.fairness_key, fairness_weight)
         child_ids = []
         for index in range(params.n):
             child_params = params
@@ -199,16 +193,7 @@ class LLMEngine:
                 seed = None if params.seed is None else (params.seed + index) & (2**64 - 1)
                 child_params = replace(params, n=1, seed=seed)
             child_id = request_id if params.n == 1 else f"{request_id}#{index}"
-            child = Request(
-                child_id,
-                prompt_ids,
-                child_params,
-                eos,
-                lora=request.lora,
-                cache_salt=request.cache_salt,
-                fairness_key=request.fairness_key,
-                fairness_weight=fairness_weight,
-            )
+            child = Request(child_id, prompt_ids, child_params, eos, owner)
             detok = IncrementalDetokenizer(
                 self.tokenizer, prompt_ids, child_params.stop, child_params.skip_special_tokens
             )
@@ -475,12 +460,10 @@ class LLMEngine:
 def grammar_cache(
     config: EngineConfig, tokenizer: Any, vocab_size: int, eos_token_ids: Iterable[int]
 ) -> GrammarCache:
-    return GrammarCache(
-        tokenizer,
-        vocab_size,
-        sorted(eos_token_ids),
-        max_entries=config.guided_cache_size,
-        max_bytes=config.guided_max_schema_bytes,
-        max_depth=config.guided_max_schema_depth,
-        compile_timeout=config.guided_compile_timeout,
+    limits = GuidedLimits(
+        config.guided_cache_size,
+        config.guided_max_schema_bytes,
+        config.guided_max_schema_depth,
+        config.guided_compile_timeout,
     )
+    return GrammarCache(tokenizer, vocab_size, sorted(eos_token_ids), limits)

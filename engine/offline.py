@@ -9,6 +9,7 @@ from typing import Any
 from engine.config import EngineConfig
 from engine.llm_engine import LLMEngine
 from engine.lora_types import LoRALoader, LoRARequest
+from engine.messages import EngineRequest
 from engine.model_runner import ProgressFn
 from engine.outputs import CompletionOutput, RequestOutput
 from engine.request import SamplingParams
@@ -78,8 +79,8 @@ class LLM:
         for prompt, params, lora in zip(prompt_list, params_list, loras, strict=True):
             request_id = str(self._next_id)
             self._next_id += 1
-            prompt_ids = self.engine.add_request(
-                request_id, prompt, params, lora=lora, cache_salt=cache_salt
+            prompt_ids = self.engine.add(
+                EngineRequest(request_id, prompt, params, lora, cache_salt)
             )
             results[request_id] = RequestOutput(
                 request_id, prompt_ids, [CompletionOutput(i) for i in range(params.n)]

@@ -218,6 +218,22 @@ class SamplingParams:
         )
 
 
+@dataclass(frozen=True, slots=True)
+class Owner:
+    """Whose a request is, as the engine sees it (an EngineRequest's tenant fields): the
+    adapter it runs under, the salt that keeps its prefix cache its own, and the key whose
+    share the "fair" policy charges, with that key's weight (engine/fairness.py)."""
+
+    lora: LoRARequest | None = None
+    cache_salt: str | None = None
+    fairness_key: str | None = None
+    fairness_weight: float = 1.0
+
+
+# A request of nobody in particular: the base model, one shared prefix cache and fairness line.
+ANONYMOUS = Owner()
+
+
 class Request:
     """One sequence being generated. `n > 1` fans out into one Request per sample.
 
@@ -231,11 +247,8 @@ class Request:
         "prompt_token_ids",
         "sampling_params",
         "eos_token_id",
-        "lora",
+        "owner",
         "lora_slot",
-        "cache_salt",
-        "fairness_key",
-        "fairness_weight",
         "num_charged_prompt_tokens",
         "arrival_time",
         "all_token_ids",
@@ -262,22 +275,16 @@ class Request:
         prompt_token_ids: list[int],
         sampling_params: SamplingParams,
         eos_token_id: int | None,
+        owner: Owner = ANONYMOUS,
         *,
-        lora: LoRARequest | None = None,
-        cache_salt: str | None = None,
-        fairness_key: str | None = None,
-        fairness_weight: float = 1.0,
         arrival_time: float | None = None,
     ) -> None:
         self.request_id = request_id
         self.prompt_token_ids = prompt_token_ids
         self.sampling_params = sampling_params
         self.eos_token_id = eos_token_id
-        self.lora = lora
+        self.owner = owner
         self.lora_slot = -1  # the device slot pinned while running; -1: none
-        self.cache_salt = cache_salt
-        self.fairness_key = fairness_key
-        self.fairness_weight = fairness_weight  # its key's share under contention (fairness.py)
         # Prompt tokens counted as its key's service: recompute after preemption is not.
         self.num_charged_prompt_tokens = 0
         self.arrival_time = time.monotonic() if arrival_time is None else arrival_time
@@ -304,9 +311,27 @@ class Request:
         self.ngram_index: Proposer | None = None
 
     @property
+    def lora(self) -> LoRARequest | None:
+        return self.owner.lora
+
+    @property
+    def cache_salt(self) -> str | None:
+        return self.owner.cache_salt
+
+    @property
+    def fairness_key(self) -> str | None:
+        return self.owner.fairness_key
+
+    @property
+    def fairness_weight(self) -> float:
+        """Its key's share under contention (engine/fairness.py)."""
+        return self.owner.fairness_weight
+
+    @property
     def adapter_id(self) -> str | None:
         """The adapter's content hash: the prefix cache keys by it, never by name."""
-        return None if self.lora is None else self.lora.adapter_id
+        lora = self.owner.lora
+        return None if lora is None else lora.adapter_id
 
     @property
     def num_tokens(self) -> int:

@@ -48,6 +48,24 @@ from engine.step_cost import StepCost
 PROMPT_NEED_MARGIN = 2.0
 
 
+@dataclass(frozen=True, slots=True)
+class SchedulerConfig:
+    """The scheduler's knobs (EngineConfig's fields of the same names; `policy` is its
+    scheduling_policy)."""
+
+    max_num_seqs: int
+    max_num_batched_tokens: int
+    enable_chunked_prefill: bool = True
+    policy: str = "fair"  # "fair": by each fairness key's service; "fcfs": arrival order
+    fair_delay_ratio: float = 0.5  # see the module doc: short steps while someone waits
+
+    def __post_init__(self) -> None:
+        if self.policy not in SCHEDULING_POLICIES:
+            raise ValueError(f"scheduling policy must be fair or fcfs, got {self.policy!r}")
+        if not self.fair_delay_ratio > 0:
+            raise ValueError(f"fair_delay_ratio must be positive, got {self.fair_delay_ratio}")
+
+
 @dataclass(slots=True)
 class SchedulerOutput:
     # (request, number of its tokens to compute this step), in batch order.
@@ -68,31 +86,23 @@ class Scheduler:
     def __init__(
         self,
         kv_manager: KVCacheManager,
+        config: SchedulerConfig,
         *,
-        max_num_seqs: int,
-        max_num_batched_tokens: int,
-        enable_chunked_prefill: bool,
         lora: LoRAManager | None = None,
-        policy: str = "fair",
-        fair_delay_ratio: float = 0.5,
         step_cost: StepCost | None = None,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
-        if policy not in SCHEDULING_POLICIES:
-            raise ValueError(f"scheduling policy must be fair or fcfs, got {policy!r}")
-        if not fair_delay_ratio > 0:
-            raise ValueError(f"fair_delay_ratio must be positive, got {fair_delay_ratio}")
         self.kv = kv_manager
         self.lora = lora
-        self.max_num_seqs = max_num_seqs
-        self.max_num_batched_tokens = max_num_batched_tokens
-        self.enable_chunked_prefill = enable_chunked_prefill
-        self.policy = policy
-        self.fair_delay_ratio = fair_delay_ratio
+        self.max_num_seqs = config.max_num_seqs
+        self.max_num_batched_tokens = config.max_num_batched_tokens
+        self.enable_chunked_prefill = config.enable_chunked_prefill
+        self.policy = config.policy
+        self.fair_delay_ratio = config.fair_delay_ratio
         # Measured by the engine after each step; what a step of so many tokens costs.
         self.step_cost = step_cost or StepCost()
         # Waiting requests, in one line per fairness key ("fcfs": one line for all).
-        self.waiting = FairQueue(use_keys=policy == "fair", clock=clock)
+        self.waiting = FairQueue(use_keys=config.policy == "fair", clock=clock)
         # This step's keys below their share and what is left of its prefill cap.
         self._below: frozenset[str | None] = frozenset()
         self._cap_left: int | None = None

@@ -28,6 +28,7 @@ from engine.errors import GuidedSpecError
 from engine.guided.bitmask import GrammarBitmask, mask_logits_cpu
 from engine.guided.grammar_cache import (
     GrammarCache,
+    GuidedLimits,
     canonical_text,
     check_schema,
     schema_end_checks,
@@ -39,6 +40,7 @@ __all__ = [
     "CompiledSpec",
     "GrammarBitmask",
     "GrammarCache",
+    "GuidedLimits",
     "GuidedSpec",
     "GuidedSpecError",
     "SequenceGrammar",

@@ -14,6 +14,7 @@ import time
 from collections import OrderedDict
 from collections.abc import Iterable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -136,6 +137,17 @@ def _nesting_depth(value: Any) -> int:
 # -- compiling -----------------------------------------------------------------------------
 
 
+@dataclass(frozen=True, slots=True)
+class GuidedLimits:
+    """What a request may ask to compile, and how long it waits; how many compiled grammars
+    are kept (EngineConfig's guided_* fields)."""
+
+    cache_size: int = 256  # grammars and refusals kept, least recently used dropped
+    max_schema_bytes: int = 64 << 10  # a schema (compact JSON), regex, grammar or choices
+    max_schema_depth: int = 32  # JSON nesting levels of a schema
+    compile_timeout: float = 10.0  # seconds a request waits for its grammar
+
+
 class GrammarCache:
     """Compiled grammars by canonical spec: a bounded LRU filled by background compiles.
 
@@ -152,19 +164,16 @@ class GrammarCache:
         tokenizer: Any,
         vocab_size: int,
         stop_token_ids: Sequence[int],
+        limits: GuidedLimits,
         *,
-        max_entries: int,
-        max_bytes: int,
-        max_depth: int,
-        compile_timeout: float,
         max_workers: int = 2,
     ) -> None:
         self.vocab_size = vocab_size
         self.stop_token_ids = sorted(stop_token_ids)
-        self.max_entries = max_entries
-        self.max_bytes = max_bytes
-        self.max_depth = max_depth
-        self.compile_timeout = compile_timeout
+        self.max_entries = limits.cache_size
+        self.max_bytes = limits.max_schema_bytes
+        self.max_depth = limits.max_schema_depth
+        self.compile_timeout = limits.compile_timeout
         self._tokenizer = tokenizer
         self._max_workers = max_workers
         self._entries: OrderedDict[str, Future[Any]] = OrderedDict()

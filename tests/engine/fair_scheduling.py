@@ -7,8 +7,8 @@ import time
 from collections.abc import Callable
 
 from engine.kv_cache.manager import KVCacheManager
-from engine.request import Request, RequestStatus, SamplingParams
-from engine.scheduler import Scheduler, SchedulerOutput
+from engine.request import Owner, Request, RequestStatus, SamplingParams
+from engine.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
 from engine.step_cost import StepCost
 
 
@@ -23,15 +23,8 @@ def make_scheduler(
     clock: Callable[[], float] = time.monotonic,
 ) -> Scheduler:
     kv = KVCacheManager(num_blocks, block_size, caching)
-    return Scheduler(
-        kv,
-        max_num_seqs=max_seqs,
-        max_num_batched_tokens=budget,
-        enable_chunked_prefill=True,
-        policy=policy,
-        step_cost=step_cost,
-        clock=clock,
-    )
+    config = SchedulerConfig(max_seqs, budget, policy=policy)
+    return Scheduler(kv, config, step_cost=step_cost, clock=clock)
 
 
 def add(
@@ -48,8 +41,7 @@ def add(
         list(range(first, first + num_tokens)),
         SamplingParams(max_tokens=max_tokens),
         None,
-        fairness_key=key,
-        fairness_weight=weight,
+        Owner(fairness_key=key, fairness_weight=weight),
     )
     sched.add_request(request)
     return request

@@ -8,7 +8,7 @@ from engine.kv_cache.block_pool import BlockPool
 from engine.kv_cache.hashing import extend_block_hashes, hash_block
 from engine.kv_cache.manager import KVCacheManager
 from engine.lora_types import LoRARequest
-from engine.request import Request, SamplingParams
+from engine.request import Owner, Request, SamplingParams
 
 
 def make_request(
@@ -19,8 +19,10 @@ def make_request(
         tokens,
         SamplingParams(max_tokens=8),
         eos_token_id=None,
-        lora=None if adapter is None else LoRARequest(adapter, f"/adapters/{adapter}", adapter),
-        cache_salt=salt,
+        owner=Owner(
+            lora=None if adapter is None else LoRARequest(adapter, f"/adapters/{adapter}", adapter),
+            cache_salt=salt,
+        ),
     )
 
 

@@ -307,9 +307,9 @@ def test_the_engine_steps_a_light_tenants_prompt_first_under_a_flood(
     for step in range(160):
         if step % 3 == 0:
             a_prompt = [rng.randrange(10, 4000)] * 400
-            core.add_request(f"a{step}", a_prompt, a_params, fairness_key="A")
+            core.add(EngineRequest(f"a{step}", a_prompt, a_params, fairness_key="A"))
         if step % 20 == 10:
-            core.add_request(f"b{step}", [30 + step % 50] * 10, b_params, fairness_key="B")
+            core.add(EngineRequest(f"b{step}", [30 + step % 50] * 10, b_params, fairness_key="B"))
             pending[f"b{step}"] = step
         for update in core.step():
             served[update.request_id[0]] += len(update.new_token_ids)

@@ -260,7 +260,7 @@ def run_mixed(core: LLMEngine) -> dict[str, list[int]]:
     for i in range(10):
         key, weight = tenants[i % len(tenants)]
         prompt = [rng.randrange(10, 8000) for _ in range(rng.randint(20, 100))]
-        core.add_request(f"r{i}", prompt, params, fairness_key=key, fairness_weight=weight)
+        core.add(EngineRequest(f"r{i}", prompt, params, fairness_key=key, fairness_weight=weight))
     tokens: dict[str, list[int]] = {f"r{i}": [] for i in range(10)}
     while core.has_unfinished_requests():
         for update in core.step():

@@ -19,7 +19,7 @@ from adapters.peft import describe_base
 from adapters.registry import AdapterRegistry
 from engine import LLM, SamplingParams
 from engine.errors import GuidedSpecError
-from engine.guided import GrammarBitmask, GrammarCache, mask_logits_cpu
+from engine.guided import GrammarBitmask, GrammarCache, GuidedLimits, mask_logits_cpu
 from engine.outputs import CompletionOutput
 from engine.request import GuidedSpec, Request
 
@@ -429,10 +429,7 @@ def test_compiled_grammars_are_cached_by_canonical_text(demo_model_dir: Path, ll
         llm.tokenizer,
         llm.engine.vocab_size,
         llm.engine.eos_token_ids,
-        max_entries=2,
-        max_bytes=1 << 16,
-        max_depth=32,
-        compile_timeout=10,
+        GuidedLimits(cache_size=2, max_schema_bytes=1 << 16, max_schema_depth=32),
     )
     a = cache.submit(GuidedSpec(json_schema=json.loads('{"type": "object",  "required": []}')))
     assert cache.submit(GuidedSpec(json_schema={"type": "object", "required": []})) is a

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from engine.kv_cache.manager import KVCacheManager
 from engine.request import Request, RequestStatus, SamplingParams
-from engine.scheduler import Scheduler, SchedulerOutput
+from engine.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
 
 
 def make_scheduler(
@@ -16,9 +16,7 @@ def make_scheduler(
     caching: bool = True,
 ) -> Scheduler:
     kv = KVCacheManager(num_blocks, block_size, caching)
-    return Scheduler(
-        kv, max_num_seqs=max_seqs, max_num_batched_tokens=budget, enable_chunked_prefill=chunked
-    )
+    return Scheduler(kv, SchedulerConfig(max_seqs, budget, enable_chunked_prefill=chunked))
 
 
 def add(sched: Scheduler, rid: str, num_tokens: int, first: int = 0) -> Request:
