@@ -36,7 +36,7 @@ from rich.console import Console
 from rich.table import Table
 from transformers import LlamaConfig
 
-from engine.lora import LoRAManager
+from engine.lora import LoRAConfig, LoRAManager
 from engine.lora_types import LoRARequest, LoRAWeights, llama_fused_targets
 from engine.models.llama import LlamaForCausalLM
 from kernels import dispatch
@@ -179,13 +179,10 @@ def lora_manager(s: Shapes, config: Any, device: torch.device) -> LoRAManager:
     manager = LoRAManager(
         targets,
         s.layers,
-        max_loras=4,
-        max_lora_rank=s.lora_rank,
-        max_cpu_loras=4,
+        LoRAConfig(max_loras=4, max_lora_rank=s.lora_rank, max_cpu_loras=4),
         loader=loader,
-        device=device,
-        dtype=torch.bfloat16,
         kernels=triton_kernels(device),
+        dtype=torch.bfloat16,
     )
     for i in range(4):
         manager.load_now(LoRARequest(str(i), "", f"bench-{i}"))

@@ -29,7 +29,7 @@ from rich.console import Console
 from rich.table import Table
 
 from bench.workloads import new_progress
-from engine.lora import LoRAManager
+from engine.lora import LoRAConfig, LoRAManager
 from engine.lora_types import LORA_TARGETS, LoRARequest, LoRAWeights, llama_fused_targets
 from kernels import native
 from kernels.backend import Kernels, LoRAStep
@@ -69,13 +69,10 @@ def build_manager(
     manager = LoRAManager(
         targets,
         1,
-        max_loras=len(ranks),
-        max_lora_rank=max(ranks),
-        max_cpu_loras=0,
+        LoRAConfig(max_loras=len(ranks), max_lora_rank=max(ranks), max_cpu_loras=0),
         loader=loader,
-        device=torch.device("cpu"),
-        dtype=dtype,
         kernels=kernels,
+        dtype=dtype,
     )
     for i in range(len(ranks)):
         manager.load_now(LoRARequest(str(i), "", f"bench-{i}"))

@@ -20,7 +20,7 @@ from engine.errors import ContextLengthExceeded, GuidedSpecError, RequestRefused
 from engine.guided import GrammarCache, GuidedLimits, grammar_ready
 from engine.kv_cache.manager import KVCacheManager, cdiv
 from engine.load_timings import LoadTimings
-from engine.lora import LoRAManager
+from engine.lora import LoRAConfig, LoRAManager
 from engine.lora_types import LoRALoader, LoRARequest, llama_fused_targets
 from engine.messages import EngineRequest
 from engine.model_runner import ModelRunner, ProgressFn
@@ -86,17 +86,16 @@ class LLMEngine:
         self.kv = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching)
         self.lora: LoRAManager | None = None
         if config.enable_lora:
+            lora_config = LoRAConfig(
+                config.max_loras, config.max_lora_rank, config.max_cpu_loras, config.lora_memory
+            )
             self.lora = LoRAManager(
                 llama_fused_targets(hf_config),
                 self.runner.num_layers,
-                max_loras=config.max_loras,
-                max_lora_rank=config.max_lora_rank,
-                max_cpu_loras=config.max_cpu_loras,
-                lora_memory=config.lora_memory,
+                lora_config,
                 loader=lora_loader,
-                device=self.runner.device,
-                dtype=self.runner.dtype,
                 kernels=self.runner.kernels,
+                dtype=self.runner.dtype,
             )
             self.runner.lora = self.lora
             logger.info(

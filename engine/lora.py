@@ -12,6 +12,7 @@ from __future__ import annotations
 from collections import OrderedDict
 from collections.abc import Iterable
 from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -37,20 +38,27 @@ class _Slot:
         self.last_used = 0
 
 
+@dataclass(frozen=True, slots=True)
+class LoRAConfig:
+    """Where adapters are kept, and how many (EngineConfig's fields of the same names)."""
+
+    max_loras: int = 4  # resident at once (and so per step), at most
+    max_lora_rank: int = 16
+    max_cpu_loras: int = 16  # kept in CPU memory (LRU) beyond the resident ones
+    # Bytes of the pool resident adapters live in, each at its own rank; None: max_loras
+    # adapters of max_lora_rank.
+    lora_memory: int | None = None
+
+
 def pool_units(
-    targets: list[FusedTarget],
-    num_layers: int,
-    dtype: torch.dtype,
-    *,
-    max_loras: int,
-    max_lora_rank: int,
-    lora_memory: int | None,
+    targets: list[FusedTarget], num_layers: int, dtype: torch.dtype, config: LoRAConfig
 ) -> int:
     """Rank units in the pool: `lora_memory` bytes' worth, or without a budget
     `max_loras` adapters of `max_lora_rank` (the padded slots' size, for mixed ranks room
     for more)."""
+    max_lora_rank, lora_memory = config.max_lora_rank, config.lora_memory
     if lora_memory is None:
-        return max_loras * max_lora_rank
+        return config.max_loras * max_lora_rank
     unit = LoRAPool.unit_bytes(targets, num_layers, dtype)
     units = lora_memory // unit
     if units < max_lora_rank:
@@ -78,35 +86,25 @@ class LoRAManager:
         self,
         targets: list[FusedTarget],
         num_layers: int,
+        config: LoRAConfig,
         *,
-        max_loras: int,
-        max_lora_rank: int,
-        max_cpu_loras: int,
         loader: LoRALoader | None,
-        device: torch.device,
-        dtype: torch.dtype,
         kernels: Kernels,
-        lora_memory: int | None = None,
+        dtype: torch.dtype,
     ) -> None:
+        """The pool on `kernels`' device, holding adapters in `dtype`."""
         self.targets = targets
         self.num_layers = num_layers
-        self.max_loras = max_loras
-        self.max_lora_rank = max_lora_rank
-        self.max_cpu_loras = max_cpu_loras
+        self.max_loras = max_loras = config.max_loras
+        self.max_lora_rank = max_lora_rank = config.max_lora_rank
+        self.max_cpu_loras = config.max_cpu_loras
         # Loads in flight (their weights wait in `loading` until a slot takes them): at least
         # one, so that an engine keeping no CPU copies still loads.
-        self.max_loads = max(1, max_cpu_loras)
+        self.max_loads = max(1, config.max_cpu_loras)
         self.loader = loader
-        self.device = device
+        self.device = device = kernels.device
         self.dtype = dtype
-        units = pool_units(
-            targets,
-            num_layers,
-            dtype,
-            max_loras=max_loras,
-            max_lora_rank=max_lora_rank,
-            lora_memory=lora_memory,
-        )
+        units = pool_units(targets, num_layers, dtype, config)
         self.pool = LoRAPool(
             targets, num_layers, num_slots=max_loras, num_units=units, device=device, dtype=dtype
         )
@@ -194,7 +192,7 @@ class LoRAManager:
         assert state.pins >= 0, "LoRA slot released more often than acquired"
         if state.pins == 0 and state.adapter_id in self._pending_unload:
             self._pending_unload.discard(state.adapter_id)
-            self._evict_slot(slot, keep=False)
+            self._drop_slot(slot)
 
     def abandon(self, adapter_id: str) -> None:
         """No waiting request wants this adapter any more (they were aborted): drop
@@ -211,7 +209,7 @@ class LoRAManager:
         if self.slots[slot].pins:
             self._pending_unload.add(adapter_id)
         else:
-            self._evict_slot(slot, keep=False)
+            self._drop_slot(slot)
 
     def _cpu_weights(self, lora: LoRARequest) -> PackedLoRA | None:
         """The adapter's weights if in CPU memory (cached, or loaded and not yet
@@ -333,13 +331,17 @@ class LoRAManager:
         if candidates:
             self.reserved[min(candidates, key=lambda i: self.slots[i].pins)] = adapter_id
 
-    def _evict_slot(self, slot: int, *, keep: bool = True) -> None:
-        """Free the slot; with `keep`, its weights go back to the CPU cache."""
+    def _evict_slot(self, slot: int) -> None:
+        """Free the slot to make room: its weights go back to the CPU cache."""
+        if self.slots[slot].adapter_id is not None and self.max_cpu_loras > 0:
+            self._cache(self.pool.extract(slot))
+        self._drop_slot(slot)
+
+    def _drop_slot(self, slot: int) -> None:
+        """Free the slot, its weights dropped (an unloaded adapter's)."""
         state = self.slots[slot]
         if state.adapter_id is not None:
             del self.slot_of[state.adapter_id]
-            if keep and self.max_cpu_loras > 0:
-                self._cache(self.pool.extract(slot))
             self.num_evictions += 1
         state.adapter_id = None
         self.pool.release(slot)

@@ -77,6 +77,8 @@ class LoRASteps(Protocol):
 class Kernels(Protocol):
     """One engine's kernels, on its device."""
 
+    device: torch.device
+
     @property
     def backend(self) -> Backend: ...
 

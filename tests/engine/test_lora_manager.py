@@ -10,7 +10,7 @@ import weakref
 import pytest
 import torch
 
-from engine.lora import LoRAManager
+from engine.lora import LoRAConfig, LoRAManager
 from engine.lora_pool import LoRAPool
 from engine.lora_types import LoRALoadError, LoRARequest, LoRAWeights, llama_fused_targets
 from kernels.lora import LoRAGroup, SlotRows, add_lora
@@ -66,14 +66,10 @@ def make_manager(
     return LoRAManager(
         llama_fused_targets(TinyConfig),
         NUM_LAYERS,
-        max_loras=max_loras,
-        max_lora_rank=4,
-        max_cpu_loras=max_cpu_loras,
+        LoRAConfig(max_loras, 4, max_cpu_loras, lora_memory),
         loader=loader or default_loader,
-        device=torch.device("cpu"),
-        dtype=torch.float32,
         kernels=TorchKernels(torch.device("cpu")),
-        lora_memory=lora_memory,
+        dtype=torch.float32,
     )
 
 

@@ -11,7 +11,7 @@ import pytest
 import torch
 from triton_cases import DEVICE, TOLERANCE
 
-from engine.lora import LoRAManager
+from engine.lora import LoRAConfig, LoRAManager
 from engine.lora_types import (
     DOWN,
     GATE_UP,
@@ -64,13 +64,10 @@ def manager(dtype: torch.dtype, kernels: TorchKernels | TritonKernels) -> LoRAMa
     m = LoRAManager(
         llama_fused_targets(CONFIG),
         LAYERS,
-        max_loras=4,
-        max_lora_rank=16,
-        max_cpu_loras=4,
+        LoRAConfig(max_loras=4, max_lora_rank=16, max_cpu_loras=4),
         loader=lambda request: weights(int(request.name)),
-        device=kernels.device,
-        dtype=dtype,
         kernels=kernels,
+        dtype=dtype,
     )
     for i in range(len(ADAPTERS)):
         m.load_now(LoRARequest(str(i), "", f"adapter-{i}"))
