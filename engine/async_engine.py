@@ -79,8 +79,8 @@ class AsyncEngine(LoopClient):
     def _iterate(self) -> bool:
         """Apply queued messages, run one step; False when told to exit."""
         engine = self.engine
-        block = not engine.has_unfinished_requests()
-        if not self._drain(block):
+        # Idle, the loop waits for a message (a while, then it looks again); busy, it steps.
+        if not self._drain(0.0 if engine.has_unfinished_requests() else 0.5):
             for request_id in list(self._streams):
                 engine.abort(request_id)
             self._refuse_all(EngineDead("the server is shutting down"))
@@ -96,10 +96,11 @@ class AsyncEngine(LoopClient):
         self._deliver(updates, finished_parents(engine, updates))
         return True
 
-    def _drain(self, block: bool) -> bool:
-        """Apply queued messages; False when told to exit."""
+    def _drain(self, wait: float) -> bool:
+        """Apply queued messages, waiting up to `wait` seconds for the first; False when told
+        to exit."""
         try:
-            item = self._inbox.get(timeout=0.5) if block else self._inbox.get_nowait()
+            item = self._inbox.get(timeout=wait)
         except queue.Empty:
             return True
         while True:

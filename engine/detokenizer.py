@@ -53,22 +53,13 @@ class IncrementalDetokenizer:
     def _text_of(self, ids: list[int]) -> str:
         return self._decode(ids, skip_special_tokens=self._skip_special)
 
-    def update(self, token_id: int, check_stop: bool = True) -> str | None:
+    def update(self, token_id: int) -> str | None:
         """Append one token; return the stop string it completed, if any.
 
         On a stop the text is cut just before the stop string.
         """
-        ids = self._token_ids
-        ids.append(token_id)
-        prefix_text = self._text_of(ids[self._prefix_offset : self._read_offset])
-        new_text = self._text_of(ids[self._prefix_offset :])
-        if len(new_text) <= len(prefix_text) or new_text.endswith("\ufffd"):
-            return None
         old_len = len(self.text)
-        self.text += new_text[len(prefix_text) :]
-        self._prefix_offset = self._read_offset
-        self._read_offset = len(ids)
-        if not self._stop or not check_stop:
+        if not self.append(token_id) or not self._stop:
             return None
         # A stop string may straddle the previous text and this delta.
         search_from = max(0, old_len - self._max_stop_len + 1)
@@ -81,6 +72,20 @@ class IncrementalDetokenizer:
             return None
         self.text = self.text[: best[0]]
         return best[1]
+
+    def append(self, token_id: int) -> bool:
+        """Append one token, looking for no stop string (below min_tokens none applies);
+        whether the text grew (a character split across tokens waits for its last one)."""
+        ids = self._token_ids
+        ids.append(token_id)
+        prefix_text = self._text_of(ids[self._prefix_offset : self._read_offset])
+        new_text = self._text_of(ids[self._prefix_offset :])
+        if len(new_text) <= len(prefix_text) or new_text.endswith("\ufffd"):
+            return False
+        self.text += new_text[len(prefix_text) :]
+        self._prefix_offset = self._read_offset
+        self._read_offset = len(ids)
+        return True
 
     @property
     def num_stream_safe_chars(self) -> int:

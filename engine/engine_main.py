@@ -155,14 +155,14 @@ class _EngineLoop:
                     self._send(Stopped())
                     return
                 if not engine.has_unfinished_requests():
-                    self._send_step([], force_stats=True)  # aborts: the gateway sees them gone
+                    self._send_step([])  # aborts: the gateway sees them gone
             if not engine.has_unfinished_requests():
                 continue
             updates, failure = contained_step(engine)
             if failure is not None:
                 self._send(Failed(*failure))
                 continue
-            self._send_step(updates, force_stats=not engine.has_unfinished_requests())
+            self._send_step(updates)
 
     def _drain(self) -> bool:
         """Apply every queued message; False when told to stop."""
@@ -207,10 +207,13 @@ class _EngineLoop:
             error = RequestRefused(str(error))
         self._send(Refused(request_id, error))
 
-    def _send_step(self, updates: list[Any], force_stats: bool) -> None:
+    def _send_step(self, updates: list[Any]) -> None:
+        """The step's updates, with the engine's stats at most every STATS_INTERVAL, and
+        whenever it goes idle (the gateway sees the last requests gone)."""
         now = time.monotonic()
         stats = None
-        if force_stats or now - self.last_stats >= STATS_INTERVAL:
+        idle = not self.engine.has_unfinished_requests()
+        if idle or now - self.last_stats >= STATS_INTERVAL:
             stats, self.last_stats = engine_stats(self.engine), now
         if updates or stats is not None:
             self._send(StepResult(updates, finished_parents(self.engine, updates), stats))

@@ -128,13 +128,16 @@ class FairQueue:
         line.weight = request.fairness_weight
         if self.use_keys and not line.waiting and line.num_running == 0:
             line.counter = max(line.counter, self._floor())
-        self._push(line, request, front=False)
+        line.waiting.append(request)
+        self._now_waiting(line)
         self._present[line.key] = line
 
     def push_front(self, request: Request) -> None:
         """A request back at the head of its key's line: preempted, or taken out to be
         admitted and not admitted after all."""
-        self._push(self._line(request), request, front=True)
+        line = self._line(request)
+        line.waiting.appendleft(request)
+        self._now_waiting(line)
 
     def pop_next(self, only: Collection[str | None] | None = None) -> Request | None:
         """Take the next request to admit: the head of the least-served backlogged key's line
@@ -358,11 +361,8 @@ class FairQueue:
             line = self._lines[key] = _Line(key)
         return line
 
-    def _push(self, line: _Line, request: Request, *, front: bool) -> None:
-        if front:
-            line.waiting.appendleft(request)
-        else:
-            line.waiting.append(request)
+    def _now_waiting(self, line: _Line) -> None:
+        """A request was just put in `line`."""
         self._backlog.setdefault(line.key, line)
         self._num_waiting += 1
 

@@ -393,9 +393,10 @@ class LLMEngine:
             request.error = f"token {token_id} is outside the grammar"  # a masking bug
             return RequestStatus.FINISHED_ERROR
         # Below min_tokens no stop condition but length applies (as in vLLM).
-        may_stop = request.num_output_tokens >= params.min_tokens
-        stop_string = seq.detokenizer.update(token_id, check_stop=may_stop)
-        if may_stop:
+        if request.num_output_tokens < params.min_tokens:
+            seq.detokenizer.append(token_id)
+        else:
+            stop_string = seq.detokenizer.update(token_id)
             if not params.ignore_eos and token_id in self.eos_token_ids:
                 return RequestStatus.FINISHED_STOPPED
             if token_id in params.stop_token_ids:
