@@ -58,7 +58,7 @@ from adapters.peft import describe_base
 from adapters.registry import RegisteredLoader, inspect_adapter
 from bench import coldstart_gateway
 from engine.config import EngineConfig
-from engine.engine_process import EngineProcess
+from engine.engine_process import EngineProcess, ProcessStart
 from engine.lora_types import LoRARequest
 from engine.messages import EngineRequest
 from engine.request import SamplingParams
@@ -104,11 +104,9 @@ def one_cold_start(
     started = time.perf_counter()
     process = EngineProcess(
         config,
-        lora_loader=loader,
-        restart=False,
+        start=ProcessStart(loader, (), spares, zygote),
+        restart=None,
         tokenizer=tokenizer,
-        spares=spares,
-        zygote=zygote,
     )
     process.start()
     ready = time.perf_counter()

@@ -17,7 +17,7 @@ requests now finished and, at most every STATS_INTERVAL, an `EngineStats`) and a
 thread in the gateway process hands the updates to asyncio (`LoopClient._deliver`).
 If the engine process dies, every open request fails with EngineDead (503), /health
 says "restarting", and the supervisor starts a new engine process with back-off
-(`restart=False`: it stays dead). The engine process ignores SIGINT and SIGTERM:
+(`RestartBackoff`; `restart=None`: it stays dead). The engine process ignores SIGINT and SIGTERM:
 a signal to the whole process group (Ctrl-C, a container stop) reaches the gateway,
 which drains and stops it in order.
 
@@ -35,7 +35,7 @@ import multiprocessing as mp
 import threading
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from multiprocessing.connection import Connection
 from multiprocessing.process import BaseProcess
 from typing import Any
@@ -72,9 +72,34 @@ from engine.zygote import ForkedProcess, Zygote
 
 logger = logging.getLogger(__name__)
 
-# Restarting a dead engine: the wait doubles after each death or failed start, from MIN up to
-# MAX, and falls back to MIN once an engine has run for RESET seconds.
-RESTART_DELAY_MIN, RESTART_DELAY_MAX, RESTART_DELAY_RESET = 1.0, 30.0, 60.0
+
+@dataclass(frozen=True, slots=True)
+class ProcessStart:
+    """What an engine process starts with besides its config: the adapters' loader and the
+    adapters that fill its LoRA slots before the first request; and where it comes from: a
+    warm spare of `spares` (torch already imported), else a fork of `zygote`, else a process
+    spawned then."""
+
+    lora_loader: LoRALoader | None = None
+    preload: Sequence[LoRARequest] = ()
+    spares: SparePool | None = None
+    zygote: Zygote | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class RestartBackoff:
+    """Restarting a dead engine: the wait doubles after each death or failed start, from
+    `first` up to `longest` seconds, and falls back to `first` once an engine has run for
+    `reset_after` seconds."""
+
+    first: float = 1.0
+    longest: float = 30.0
+    reset_after: float = 60.0
+
+
+# An engine process with no adapters, from wherever it starts first; one restarted as above.
+PLAIN_START = ProcessStart()
+RESTART = RestartBackoff()
 
 
 class EngineProcess(LoopClient):
@@ -82,24 +107,18 @@ class EngineProcess(LoopClient):
         self,
         config: EngineConfig,
         *,
-        lora_loader: LoRALoader | None = None,
-        preload: Sequence[LoRARequest] = (),
+        start: ProcessStart = PLAIN_START,
         max_waiting: int = 1024,
-        restart: bool = True,
+        restart: RestartBackoff | None = RESTART,
         tokenizer: Any = None,
-        spares: SparePool | None = None,
-        zygote: Zygote | None = None,
     ) -> None:
-        """`tokenizer`: the model's, where the caller has it loaded already (a model started
-        on demand); None: start() loads it. `spares`: warm processes to start in (torch
-        already imported); without one ready, or without a pool, a process is spawned."""
+        """`restart`: how a dead engine process is restarted; None: it stays dead.
+        `tokenizer`: the model's, where the caller has it loaded already (a model started on
+        demand); None: start() loads it."""
         super().__init__(max_waiting, config.max_num_seqs)
         self.config = config
         self.restart = restart
-        self._lora_loader = lora_loader
-        self._preload = list(preload)
-        self._spares = spares
-        self._zygote = zygote
+        self._start = start
         self._process: Any = None
         self._conn: Connection | None = None
         self._send_lock = threading.Lock()
@@ -109,7 +128,7 @@ class EngineProcess(LoopClient):
         self._asks = GrammarAsks(config.guided_compile_timeout)
         self._state = "stopped"
         self._started_at = 0.0
-        self._restart_delay = RESTART_DELAY_MIN
+        self._restart_delay = 0.0 if restart is None else restart.first
 
     # -- lifecycle ----------------------------------------------------------------------------
 
@@ -161,10 +180,11 @@ class EngineProcess(LoopClient):
     def _start_process(self) -> tuple[BaseProcess | ForkedProcess, Connection]:
         """A warm spare handed this engine's start arguments or, with none ready, a fork of
         the zygote or, without one, a process spawned now; each runs run_engine with them."""
-        spare = self._spares.take() if self._spares is not None else None
+        start = self._start
+        spare = start.spares.take() if start.spares is not None else None
         if spare is not None:
             process, conn = spare
-            handed = StartEngine(self.config, self._lora_loader, tuple(self._preload), time.time())
+            handed = StartEngine(self.config, start.lora_loader, tuple(start.preload), time.time())
             try:
                 conn.send(handed)
                 self.started_in = "a warm spare"
@@ -173,9 +193,9 @@ class EngineProcess(LoopClient):
                 conn.close()
         context = mp.get_context("spawn")  # fork would copy this process's torch threads
         conn, child = context.Pipe()
-        args = (child, self.config, self._lora_loader, self._preload, time.time())
-        if self._zygote is not None:
-            forked = self._zygote.process(run_engine, args, "loragate-engine")
+        args = (child, self.config, start.lora_loader, list(start.preload), time.time())
+        if start.zygote is not None:
+            forked = start.zygote.process(run_engine, args, "loragate-engine")
             child.close()
             self.started_in = "a fork of the zygote"
             return forked, conn
@@ -199,7 +219,7 @@ class EngineProcess(LoopClient):
         if self._stopping.is_set():
             return "stopping"
         if self._state == "ok" and not (self._process is not None and self._process.is_alive()):
-            return "restarting" if self.restart else "dead"
+            return "dead" if self.restart is None else "restarting"
         return self._state
 
     async def shutdown(self, grace_period: float = 10.0) -> None:
@@ -265,21 +285,21 @@ class EngineProcess(LoopClient):
                 self._process.exitcode,
             )
             self._refuse_all(EngineDead("the engine process exited; this request was lost"))
-            if not self.restart or not self._respawn():
+            if self.restart is None or not self._respawn(self.restart):
                 self._state = "dead"
                 return
 
-    def _respawn(self) -> bool:
+    def _respawn(self, backoff: RestartBackoff) -> bool:
         """Start a new engine process, waiting longer after each quick death; False when the
         server stops first."""
         self._state = "restarting"
-        if time.monotonic() - self._started_at > RESTART_DELAY_RESET:
-            self._restart_delay = RESTART_DELAY_MIN
+        if time.monotonic() - self._started_at > backoff.reset_after:
+            self._restart_delay = backoff.first
         while True:
             logger.warning("restarting the engine in %.0f s", self._restart_delay)
             if self._stopping.wait(self._restart_delay):
                 return False
-            self._restart_delay = min(2 * self._restart_delay, RESTART_DELAY_MAX)
+            self._restart_delay = min(2 * self._restart_delay, backoff.longest)
             try:
                 self._spawn(None)
             except RuntimeError as exc:

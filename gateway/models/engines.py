@@ -51,7 +51,7 @@ def start_engine(
     again)."""
     from engine import LLMEngine
     from engine.async_engine import AsyncEngine
-    from engine.engine_process import EngineProcess
+    from engine.engine_process import RESTART, EngineProcess, ProcessStart
     from engine.heap import retain_freed_memory
 
     config, loader = engine_config(settings), start.loader
@@ -59,13 +59,10 @@ def start_engine(
     if settings.engine_process:
         process = EngineProcess(
             config,
-            lora_loader=loader,
-            preload=preload,
+            start=ProcessStart(loader, preload, start.spares, start.zygote),
             max_waiting=settings.max_waiting,
-            restart=settings.restart_engine,
+            restart=RESTART if settings.restart_engine else None,
             tokenizer=tokenizer,
-            spares=start.spares,
-            zygote=start.zygote,
         )
         with_progress(process.start)
         return process

@@ -19,7 +19,7 @@ from poison import poisoned, tokens_or_error, victims
 from adapters.peft import describe_base
 from adapters.registry import AdapterRegistry
 from engine import LLM, EngineConfig, SamplingParams
-from engine.engine_process import EngineProcess
+from engine.engine_process import EngineProcess, ProcessStart
 from engine.errors import EngineDead, EngineOverloaded, GuidedSpecError
 from engine.messages import EngineRequest
 from engine.request import GuidedSpec
@@ -52,8 +52,7 @@ async def engine(demo_model_dir: Path, registry: AdapterRegistry) -> AsyncIterat
     progress: list[tuple[int, int]] = []
     engine = EngineProcess(
         _config(demo_model_dir),
-        lora_loader=registry.loader,
-        preload=[registry.get("r8-all")],  # type: ignore[list-item]
+        start=ProcessStart(registry.loader, [registry.get("r8-all")]),  # type: ignore[list-item]
         max_waiting=2,
     )
     engine.start(progress=lambda done, total: progress.append((done, total)))
@@ -187,7 +186,7 @@ async def _kill_while_running(engine: EngineProcess, request_id: str) -> None:
 
 
 async def test_a_dead_engine_fails_open_requests(demo_model_dir: Path) -> None:
-    engine = EngineProcess(_config(demo_model_dir), restart=False)
+    engine = EngineProcess(_config(demo_model_dir), restart=None)
     engine.start()
     await _kill_while_running(engine, "doomed")
     assert not engine.is_alive and engine.health == "dead"

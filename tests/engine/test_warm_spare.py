@@ -20,7 +20,7 @@ import pytest
 from adapters.peft import describe_base
 from adapters.registry import AdapterRegistry
 from engine import EngineConfig, SamplingParams
-from engine.engine_process import EngineProcess
+from engine.engine_process import EngineProcess, ProcessStart
 from engine.messages import EngineRequest
 from engine.warm_spare import SparePool
 
@@ -76,9 +76,7 @@ async def _serve(
     lora = registry.get("r8-all")
     engine = EngineProcess(
         _config(model_dir),
-        lora_loader=registry.loader,
-        preload=[lora],
-        spares=spares,  # type: ignore[list-item]
+        start=ProcessStart(registry.loader, [lora], spares),  # type: ignore[list-item]
     )
     engine.start()
     try:

@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 
 from engine import EngineConfig, SamplingParams
-from engine.engine_process import EngineProcess
+from engine.engine_process import EngineProcess, ProcessStart
 from engine.messages import EngineRequest
 from engine.zygote import Zygote
 
@@ -52,7 +52,7 @@ async def _tokens(engine: EngineProcess, request_id: str) -> list[int]:
 
 
 async def _serve_once(config: EngineConfig, zygote: Zygote | None) -> tuple[int, list[int]]:
-    engine = EngineProcess(config, restart=False, zygote=zygote)
+    engine = EngineProcess(config, restart=None, start=ProcessStart(zygote=zygote))
     await asyncio.to_thread(engine.start)
     try:
         return engine._process.pid, await _tokens(engine, "one")
@@ -78,7 +78,10 @@ async def test_a_forked_engine_serves_as_a_spawned_one(
 
 
 async def test_several_engines_start_at_once(demo_model_dir: Path, zygote: Zygote) -> None:
-    engines = [EngineProcess(_config(demo_model_dir), restart=False, zygote=zygote) for _ in "abc"]
+    engines = [
+        EngineProcess(_config(demo_model_dir), restart=None, start=ProcessStart(zygote=zygote))
+        for _ in "abc"
+    ]
     await asyncio.gather(*(asyncio.to_thread(e.start) for e in engines))
     try:
         pids = {e._process.pid for e in engines}
@@ -93,7 +96,7 @@ async def test_a_killed_zygote_is_restarted_and_its_engines_keep_serving(
     demo_model_dir: Path, zygote: Zygote
 ) -> None:
     config = _config(demo_model_dir)
-    engine = EngineProcess(config, restart=False, zygote=zygote)
+    engine = EngineProcess(config, restart=None, start=ProcessStart(zygote=zygote))
     await asyncio.to_thread(engine.start)
     try:
         before = await _tokens(engine, "before")
@@ -118,7 +121,9 @@ async def test_a_killed_zygote_is_restarted_and_its_engines_keep_serving(
 async def test_an_engine_that_fails_to_start_leaves_the_zygote_alive(
     tmp_path: Path, demo_model_dir: Path, zygote: Zygote
 ) -> None:
-    engine = EngineProcess(_config(tmp_path / "no-such-model"), restart=False, zygote=zygote)
+    engine = EngineProcess(
+        _config(tmp_path / "no-such-model"), restart=None, start=ProcessStart(zygote=zygote)
+    )
     with pytest.raises(RuntimeError, match="failed to start|exited while starting"):
         await asyncio.to_thread(engine.start)
     pid = zygote.pid

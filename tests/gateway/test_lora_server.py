@@ -18,7 +18,7 @@ from adapters.registry import AdapterRegistry
 from engine import LLM, EngineConfig, LLMEngine, SamplingParams
 from engine.async_engine import AsyncEngine
 from engine.engine_client import EngineClient
-from engine.engine_process import EngineProcess
+from engine.engine_process import EngineProcess, ProcessStart
 
 MODEL = "demo"
 ADAPTERS = ("r4-attn", "r8-all", "r16-all", "r8-attn", "r16-attn")
@@ -53,7 +53,7 @@ def server(
         engine = AsyncEngine(LLMEngine(config, lora_loader=registry.load), max_waiting=256)
     else:
         engine = EngineProcess(
-            replace(config, num_threads=1), lora_loader=registry.loader, max_waiting=256
+            replace(config, num_threads=1), start=ProcessStart(registry.loader), max_waiting=256
         )
     engine.start()
     root = tmp_path_factory.mktemp("tenancy")
