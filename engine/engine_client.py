@@ -9,7 +9,7 @@ is its `EngineStats` and its `Scaling`.
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -41,7 +41,7 @@ class EngineClient(Protocol):
         """What /health reports: ok, starting, restarting, stopping or dead."""
         ...
 
-    def generate(self, request: EngineRequest) -> AsyncIterator[SequenceUpdate]:
+    def generate(self, request: EngineRequest) -> AsyncGenerator[SequenceUpdate]:
         """Every update of the request's sequences until all have finished. Raises what
         engine.errors names (RequestRefused, EngineOverloaded, EngineDead, StepFailed);
         leaving the iteration early aborts the request."""

@@ -16,7 +16,7 @@ import threading
 import time
 from abc import abstractmethod
 from collections import deque
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator
 
 from engine.engine_client import EngineClient, Scaling
 from engine.engine_facts import EngineFacts
@@ -52,7 +52,8 @@ class _Stream:
             later = self._backlog[0]
             if not isinstance(later, SequenceUpdate) or later.index != item.index:
                 break
-            item = item.followed_by(self._backlog.popleft())
+            self._backlog.popleft()
+            item = item.followed_by(later)
         return item
 
 
@@ -103,7 +104,7 @@ class LoopClient(EngineClient):
 
     # -- requests -----------------------------------------------------------------------------
 
-    async def generate(self, request: EngineRequest) -> AsyncIterator[SequenceUpdate]:
+    async def generate(self, request: EngineRequest) -> AsyncGenerator[SequenceUpdate]:
         """Yield every update of the request's sequences until all have finished.
 
         Raises what engine.errors names: RequestRefused (a ValueError) for a request the

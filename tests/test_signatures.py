@@ -16,7 +16,15 @@ ROOT = Path(__file__).resolve().parent.parent
 PACKAGES = ("engine", "kernels", "adapters", "tenants", "gateway")
 MOST_PARAMETERS = 6
 # Decorators whose function's parameters are an interface fixed outside the function.
-INTERFACE_DECORATORS = ("triton.jit", ".command(", ".get(", ".post(", ".put(", ".delete(", ".patch(")
+INTERFACE_DECORATORS = (
+    "triton.jit",
+    ".command(",
+    ".get(",
+    ".post(",
+    ".put(",
+    ".delete(",
+    ".patch(",
+)
 # Bool parameters that carry a value of the data (a checkpoint's bias, an adapter's rslora,
 # a pool's caching setting), not a choice between two code paths inside the function.
 DATA_BOOLS = {

@@ -16,7 +16,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncGenerator, Callable
 from dataclasses import dataclass
 
 from engine.engine_client import EngineClient, Scaling
@@ -139,7 +139,7 @@ class OnDemandEngine(EngineClient):
 
     # -- requests ------------------------------------------------------------------------------
 
-    async def generate(self, request: EngineRequest) -> AsyncIterator[SequenceUpdate]:
+    async def generate(self, request: EngineRequest) -> AsyncGenerator[SequenceUpdate]:
         engine = await self._acquire()
         try:
             async for update in engine.generate(request):

@@ -22,7 +22,7 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncGenerator, Sequence
 from dataclasses import dataclass
 
 from engine.engine_client import EngineClient, Scaling
@@ -159,7 +159,7 @@ class ReplicaPool(EngineClient):
 
     # -- requests ------------------------------------------------------------------------------
 
-    async def generate(self, request: EngineRequest) -> AsyncIterator[SequenceUpdate]:
+    async def generate(self, request: EngineRequest) -> AsyncGenerator[SequenceUpdate]:
         if self.scale_up is not None and self._watch is None:
             self._watch = asyncio.create_task(self._watch_queue(self.scale_up))
         key = self._prefix_key(request)

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable, Coroutine
+from collections.abc import AsyncGenerator, Awaitable, Callable, Coroutine
 from typing import Any
 
 from fastapi.responses import StreamingResponse
@@ -34,7 +34,7 @@ class UpdateStream:
         self._rest = rest
 
     @classmethod
-    async def open(cls, streams: list[AsyncIterator[SequenceUpdate]]) -> UpdateStream:
+    async def open(cls, streams: list[AsyncGenerator[SequenceUpdate]]) -> UpdateStream:
         """The streams merged, their first update received; a failure closes every stream."""
         rest = merge(streams)
         try:
@@ -111,7 +111,7 @@ async def unless_disconnected(
 
 
 async def merge(
-    streams: list[AsyncIterator[SequenceUpdate]],
+    streams: list[AsyncGenerator[SequenceUpdate]],
 ) -> AsyncGenerator[tuple[int, SequenceUpdate]]:
     """Interleave several requests' updates, tagged with their prompt index."""
     if len(streams) == 1:
@@ -120,11 +120,11 @@ async def merge(
             async for update in streams[0]:
                 yield 0, update
         finally:
-            await streams[0].aclose()  # type: ignore[attr-defined]
+            await streams[0].aclose()
         return
     queue: asyncio.Queue[tuple[int, SequenceUpdate | BaseException | None]] = asyncio.Queue()
 
-    async def pump(index: int, stream: AsyncIterator[SequenceUpdate]) -> None:
+    async def pump(index: int, stream: AsyncGenerator[SequenceUpdate]) -> None:
         try:
             async for update in stream:
                 await queue.put((index, update))

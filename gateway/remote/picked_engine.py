@@ -20,7 +20,7 @@ import asyncio
 import json
 import logging
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator
 from typing import Any
 
 import httpx
@@ -128,7 +128,7 @@ class PickedEngine(EngineClient):
 
     # -- requests ------------------------------------------------------------------------------
 
-    async def generate(self, request: EngineRequest) -> AsyncIterator[SequenceUpdate]:
+    async def generate(self, request: EngineRequest) -> AsyncGenerator[SequenceUpdate]:
         if self._stopping:
             raise EngineDead("the server is shutting down")
         body = request_body(request, self.name, self._facts.tokenizer)
@@ -169,7 +169,7 @@ class PickedEngine(EngineClient):
             )
         return held_until
 
-    async def _send(self, body: bytes) -> AsyncIterator[SequenceUpdate]:
+    async def _send(self, body: bytes) -> AsyncGenerator[SequenceUpdate]:
         """One POST's updates. Raises _NotTaken where no engine took it, EngineDead where
         its stream broke after an update, and the engine's refusal as its own type."""
         started = False

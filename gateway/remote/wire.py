@@ -154,5 +154,6 @@ def decode_stats(data: dict[str, Any]) -> EngineStats:
     except TypeError as exc:
         raise WireError(f"engine stats that do not decode: {exc}") from exc
     if stats.spec_decode is not None:
-        stats.spec_decode = tuple(stats.spec_decode)  # type: ignore[assignment]
+        drafts, draft_tokens, accepted = stats.spec_decode  # a JSON list on the wire
+        stats.spec_decode = (drafts, draft_tokens, accepted)
     return stats

@@ -157,7 +157,10 @@ class LimiterUnavailable(Exception):
 class RateLimiter(ABC):
     """Per-tenant rpm, tpm, concurrency and monthly quota, checked and reserved at once."""
 
-    num_refused: int
+    @property
+    @abstractmethod
+    def num_refused(self) -> int:
+        """Acquires refused so far (the metrics' rate-limited count)."""
 
     @abstractmethod
     async def acquire(

@@ -55,11 +55,15 @@ class LocalLimiter(RateLimiter):
         self.lease = concurrency_lease
         self.clock = clock
         self.failure_mode = failure_mode
-        self.num_refused = 0
+        self._num_refused = 0
         self._tenants: dict[str, _Tenant] = {}
         self._months: dict[tuple[str, str], int] = {}  # (tenant, "2025-01") -> tokens used
         self._seeding: dict[tuple[str, str], asyncio.Future[int | None]] = {}
         self._next_sweep = clock() + SWEEP_INTERVAL
+
+    @property
+    def num_refused(self) -> int:
+        return self._num_refused
 
     async def acquire(
         self, tenant_id: str, request_id: str, limits: TenantLimits, tokens: int
@@ -107,7 +111,7 @@ class LocalLimiter(RateLimiter):
         month_reset = 0.0 if month is None else month.end.timestamp() - now
         state, refused = judge(limits, tokens, snap, month_reset)
         if refused is not None:
-            self.num_refused += 1
+            self._num_refused += 1
             raise refused
         if limits.rpm is not None:
             tenant.rpm_tat = take(tenant.rpm_tat, now, limits.rpm, 1)

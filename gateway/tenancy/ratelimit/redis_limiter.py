@@ -92,7 +92,7 @@ class RedisLimiter(RateLimiter):
         self._seeding: dict[tuple[str, str], asyncio.Future[int | None]] = {}
 
     @property
-    def num_refused(self) -> int:  # type: ignore[override]
+    def num_refused(self) -> int:
         return self._num_refused + self.fallback.num_refused
 
     @property
