@@ -44,7 +44,7 @@ def _start(side: str, args: argparse.Namespace, name: str, log: Path) -> subproc
         workdir = Path(tempfile.mkdtemp(prefix="vs-vllm-"))
         cmd = [
             str(Path(sys.executable).parent / "loragate"), "serve",
-            "--model", args.model, "--served-model-name", name,
+            "--model", str(Path(args.model).resolve()), "--served-model-name", name,
             "--port", str(args.port), "--no-auth", "--dtype", args.dtype,
             "--database-url", f"sqlite+aiosqlite:///{workdir}/db.sqlite",
             "--adapter-store", str(workdir / "adapters"), *args.loragate_args.split(),
