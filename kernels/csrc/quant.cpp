@@ -96,8 +96,7 @@ void dequantize_impl(const at::Tensor& acc, const at::Tensor& row_scales,
       T* orow = o + r * cols;
       int64_t i = 0;
       for (; i + 8 <= cols; i += 8) {
-        ivec8 iv;
-        __builtin_memcpy(&iv, ar + i, sizeof(iv));
+        const ivec8 iv = *reinterpret_cast<const ivec8_mem*>(ar + i);
         vec8 v = __builtin_convertvector(iv, vec8) * scale * load8(cs + i);
         if (b != nullptr) v += load8(b + i);
         store8(orow + i, v);

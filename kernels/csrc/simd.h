@@ -24,17 +24,21 @@ namespace loragate {
 
 typedef float vec8 __attribute__((vector_size(32), aligned(4)));
 typedef int32_t ivec8 __attribute__((vector_size(32), aligned(4)));
-
-inline vec8 load8(const float* p) {
-  vec8 v;
-  __builtin_memcpy(&v, p, sizeof(v));
-  return v;
-}
-
-inline void store8(float* p, vec8 v) { __builtin_memcpy(p, &v, sizeof(v)); }
-
 typedef uint16_t u16vec8 __attribute__((vector_size(16), aligned(2)));
 typedef uint32_t u32vec8 __attribute__((vector_size(32), aligned(4)));
+
+// Loads and stores go through these under-aligned, may-alias twins of the vector types: one
+// unaligned vector move each. A __builtin_memcpy of 32 bytes is not one: GCC expands it by
+// pieces no wider than -mmove-max, which its Zen tunings set to 128 bits where AVX-512 is
+// off, and the vectors then went through the stack in halves (every kernel 6-10x slower on
+// an AVX2 build, issue 43).
+typedef float vec8_mem __attribute__((vector_size(32), aligned(4), may_alias));
+typedef int32_t ivec8_mem __attribute__((vector_size(32), aligned(4), may_alias));
+typedef uint16_t u16vec8_mem __attribute__((vector_size(16), aligned(2), may_alias));
+
+inline vec8 load8(const float* p) { return *reinterpret_cast<const vec8_mem*>(p); }
+
+inline void store8(float* p, vec8 v) { *reinterpret_cast<vec8_mem*>(p) = v; }
 
 inline vec8 load8(const c10::BFloat16* p) {
 #ifdef __AVX2__
@@ -43,24 +47,18 @@ inline vec8 load8(const c10::BFloat16* p) {
       _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))), 16);
   return (vec8)_mm256_castsi256_ps(bits);
 #else
-  u16vec8 half;
-  __builtin_memcpy(&half, p, sizeof(half));
-  const u32vec8 bits = __builtin_convertvector(half, u32vec8) << 16;
-  vec8 v;
-  __builtin_memcpy(&v, &bits, sizeof(v));
-  return v;
+  const u16vec8 half = *reinterpret_cast<const u16vec8_mem*>(p);
+  return (vec8)(__builtin_convertvector(half, u32vec8) << 16);
 #endif
 }
 
 // Round to nearest even (NaN kept a NaN), as c10::BFloat16's constructor does per value.
 inline void store8(c10::BFloat16* p, vec8 v) {
-  u32vec8 bits;
-  __builtin_memcpy(&bits, &v, sizeof(bits));
+  const u32vec8 bits = (u32vec8)v;
   const u32vec8 rounded = (bits + (0x7fffu + ((bits >> 16) & 1u))) >> 16;
   const u32vec8 is_nan = (u32vec8)(v != v);
   const u32vec8 out = (rounded & ~is_nan) | (0x7fc0u & is_nan);
-  const u16vec8 half = __builtin_convertvector(out, u16vec8);
-  __builtin_memcpy(p, &half, sizeof(half));
+  *reinterpret_cast<u16vec8_mem*>(p) = __builtin_convertvector(out, u16vec8);
 }
 
 inline float to_float(float x) { return x; }
@@ -137,9 +135,7 @@ inline V exp_lanes(V x) {
   p = p * r + 1.6666665459E-1f;
   p = p * r + 5.0000001201E-1f;
   p = p * r * r + r + 1.0f;
-  const IV bits = (n + 127) << 23;
-  V scale;
-  __builtin_memcpy(&scale, &bits, sizeof(scale));
+  const V scale = (V)((n + 127) << 23);  // 2^n, put together in the float's bits
   const V result = p * scale;
   return (V)((IV)result & ~(IV)lo);
 }
