@@ -47,7 +47,8 @@ def _start(side: str, args: argparse.Namespace, name: str, log: Path) -> subproc
             "--model", str(Path(args.model).resolve()), "--served-model-name", name,
             "--port", str(args.port), "--no-auth", "--dtype", args.dtype,
             "--database-url", f"sqlite+aiosqlite:///{workdir}/db.sqlite",
-            "--adapter-store", str(workdir / "adapters"), *args.loragate_args.split(),
+            "--adapter-store", str(workdir / "adapters"),
+            *(args.loragate_args if side == "loragate" else args.against_args).split(),
         ]  # fmt: skip
     else:
         env |= {"VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1", "VLLM_CPU_KVCACHE_SPACE": "2"}
@@ -170,6 +171,12 @@ def main(argv: list[str] | None = None) -> None:
         type=Path,
         default=None,
         help="loragate from this checkout in vLLM's place (e.g. a worktree of the commit before)",
+    )
+    p.add_argument(
+        "--against-args",
+        default="",
+        help="`loragate serve` flags for the other tree's side (e.g. the same tree with "
+        "--loragate-args '--cpu-isa avx2' against none)",
     )
     p.add_argument("--json", type=Path, default=None, help="write every row here")
     args = p.parse_args(argv)

@@ -3,11 +3,18 @@
 bfloat16 pays on the CPU only where it has bf16 dot products (AVX-512 BF16 or AMX): there a
 bf16 GEMM runs about twice as fast as float32, elsewhere it is emulated and slower. The
 engine's `--dtype auto` and every benchmark's header read this.
+
+`LORAGATE_CPU_ISA=avx2` runs an AVX-512 machine as an AVX2-only one: the flags read here lose
+every AVX-512, AMX and AVX-VNNI flag (so `--dtype auto` is float32), the C++ kernels compile
+without them, and torch's own kernels, oneDNN's and MKL's are held to AVX2 (`hold_to_isa`).
+It is how the AVX2 paths are measured and tested on the machines we have, and it pins a fleet
+of mixed processors to one code path.
 """
 
 from __future__ import annotations
 
 import functools
+import os
 import platform
 from pathlib import Path
 
@@ -31,13 +38,58 @@ def _cpuinfo() -> dict[str, str]:
     return fields
 
 
+ISA_ENV = "LORAGATE_CPU_ISA"
+ISAS = ("native", "avx2")
+# What an AVX2-only processor (Zen 2 and 3, Haswell to Comet Lake) lacks of the newer ones.
+_ABOVE_AVX2 = ("avx512", "amx", "avx_vnni")
+# GCC's switches for the same: -mno-avx512f turns off every AVX-512 extension with it.
+_NO_ABOVE_AVX2 = ("-mno-avx512f", "-mno-avxvnni", "-mno-amx-tile")
+
+
+def isa() -> str:
+    """The instruction set the process runs: `native` (all this CPU has) or `avx2`."""
+    value = os.environ.get(ISA_ENV, "native").strip().lower() or "native"
+    if value not in ISAS:
+        raise ValueError(f"{ISA_ENV}={value!r}: expected one of {', '.join(ISAS)}")
+    return value
+
+
+def _kept(flag: str) -> bool:
+    return isa() == "native" or not flag.startswith(_ABOVE_AVX2)
+
+
 def flags() -> frozenset[str]:
-    return frozenset(_cpuinfo().get("flags", "").split())
+    return frozenset(flag for flag in _cpuinfo().get("flags", "").split() if _kept(flag))
 
 
 def flags_line() -> str:
-    """The whole flags line (a cache key for code compiled with -march=native)."""
-    return _cpuinfo().get("flags", "") or platform.processor()
+    """The whole flags line as the process uses it (a cache key for code compiled for it)."""
+    line = _cpuinfo().get("flags", "")
+    if not line:
+        return platform.processor()
+    return " ".join(flag for flag in line.split() if _kept(flag))
+
+
+def compile_flags() -> list[str]:
+    """The compiler's target switches for code built for this process's instruction set."""
+    return ["-march=native", *(_NO_ABOVE_AVX2 if isa() == "avx2" else ())]
+
+
+def use_isa(name: str) -> None:
+    """Run this process, and the engine processes it starts, on `name` (one of ISAS)."""
+    os.environ[ISA_ENV] = name
+    isa()  # refuses an unknown name
+    hold_to_isa()
+
+
+def hold_to_isa() -> None:
+    """Hold torch's own kernels and oneDNN's to the chosen instruction set. Both read these
+    variables on their first operation, so this runs before any (kernels/__init__.py); an
+    engine process inherits them. A value the user set is kept."""
+    if isa() == "avx2":
+        os.environ.setdefault("ATEN_CPU_CAPABILITY", "avx2")
+        os.environ.setdefault("ONEDNN_MAX_CPU_ISA", "AVX2")
+        os.environ.setdefault("MKL_ENABLE_INSTRUCTIONS", "AVX2")  # torch's float32 GEMMs
 
 
 def model_name() -> str:
@@ -49,8 +101,14 @@ def native_bf16() -> bool:
     return bool(flags() & {"avx512_bf16", "amx_bf16"})
 
 
+def int8_dot_products() -> bool:
+    """True where int8 dot products add in int32 (VNNI: AVX-512, AVX or AMX's)."""
+    return bool(flags() & {"avx512_vnni", "avx_vnni", "amx_int8"})
+
+
 def describe() -> str:
     """One line for a benchmark header: the model name and which reported flags it has."""
     have = flags()
     marks = " ".join(f"{flag} {'yes' if flag in have else 'no'}" for flag in REPORTED_FLAGS)
-    return f"{model_name()} ({marks})"
+    held = f", held to AVX2 by {ISA_ENV}" if isa() == "avx2" else ""
+    return f"{model_name()} ({marks}{held})"

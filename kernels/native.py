@@ -5,8 +5,9 @@ match its torch twin (tests hold them equal) and is only an accelerator: when th
 compiler, ninja or the build is missing or fails, `load()` says why once in the log
 and returns False, and every caller keeps to the torch path.
 
-The build is specific to this machine's CPU (`-march=native`), so its cache
-directory is keyed by the CPU's flags as well as by the sources.
+The build is specific to this machine's CPU (`-march=native`, less AVX-512 under
+`LORAGATE_CPU_ISA=avx2`), so its cache directory is keyed by the flags it was built for as
+well as by the sources.
 """
 
 from __future__ import annotations
@@ -89,7 +90,7 @@ def _build_and_load() -> bool:
             cpp_extension.load(
                 name="loragate_cpu_kernels",
                 sources=[str(s) for s in SOURCES],
-                extra_cflags=["-O3", "-march=native", "-fopenmp"],
+                extra_cflags=["-O3", *cpu_features.compile_flags(), "-fopenmp"],
                 build_directory=str(build_dir),
                 is_python_module=False,
                 verbose=False,

@@ -6,7 +6,8 @@ Why W8A8 and not int8 weights alone: on a CPU without AMX a decode step of a sma
 is already bound by arithmetic at 16 sequences (bf16 GEMMs run near their peak), so halving
 the weights' bytes buys little, while VNNI's int8 dot products do twice the work of bf16's
 per instruction. Our C++ linear (kernels/csrc/int8_gemm.cpp: quantize, GEMM over a weight
-packed at load, scale back, one op) runs them; elsewhere torch's int8 GEMM (`_int_mm`).
+packed at load, scale back, one op) runs them; elsewhere torch's int8 GEMM (`_int_mm`; float32 GEMMs
+without VNNI, see `int_mm`).
 
 Why groups: one scale per token (activations) and per output channel (weights) flattens the
 small values of a row that has a few large ones to a few levels. A scale per group of 64
@@ -40,6 +41,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from kernels import cpu_features
+
 QUANTIZATIONS = ("int8",)
 # The projections quantized: every linear of a decoder layer.
 PROJECTIONS = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")
@@ -62,6 +65,25 @@ GROUP = 64
 # The C++ linear (kernels/csrc/int8_gemm.cpp, AVX-512 VNNI) computes 16 outputs a vector and
 # quantizes 16 inputs a vector.
 VNNI_COLS = 16
+
+
+# int8 products of one float32 dot product stay exact up to this many inputs (127^2 times it
+# below 2^24).
+_EXACT_FLOAT_INPUTS = 1024
+
+
+def int_mm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """a [m, k] int8 @ b [k, n] int8 in int32, exactly. torch's `_int_mm` runs oneDNN, which
+    without VNNI (AVX2 alone) adds its products' pairs in saturating int16 and, for one row,
+    loses what passes 32,767 (seen: 34,750 for 48,616); there the product is float32 GEMMs
+    over chunks short enough to be exact, summed in int32."""
+    if cpu_features.int8_dot_products():
+        return torch._int_mm(a, b)
+    total = torch.zeros(a.shape[0], b.shape[1], dtype=torch.int32)
+    for start in range(0, a.shape[1], _EXACT_FLOAT_INPUTS):
+        end = start + _EXACT_FLOAT_INPUTS
+        total += (a[:, start:end].float() @ b[start:end].float()).to(torch.int32)
+    return total
 
 
 def quantize_groups(x: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -110,7 +132,7 @@ def int8_linear_reference(
     xq, scales = quantize_groups(x, group)
     y = None
     for g, start in enumerate(range(0, x.shape[1], group)):
-        acc = torch._int_mm(xq[:, start : start + group], qweight[:, start : start + group].t())
+        acc = int_mm(xq[:, start : start + group], qweight[:, start : start + group].t())
         part = acc.float() * (scales[:, g : g + 1] * weight_scales[g])
         y = part if y is None else y + part
     assert y is not None
@@ -159,7 +181,7 @@ class Int8Linear(nn.Module):
         elif self.native and self.group == self.in_features:
             out = torch.empty(rows.shape[0], self.out_features, dtype=x.dtype, device=x.device)
             xq, row_scales = torch.ops.loragate.quantize_rows(rows)
-            acc = torch._int_mm(xq, self.qweight.t())
+            acc = int_mm(xq, self.qweight.t())
             torch.ops.loragate.dequantize_mm(acc, row_scales, self.scales[0], self.bias, out)
         else:
             out = int8_linear_reference(rows, self.qweight, self.scales, self.bias, self.group)

@@ -16,6 +16,7 @@ import typer
 from pydantic import SecretStr, ValidationError
 
 from gateway.settings import Settings
+from kernels import cpu_features
 
 HELP: dict[str, str] = {
     "model": "Hugging Face model directory.",
@@ -63,6 +64,9 @@ HELP: dict[str, str] = {
     "engine_process": "Run the engine loop in its own process (no GIL shared with HTTP).",
     "restart_engine": "Restart an engine process that dies, with back-off.",
     "cpu_kernels": "C++ decode attention, RMSNorm, multi-LoRA and prepacked weights on CPU.",
+    "cpu_isa": "The instruction set the process runs: native (all this CPU has) or avx2 (the C++ "
+    "kernels, torch and oneDNN without AVX-512 or AMX, bfloat16 not native: how an AVX2-only "
+    "processor runs, on any).",
     "weights_cache_dir": "Where each model's weights are written once as the engine runs them "
     "(converted, reordered for oneDNN) and mapped by every later start: auto "
     "(~/.cache/loragate/weights), a directory, or none.",
@@ -165,6 +169,8 @@ def add_settings_command(
             first = exc.errors()[0]
             flag = "--" + str(first["loc"][0]).replace("_", "-") if first["loc"] else None
             raise typer.BadParameter(first["msg"], param_hint=flag) from exc
+        if "cpu_isa" in fields:
+            cpu_features.use_isa(settings.cpu_isa)  # before the first torch operation
         run(settings)
 
     params = [

@@ -15,6 +15,7 @@ from gateway.settings import Settings, SettingsError
 # The flags `loragate engine` takes: the model, its engine's knobs, LoRA, where it listens.
 ENGINE_COMMAND_FIELDS = (
     "model",
+    "cpu_isa",
     "served_model_name",
     "engine_token",
     "adapter_store",
