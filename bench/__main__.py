@@ -8,6 +8,8 @@ from __future__ import annotations
 import importlib
 import sys
 
+from kernels import cpu_features
+
 # name: (module, what it measures)
 BENCHMARKS: dict[str, tuple[str, str]] = {
     "offline": ("bench.offline", "our engine vs Hugging Face generate on W1/W2/Wv, or W3"),
@@ -61,6 +63,10 @@ def main(argv: list[str] | None = None) -> None:
     name, rest = args[0], args[1:]
     if name not in BENCHMARKS:
         sys.exit(f"loragate-bench: no benchmark {name!r}\n\n{usage()}")
+    if not {"-h", "--help"} & set(rest):
+        # Every figure is this processor's: its model and flags head every run (on stderr, out
+        # of the way of a benchmark that prints JSON).
+        print(f"loragate-bench {name} on {cpu_features.describe()}", file=sys.stderr)
     if name == "offline" and _option_value(rest, "--workload") == "w3":
         name, rest = "lora", _without_option(rest, "--workload")  # W3 needs adapters
     importlib.import_module(BENCHMARKS[name][0]).main(rest)

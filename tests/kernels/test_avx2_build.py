@@ -42,6 +42,21 @@ def test_avx2_drops_the_newer_flags_and_compiles_without_them(
     assert cpu_features.compile_flags() == ["-march=native"]
 
 
+def test_use_isa_leaves_what_engine_processes_inherit(monkeypatch: pytest.MonkeyPatch) -> None:
+    """`--cpu-isa avx2` before the first torch operation: the variables torch, oneDNN and MKL
+    read, in the environment every engine process starts with; one the user set is kept."""
+    held = ("ATEN_CPU_CAPABILITY", "ONEDNN_MAX_CPU_ISA", "MKL_ENABLE_INSTRUCTIONS")
+    for name in (cpu_features.ISA_ENV, *held):
+        monkeypatch.setenv(name, "")
+        monkeypatch.delenv(name)
+    monkeypatch.setenv("MKL_ENABLE_INSTRUCTIONS", "SSE4_2")
+    cpu_features.use_isa("avx2")
+    assert os.environ[cpu_features.ISA_ENV] == "avx2"
+    assert os.environ["ATEN_CPU_CAPABILITY"] == "avx2"
+    assert os.environ["ONEDNN_MAX_CPU_ISA"] == "AVX2"
+    assert os.environ["MKL_ENABLE_INSTRUCTIONS"] == "SSE4_2"
+
+
 def test_an_unknown_isa_is_refused_by_name(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv(cpu_features.ISA_ENV, "avx10")
     with pytest.raises(ValueError, match="LORAGATE_CPU_ISA='avx10'"):
