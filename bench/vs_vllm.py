@@ -11,8 +11,11 @@ directory); ours is `loragate serve --no-auth` at its defaults. `--against-tree 
 loragate from another checkout (an older commit's worktree) in vLLM's place: a change measured
 against the tree before it, the same way. `--dtype` goes to both
 servers (`auto`: each resolves it as it does for its users; vLLM picks bfloat16 on a CPU
-with AVX-512 BF16, as ours does). Every run uses its own prompt seed, so no run finds its
-prompts in a prefix cache; both servers of a round get the same seed.
+with AVX-512 BF16, as ours does). `--cpu-isa avx2` runs both as on an AVX2-only processor:
+ours with `--cpu-isa avx2`, vLLM with torch, oneDNN and MKL held to AVX2 and its AVX2 build
+(`_C_AVX2`, which it loads where torch reports no AVX-512). Every run uses its own prompt
+seed, so no run finds its prompts in a prefix cache; both servers of a round get the same
+seed.
 """
 
 from __future__ import annotations
@@ -50,8 +53,12 @@ def _start(side: str, args: argparse.Namespace, name: str, log: Path) -> subproc
             "--adapter-store", str(workdir / "adapters"),
             *(args.loragate_args if side == "loragate" else args.against_args).split(),
         ]  # fmt: skip
+        if args.cpu_isa != "native":
+            cmd += ["--cpu-isa", args.cpu_isa]
     else:
         env |= {"VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1", "VLLM_CPU_KVCACHE_SPACE": "2"}
+        if args.cpu_isa == "avx2":
+            env |= _vllm_held_to_avx2(env)
         cmd = [
             f"{args.vllm_venv}/bin/python", "-m", "vllm.entrypoints.openai.api_server",
             "--model", str(Path(args.model).resolve()), "--served-model-name", name,
@@ -63,6 +70,27 @@ def _start(side: str, args: argparse.Namespace, name: str, log: Path) -> subproc
     return subprocess.Popen(
         cmd, stdout=out, stderr=subprocess.STDOUT, env=env, cwd=cwd, start_new_session=True
     )
+
+
+# Where torch would report AVX-512, vLLM reports none in every process it starts: it then loads
+# its AVX2 build, as on a processor without AVX-512.
+_VLLM_AVX2_SITECUSTOMIZE = """
+import torch
+torch.cpu._is_avx512_supported = lambda: False
+torch.cpu._is_avx512_bf16_supported = lambda: False
+"""
+
+
+def _vllm_held_to_avx2(env: dict[str, str]) -> dict[str, str]:
+    site = Path(tempfile.mkdtemp(prefix="vllm-avx2-"))
+    (site / "sitecustomize.py").write_text(_VLLM_AVX2_SITECUSTOMIZE)
+    path = os.pathsep.join(p for p in (str(site), env.get("PYTHONPATH", "")) if p)
+    return {
+        "PYTHONPATH": path,
+        "ATEN_CPU_CAPABILITY": "avx2",
+        "ONEDNN_MAX_CPU_ISA": "AVX2",
+        "MKL_ENABLE_INSTRUCTIONS": "AVX2",
+    }
 
 
 def _bench(
@@ -178,6 +206,12 @@ def main(argv: list[str] | None = None) -> None:
         help="`loragate serve` flags for the other tree's side (e.g. the same tree with "
         "--loragate-args '--cpu-isa avx2' against none)",
     )
+    p.add_argument(
+        "--cpu-isa",
+        default="native",
+        choices=list(cpu_features.ISAS),
+        help="avx2: both servers as on an AVX2-only processor (issue 43)",
+    )
     p.add_argument("--json", type=Path, default=None, help="write every row here")
     args = p.parse_args(argv)
     args.workloads = [w for w in args.workloads.split(",") if w]
@@ -185,6 +219,7 @@ def main(argv: list[str] | None = None) -> None:
         args.against_tree = args.against_tree.resolve()
     elif not Path(args.vllm_venv, "bin", "python").exists():
         p.error(f"no vLLM at {args.vllm_venv}: run {PEERS / 'setup_vllm.sh'} first")
+    cpu_features.use_isa(args.cpu_isa)  # the header's flags and dtype, and both servers'
     bf16 = cpu_features.native_bf16()
     args.peak_dtype = args.dtype if args.dtype != "auto" else ("bfloat16" if bf16 else "float32")
     console = Console(width=max(Console().width, 130))
