@@ -54,20 +54,27 @@ def isa() -> str:
     return value
 
 
-def _kept(flag: str) -> bool:
-    return isa() == "native" or not flag.startswith(_ABOVE_AVX2)
+@functools.cache
+def _flags_of(isa_name: str) -> tuple[str, ...]:
+    """The flags line's flags, in its order, less those above AVX2 where `isa_name` is avx2."""
+    every = _cpuinfo().get("flags", "").split()
+    return tuple(
+        every if isa_name == "native" else (f for f in every if not f.startswith(_ABOVE_AVX2))
+    )
+
+
+@functools.cache
+def _flag_set(isa_name: str) -> frozenset[str]:
+    return frozenset(_flags_of(isa_name))
 
 
 def flags() -> frozenset[str]:
-    return frozenset(flag for flag in _cpuinfo().get("flags", "").split() if _kept(flag))
+    return _flag_set(isa())
 
 
 def flags_line() -> str:
     """The whole flags line as the process uses it (a cache key for code compiled for it)."""
-    line = _cpuinfo().get("flags", "")
-    if not line:
-        return platform.processor()
-    return " ".join(flag for flag in line.split() if _kept(flag))
+    return " ".join(_flags_of(isa())) or platform.processor()
 
 
 def compile_flags() -> list[str]:
@@ -77,13 +84,14 @@ def compile_flags() -> list[str]:
 
 def use_isa(name: str) -> None:
     """Run this process, and the engine processes it starts, on `name` (one of ISAS)."""
+    if name not in ISAS:
+        raise ValueError(f"{ISA_ENV}={name!r}: expected one of {', '.join(ISAS)}")
     os.environ[ISA_ENV] = name
-    isa()  # refuses an unknown name
     hold_to_isa()
 
 
 def hold_to_isa() -> None:
-    """Hold torch's own kernels and oneDNN's to the chosen instruction set. Both read these
+    """Hold torch's own kernels, oneDNN's and MKL's to the chosen instruction set. They read these
     variables on their first operation, so this runs before any (kernels/__init__.py); an
     engine process inherits them. A value the user set is kept."""
     if isa() == "avx2":
