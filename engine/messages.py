@@ -41,6 +41,9 @@ class EngineRequest:
     cache_salt: str | None = None  # one tenant never reads another's prefix cache
     fairness_key: str | None = None  # whose share the "fair" policy charges (a tenant)
     fairness_weight: float = 1.0  # that key's share relative to other keys'
+    # The client's name for a shared prefix (prompt_cache_key): replicas are chosen by it,
+    # joined to the salt, in place of the prompt's first block.
+    routing_key: str | None = None
 
 
 @dataclass(frozen=True, slots=True)

@@ -33,7 +33,7 @@ from engine.messages import EngineRequest, EngineStats
 from engine.outputs import SequenceUpdate
 from engine.request import GuidedSpec
 from gateway.models.on_demand import OnDemandEngine
-from gateway.models.routing import ReplicaView, choose, prefix_key
+from gateway.models.routing import ReplicaView, choose, prefix_key, routing_key
 from gateway.models.scale_up import QueueWatch, ScaleUpPolicy, queued_beyond_capacity
 
 logger = logging.getLogger(__name__)
@@ -279,10 +279,12 @@ class ReplicaPool(EngineClient):
         return None
 
     def _prefix_key(self, request: EngineRequest) -> bytes | None:
+        adapter = request.lora.adapter_id if request.lora is not None else None
+        if request.routing_key is not None:
+            return routing_key(request.cache_salt, adapter, request.routing_key)
         prompt = request.prompt
         if isinstance(prompt, str) or len(prompt) < self.block_size:
             return None  # no full block: nothing cached to be near
-        adapter = request.lora.adapter_id if request.lora is not None else None
         return prefix_key(request.cache_salt, adapter, prompt[: self.block_size])
 
 

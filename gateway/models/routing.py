@@ -34,12 +34,19 @@ class ReplicaView:
 
 def prefix_key(cache_salt: str | None, adapter_id: str | None, first_block: Sequence[int]) -> bytes:
     """What the engine's first block hash covers: whose cache, which adapter, which tokens."""
-    digest = hashlib.sha256()
-    for part in (cache_salt or "", adapter_id or ""):
-        digest.update(part.encode())
-        digest.update(b"\0")
-    digest.update(b",".join(str(t).encode() for t in first_block))
-    return digest.digest()
+    tokens = b",".join(str(t).encode() for t in first_block)
+    return hashlib.sha256(_whose(cache_salt, adapter_id) + tokens).digest()
+
+
+def routing_key(cache_salt: str | None, adapter_id: str | None, client_key: str) -> bytes:
+    """A client's prompt_cache_key in place of the first block: requests it names go where
+    the first of them went. Under the tenant's salt: one tenant's key never meets another's,
+    and (the marker) never a prompt's own key."""
+    return hashlib.sha256(_whose(cache_salt, adapter_id) + b"key:" + client_key.encode()).digest()
+
+
+def _whose(cache_salt: str | None, adapter_id: str | None) -> bytes:
+    return (cache_salt or "").encode() + b"\0" + (adapter_id or "").encode() + b"\0"
 
 
 def choose(

@@ -178,6 +178,7 @@ class ChatServing:
             guided_param=body.guided_param if calls is None else "tools",
             tools=calls,
             tool_format=None if calls is None or calls.forced else fmt,
+            routing_key=body.prompt_cache_key,
         )
 
     def _tool_plan(self, body: ChatCompletionRequest) -> ToolPlan | None:

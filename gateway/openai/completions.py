@@ -113,6 +113,7 @@ class CompletionServing:
             stream=body.stream,
             include_usage=body.include_usage,
             guided_param=body.guided_param,
+            routing_key=body.prompt_cache_key,
         )
 
 

@@ -111,6 +111,9 @@ class _SamplingFields(_Body):
     stream: bool = False
     stream_options: StreamOptions | None = None
     user: str | None = Field(None, max_length=MAX_NAME_CHARS)
+    # Requests that share a long prefix say so: a model's replicas route them together (the
+    # key is joined to the tenant's cache salt, so it never joins two tenants).
+    prompt_cache_key: str | None = Field(None, min_length=1, max_length=MAX_NAME_CHARS)
     response_format: ResponseFormat | None = None
     guided_json: dict[str, Any] | str | None = None
     guided_regex: str | None = None

@@ -67,6 +67,7 @@ class Generation:
     guided_param: str | None = None  # the field a grammar came from: its refusal names it
     tools: ToolPlan | None = None  # each choice's output read for calls
     tool_format: ToolFormat | None = None  # the calls' format under tool_choice "auto"
+    routing_key: str | None = None  # the client's prompt_cache_key
 
 
 class OpenAIServing:
@@ -190,6 +191,7 @@ class OpenAIServing:
                     cache_salt=tenant.cache_salt,
                     fairness_key=tenant.id,
                     fairness_weight=tenant.weight,
+                    routing_key=g.routing_key,
                 )
             )
             for i, prompt in enumerate(g.prompts)

@@ -67,6 +67,7 @@ def encode_request(request: EngineRequest) -> dict[str, Any]:
         "cache_salt": request.cache_salt,
         "fairness_key": request.fairness_key,
         "fairness_weight": request.fairness_weight,
+        "routing_key": request.routing_key,
     }
 
 
@@ -94,6 +95,7 @@ def decode_request(data: dict[str, Any], store: AdapterStorage | None) -> Engine
             cache_salt=data.get("cache_salt"),
             fairness_key=data.get("fairness_key"),
             fairness_weight=float(data.get("fairness_weight", 1.0)),
+            routing_key=data.get("routing_key"),
         )
     except RequestRefused:
         raise

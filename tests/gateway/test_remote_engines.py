@@ -182,6 +182,24 @@ def test_a_tenants_prefix_stays_on_one_replica(gateway: Server) -> None:
     assert all(count > 0 for count in pool.routed)  # both replicas took tenants
 
 
+def test_requests_with_one_prompt_cache_key_go_to_one_replica(gateway: Server) -> None:
+    """Different prompts, one prompt_cache_key: the key routes them, not their first blocks
+    (six of which, on their own, all land on one of two replicas once in 32)."""
+    pool: ReplicaPool = gateway.app.state.models["demo"].engine
+    client = gateway.client(new_tenant(gateway, "cache-key")[1])
+
+    before = list(pool.routed)
+    for seed in range(6):
+        client.completions.create(
+            model="demo",
+            prompt=_system_prompt(seed),
+            max_tokens=1,
+            extra_body={"prompt_cache_key": "shared-instructions"},
+        )
+    routed = [after - was for after, was in zip(pool.routed, before, strict=True)]
+    assert sorted(routed) == [0, 6]
+
+
 def test_an_adapter_is_loaded_on_one_replica_and_its_requests_follow_it(
     gateway: Server, engines: list[EngineService], demo_adapters: dict[str, Path]
 ) -> None:

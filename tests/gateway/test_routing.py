@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import random
 
-from gateway.models.routing import ReplicaView, choose, prefix_key
+from gateway.models.routing import ReplicaView, choose, prefix_key, routing_key
 from gateway.models.scale_up import QueueWatch, ScaleUpPolicy, queued_beyond_capacity
 
 
@@ -114,3 +114,11 @@ def test_bounded_load_keeps_every_replica_within_the_bound_under_skewed_keys() -
         assert index is not None
         loads[index] += 1
         assert max(loads) <= -(-1.25 * sum(loads) // 4) + 1, loads
+
+
+def test_a_prompt_cache_key_is_its_tenants_alone() -> None:
+    mine = routing_key("salt-a", None, "instructions-v1")
+    assert mine == routing_key("salt-a", None, "instructions-v1")
+    assert mine != routing_key("salt-b", None, "instructions-v1")  # another tenant
+    assert mine != routing_key("salt-a", "adapter-1", "instructions-v1")
+    assert mine != prefix_key("salt-a", None, [1, 2, 3])
