@@ -22,6 +22,7 @@ import httpx
 import openai
 import uvicorn
 from fastapi import FastAPI
+from response_events import SpecWatch
 
 from adapters.peft import BaseModelInfo, describe_base
 from bench.servers import wait_ready
@@ -90,6 +91,8 @@ class Server:
         self.engine = engine
         self.app = app
         self.tenancy = tenancy
+        # How what it answered under /v1/responses departs from the spec (response_events).
+        self.spec_violations: list[str] = []
 
     @property
     def headers(self) -> dict[str, str]:
@@ -153,6 +156,8 @@ def live_server(app: FastAPI, engine: EngineClient) -> Iterator[Server]:
         await tenancy.tenancy.close()
 
     app.router.lifespan_context = lifespan
+    spec_violations: list[str] = []
+    app.add_middleware(SpecWatch, violations=spec_violations)
     port = free_port()
     uv = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
     thread = threading.Thread(target=uv.run, daemon=True)
@@ -163,10 +168,14 @@ def live_server(app: FastAPI, engine: EngineClient) -> Iterator[Server]:
             raise RuntimeError("the test server did not start")
         time.sleep(0.01)
     try:
-        yield Server(f"http://127.0.0.1:{port}", engine, app, tenancy)
+        server = Server(f"http://127.0.0.1:{port}", engine, app, tenancy)
+        server.spec_violations = spec_violations
+        yield server
     finally:
         uv.should_exit = True
         thread.join(10)
+    # Whatever test talked to the Responses API here, what it got follows the spec.
+    assert spec_violations == [], spec_violations[:20]
 
 
 def build_test_app(

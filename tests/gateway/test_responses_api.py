@@ -53,6 +53,16 @@ def server(demo_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> It
         yield server
 
 
+@pytest.fixture(autouse=True)
+def shapes_follow_the_spec(server: Server) -> Iterator[None]:
+    """Every response object and event a test here produced is checked against the Open
+    Responses spec and the openai SDK's types (response_events.SpecWatch)."""
+    yield
+    found = list(server.spec_violations)
+    server.spec_violations.clear()
+    assert found == []
+
+
 @pytest.fixture
 def client(server: Server) -> openai.OpenAI:
     return server.client()
@@ -77,7 +87,9 @@ def test_a_text_response_is_openais_object(server: Server, client: openai.OpenAI
     assert response.usage.total_tokens == response.usage.input_tokens + 8
     (message,) = response.output
     assert message.type == "message" and message.role == "assistant"
+    assert message.status == "incomplete"  # cut at max_output_tokens, its text kept
     assert response.output_text == message.content[0].text != ""
+    assert response.completed_at is None  # set only once a response completes
     # Through the SDK: the same answer (greedy).
     again = client.responses.create(
         model="demo", input="Hello there", max_output_tokens=8, temperature=0, extra_body=LONG
@@ -166,6 +178,75 @@ def test_a_forced_function_call_and_its_output_as_the_next_turn(client: openai.O
         extra_body=LONG,
     )
     assert second.output[0].type == "message" and second.output_text
+
+
+def test_the_response_says_what_it_ran_with(client: openai.OpenAI) -> None:
+    """Every field the spec requires, with the values used: the request's or the defaults."""
+    plain = client.responses.create(model="demo", input="Hi", max_output_tokens=4)
+    assert (plain.presence_penalty, plain.frequency_penalty, plain.top_logprobs) == (0, 0, 0)
+    assert plain.service_tier == "default" and plain.max_tool_calls is None
+    assert plain.safety_identifier is None and plain.prompt_cache_key is None
+    fmt = {
+        "type": "json_schema",
+        "name": "weather",
+        "description": "A weather report",
+        "schema": SCHEMA,
+    }
+    tool = {k: v for k, v in TOOL.items() if k != "strict"}
+    started = int(time.time())
+    response = client.responses.create(
+        model="demo",
+        input="Weather in Paris?",
+        max_output_tokens=96,
+        temperature=0,
+        # Spec fields the openai SDK does not name.
+        extra_body={"presence_penalty": 0.5, "frequency_penalty": -0.25},
+        top_logprobs=3,
+        max_tool_calls=2,
+        service_tier="auto",
+        safety_identifier="user-1234",
+        prompt_cache_key="weather-v1",
+        text={"format": fmt},  # type: ignore[typeddict-item]
+        tools=[tool],  # type: ignore[list-item]
+        tool_choice="none",
+    )
+    assert response.status == "completed"
+    assert response.completed_at is not None and response.completed_at >= started
+    assert (response.presence_penalty, response.frequency_penalty) == (0.5, -0.25)
+    assert (response.top_logprobs, response.max_tool_calls) == (3, 2)
+    assert response.service_tier == "default"  # the one tier there is
+    assert response.safety_identifier == "user-1234"
+    assert response.prompt_cache_key == "weather-v1"
+    echoed = response.text.format  # type: ignore[union-attr]
+    assert echoed.type == "json_schema" and echoed.description == "A weather report"
+    assert echoed.strict is True  # the schema was enforced: strict unless told otherwise
+    (function,) = response.tools
+    assert function.type == "function" and function.strict is True
+
+
+def test_logprobs_come_with_the_text_when_included(client: openai.OpenAI) -> None:
+    kwargs: dict[str, Any] = {
+        "model": "demo",
+        "input": "Hello",
+        "max_output_tokens": 6,
+        "temperature": 0,
+        "top_logprobs": 2,
+        "include": ["message.output_text.logprobs"],
+        "extra_body": LONG,
+    }
+    whole = client.responses.create(**kwargs)
+    part = whole.output[0].content[0]  # type: ignore[union-attr]
+    assert len(part.logprobs) == 6  # type: ignore[union-attr, arg-type]
+    assert "".join(lp.token for lp in part.logprobs) == part.text  # type: ignore[union-attr]
+    assert all(len(lp.top_logprobs) == 2 for lp in part.logprobs)  # type: ignore[union-attr]
+    # The top alternative at each step is the token greedy picked.
+    assert all(lp.top_logprobs[0].token == lp.token for lp in part.logprobs)  # type: ignore[union-attr]
+    with client.responses.stream(**kwargs) as stream:
+        deltas = [e for e in stream if e.type == "response.output_text.delta"]
+    streamed = [lp for d in deltas for lp in d.logprobs]
+    assert [lp.token for lp in streamed] == [lp.token for lp in part.logprobs]  # type: ignore[union-attr]
+    without = client.responses.create(**(kwargs | {"include": None}))
+    assert without.output[0].content[0].logprobs == []  # type: ignore[union-attr]
 
 
 def test_json_schema_output_always_validates(client: openai.OpenAI) -> None:
@@ -257,6 +338,9 @@ def test_unsupported_values_are_refused_by_name(server: Server) -> None:
         ({"background": True, "store": False}, "background"),
         ({"text": {"format": {"type": "xml"}}}, "text.format.type"),
         ({"metadata": {f"k{i}": "v" for i in range(17)}}, "metadata"),
+        ({"include": ["message.output_text.everything"]}, "include.0"),
+        ({"service_tier": "gold"}, "service_tier"),
+        ({"prompt_cache_key": "k" * 257}, "prompt_cache_key"),
     ]
     for extra, param in cases:
         raw = _raw(server, "POST", "/responses", json={"model": "demo", "input": "x"} | extra)

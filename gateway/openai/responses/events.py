@@ -18,7 +18,14 @@ import json
 from dataclasses import dataclass, field
 from typing import Any
 
-from gateway.openai.responses.objects import ResponseMeta, call_item, message_item, text_part
+from gateway.openai.responses.objects import (
+    ResponseMeta,
+    call_item,
+    item_status,
+    logprobs_body,
+    message_item,
+    text_part,
+)
 from gateway.openai.responses.protocol import new_id
 
 
@@ -29,6 +36,7 @@ class _Open:
     index: int
     item: dict[str, Any]
     text: str = ""  # a message's text, or a call's arguments
+    logprobs: list[dict[str, Any]] = field(default_factory=list)  # a message's, if asked
 
 
 @dataclass(slots=True)
@@ -53,7 +61,7 @@ class EventStream:
         for choice in chunk.get("choices", ()):
             delta = choice.get("delta") or {}
             if delta.get("content"):
-                events += self._text(delta["content"])
+                events += self._text(delta["content"], logprobs_body(choice.get("logprobs")))
             for call in delta.get("tool_calls") or ():
                 events += self._call(call)
             if choice.get("finish_reason") is not None:
@@ -62,7 +70,7 @@ class EventStream:
 
     def finish(self, status: str, usage: dict[str, Any] | None) -> tuple[list[str], dict[str, Any]]:
         """The closing events, and the final response object."""
-        events = self._close_all()
+        events = self._close_all(item_status(self.finish_reason))
         body = self.meta.body(status, self.output, usage, finish_reason=self.finish_reason)
         kind = {"incomplete": "response.incomplete", "failed": "response.failed"}.get(
             status, "response.completed"
@@ -71,18 +79,26 @@ class EventStream:
 
     def fail(self, error: dict[str, Any]) -> tuple[list[str], dict[str, Any]]:
         """A failure once the stream has begun: what was produced, and the error."""
-        events = self._close_all()
+        events = self._close_all("incomplete")
         body = self.meta.body("failed", self.output, error=error)
-        message = str(error.get("message", "the response failed"))
+        payload = {
+            "type": str(error.get("type") or "server_error"),
+            "code": error.get("code"),
+            "message": str(error.get("message", "the response failed")),
+            "param": error.get("param"),
+        }
+        # The openai SDK reads the error's fields at the top of the event, the Open
+        # Responses spec under `error`: both are there.
+        flat = {k: payload[k] for k in ("code", "message", "param")}
         return [
             *events,
-            self._event("error", code=error.get("code"), message=message, param=None),
+            self._event("error", **flat, error=payload),
             self._event("response.failed", response=body),
         ], body
 
     # -- items ------------------------------------------------------------------------------
 
-    def _text(self, delta: str) -> list[str]:
+    def _text(self, delta: str, logprobs: list[dict[str, Any]]) -> list[str]:
         events = []
         if self._message is None:
             item = message_item(new_id("msg"), "", status="in_progress")
@@ -101,6 +117,7 @@ class EventStream:
                 ),
             ]
         self._message.text += delta
+        self._message.logprobs += logprobs
         return [
             *events,
             self._event(
@@ -109,7 +126,7 @@ class EventStream:
                 output_index=self._message.index,
                 content_index=0,
                 delta=delta,
-                logprobs=[],
+                logprobs=logprobs,
             ),
         ]
 
@@ -143,20 +160,27 @@ class EventStream:
             )
         return events
 
-    def _close_all(self) -> list[str]:
+    def _close_all(self, status: str) -> list[str]:
+        """Every open item done, as `status` says (incomplete: the response was cut)."""
         events = []
         if self._message is not None:
             opened, self._message = self._message, None
-            item = message_item(opened.item["id"], opened.text)
+            item = message_item(opened.item["id"], opened.text, status, opened.logprobs)
             self.output[opened.index] = item
             where = {"item_id": item["id"], "output_index": opened.index, "content_index": 0}
+            part = item["content"][0]
             events += [
-                self._event("response.output_text.done", **where, text=opened.text, logprobs=[]),
-                self._event("response.content_part.done", **where, part=text_part(opened.text)),
+                self._event(
+                    "response.output_text.done",
+                    **where,
+                    text=opened.text,
+                    logprobs=part["logprobs"],
+                ),
+                self._event("response.content_part.done", **where, part=part),
                 self._event("response.output_item.done", output_index=opened.index, item=item),
             ]
         for opened in self._calls.values():
-            item = dict(opened.item, arguments=opened.text, status="completed")
+            item = dict(opened.item, arguments=opened.text, status=status)
             self.output[opened.index] = item
             events += [
                 self._event(

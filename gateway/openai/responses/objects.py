@@ -1,9 +1,11 @@
 """The Responses API's objects, made from what the chat path produced: output items (a
 `message` with `output_text`, `function_call`s), usage in the Responses names, and the
-`response` object itself (its shape checked against the openai SDK's types in tests)."""
+`response` object itself, with every field the Open Responses spec requires (its shape
+checked against the spec and the openai SDK's types in tests: tests/gateway/response_events)."""
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from typing import Any
@@ -39,6 +41,8 @@ class ResponseMeta:
             "id": self.id,
             "object": "response",
             "created_at": self.created_at,
+            # OpenAI's: set only once the response has completed.
+            "completed_at": int(time.time()) if status == "completed" else None,
             "status": status,
             "background": request.background,
             "error": error,
@@ -55,8 +59,15 @@ class ResponseMeta:
             "temperature": 1.0 if request.temperature is None else request.temperature,
             "text": request.text_body(),
             "tool_choice": request.tool_choice or "auto",
-            "tools": request.tools or [],
+            "tools": request.tools_body(),
             "top_p": 1.0 if request.top_p is None else request.top_p,
+            "presence_penalty": request.presence_penalty or 0.0,
+            "frequency_penalty": request.frequency_penalty or 0.0,
+            "top_logprobs": request.top_logprobs or 0,
+            "max_tool_calls": request.max_tool_calls,
+            "service_tier": "default",
+            "safety_identifier": request.safety_identifier,
+            "prompt_cache_key": request.prompt_cache_key,
             "truncation": request.truncation,
             "usage": usage,
             "user": request.user,
@@ -87,18 +98,36 @@ def usage_body(chat_usage: dict[str, Any]) -> dict[str, Any]:
     }
 
 
-def message_item(item_id: str, text: str, status: str = "completed") -> dict[str, Any]:
+def message_item(
+    item_id: str,
+    text: str,
+    status: str = "completed",
+    logprobs: list[dict[str, Any]] | None = None,
+) -> dict[str, Any]:
+    """The assistant's text; `incomplete` when it was cut (max_output_tokens), its text
+    kept; no content part yet while `in_progress`."""
     return {
         "type": "message",
         "id": item_id,
         "status": status,
         "role": "assistant",
-        "content": [text_part(text)] if status == "completed" else [],
+        "content": [] if status == "in_progress" else [text_part(text, logprobs)],
     }
 
 
-def text_part(text: str) -> dict[str, Any]:
-    return {"type": "output_text", "text": text, "annotations": [], "logprobs": []}
+def text_part(text: str, logprobs: list[dict[str, Any]] | None = None) -> dict[str, Any]:
+    return {"type": "output_text", "text": text, "annotations": [], "logprobs": logprobs or []}
+
+
+def item_status(finish_reason: str | None) -> str:
+    """An output item's status when its response finished for `finish_reason`."""
+    return "incomplete" if finish_reason == "length" else "completed"
+
+
+def logprobs_body(chat_logprobs: dict[str, Any] | None) -> list[dict[str, Any]]:
+    """Chat's `logprobs.content` as output_text's `logprobs` (the same entries: token,
+    logprob, bytes, top_logprobs)."""
+    return list((chat_logprobs or {}).get("content") or [])
 
 
 def call_item(
@@ -114,17 +143,22 @@ def call_item(
     }
 
 
-def output_items(message: dict[str, Any]) -> list[dict[str, Any]]:
-    """A chat completion's assistant message as output items: its text (if any, or if it
-    holds no calls), then each call."""
+def output_items(choice: dict[str, Any]) -> list[dict[str, Any]]:
+    """A chat completion's choice as output items: its text (if any, or if it holds no
+    calls), then each call; cut at max_output_tokens, each says `incomplete`."""
+    message = choice["message"]
+    status = item_status(choice.get("finish_reason"))
     items = []
     calls = message.get("tool_calls") or []
     text = message.get("content") or ""
     if text or not calls:
-        items.append(message_item(new_id("msg"), text))
+        logprobs = logprobs_body(choice.get("logprobs"))
+        items.append(message_item(new_id("msg"), text, status, logprobs))
     for call in calls:
         function = call["function"]
-        items.append(call_item(new_id("fc"), call["id"], function["name"], function["arguments"]))
+        items.append(
+            call_item(new_id("fc"), call["id"], function["name"], function["arguments"], status)
+        )
     return items
 
 

@@ -11,12 +11,13 @@ image, file or audio inputs, item references) is a 400 naming the field, never i
 from __future__ import annotations
 
 import uuid
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, Literal, get_args
 
 from pydantic import Field
 
 from gateway.openai.protocol import (
     MAX_DESCRIPTION_CHARS,
+    MAX_LOGPROBS,
     MAX_MESSAGES,
     MAX_NAME_CHARS,
     MAX_TOOLS,
@@ -49,6 +50,22 @@ BUILT_IN_TOOLS = (
     "shell",
 )
 
+# What `include` may ask for. Only the logprobs are something this server produces; the
+# others name outputs of built-in tools and reasoning, which it never makes, so there is
+# nothing to add for them (an agent framework sends them by habit).
+LOGPROBS_INCLUDE = "message.output_text.logprobs"
+Includable = Literal[
+    "message.output_text.logprobs",
+    "reasoning.encrypted_content",
+    "code_interpreter_call.outputs",
+    "computer_call_output.output.image_url",
+    "file_search_call.results",
+    "message.input_image.image_url",
+    "web_search_call.action.sources",
+    "web_search_call.results",
+]
+ServiceTier = Literal["auto", "default", "flex", "priority", "scale"]
+
 Metadata = Annotated[
     dict[
         Annotated[str, Field(max_length=MAX_METADATA_KEY)],
@@ -77,6 +94,17 @@ class ResponsesRequest(_SamplingFields):
     text: dict[str, Any] | None = None
     metadata: Metadata | None = None
     truncation: Literal["disabled", "auto"] = "disabled"
+    include: list[Includable] | None = Field(None, max_length=len(get_args(Includable)))
+    top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+    # Caps calls to built-in tools, which this server has none of: echoed, nothing to cap.
+    max_tool_calls: int | None = Field(None, ge=1, le=2**31 - 1)
+    # Every request runs in the one tier there is: the response says "default".
+    service_tier: ServiceTier | None = None
+    safety_identifier: str | None = Field(None, min_length=1, max_length=MAX_ID_CHARS)
+
+    @property
+    def wants_logprobs(self) -> bool:
+        return LOGPROBS_INCLUDE in (self.include or ())
 
     def check(self) -> None:
         """What the types cannot say. Raises FieldError naming the field."""
@@ -116,6 +144,20 @@ class ResponsesRequest(_SamplingFields):
             tools.append({"type": "function", "function": function})
         return tools
 
+    def tools_body(self) -> list[dict[str, Any]]:
+        """`tools` as the response object echoes them: each function tool whole, with the
+        `strict` it ran under (a schema is enforced unless the tool says strict false)."""
+        return [
+            {
+                "type": "function",
+                "name": tool.get("name"),
+                "description": tool.get("description"),
+                "parameters": tool.get("parameters"),
+                "strict": tool.get("strict") is not False,
+            }
+            for tool in self.tools or ()
+        ]
+
     def chat_tool_choice(self) -> Any:
         choice = self.tool_choice
         if choice is None or isinstance(choice, str):
@@ -145,8 +187,18 @@ class ResponsesRequest(_SamplingFields):
         raise FieldError("text.format.type", "text.format is text, json_object or json_schema")
 
     def text_body(self) -> dict[str, Any]:
-        """`text` as the response object echoes it."""
-        return {"format": (self.text or {}).get("format") or {"type": "text"}}
+        """`text` as the response object echoes it: a json_schema format with every field
+        the spec requires, `strict` as it ran (the schema is enforced unless strict false)."""
+        fmt = (self.text or {}).get("format") or {"type": "text"}
+        if isinstance(fmt, dict) and fmt.get("type") == "json_schema":
+            fmt = {
+                "type": "json_schema",
+                "name": fmt.get("name"),
+                "description": fmt.get("description"),
+                "schema": fmt.get("schema"),
+                "strict": fmt.get("strict") is not False,
+            }
+        return {"format": fmt}
 
     def chat_request(self, messages: list[dict[str, Any]]) -> ChatCompletionRequest:
         """The chat request that answers this response over `messages`. Raises FieldError
@@ -166,6 +218,11 @@ class ResponsesRequest(_SamplingFields):
                 "truncation",
                 "stream",
                 "stream_options",
+                "include",
+                "top_logprobs",
+                "max_tool_calls",
+                "service_tier",
+                "safety_identifier",
             },
             exclude_none=True,
         )
@@ -176,6 +233,8 @@ class ResponsesRequest(_SamplingFields):
             "tool_choice": self.chat_tool_choice(),
             "parallel_tool_calls": self.parallel_tool_calls,
             "response_format": self.chat_response_format() or fields.get("response_format"),
+            "logprobs": self.wants_logprobs,
+            "top_logprobs": self.top_logprobs if self.wants_logprobs else None,
         }
         try:
             return ChatCompletionRequest.model_validate(body)

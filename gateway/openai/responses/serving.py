@@ -121,7 +121,7 @@ class ResponsesServing:
         error = choice.get("error")
         return meta.body(
             status_of(reason),
-            output_items(choice["message"]),
+            output_items(choice),
             usage_body(chat["usage"]),
             error=None if error is None else {"code": "invalid_output", "message": str(error)},
             finish_reason=reason,
@@ -193,7 +193,7 @@ class ResponsesServing:
             response = await self._result(meta, answer)
         except asyncio.CancelledError:
             text = answer.choices[0].text
-            output = [message_item(new_id("msg"), text)] if text else []
+            output = [message_item(new_id("msg"), text, "incomplete")] if text else []
             response = meta.body("cancelled", output)
         except Exception as exc:  # noqa: BLE001 - the response records it
             logger.exception("background response %s failed", meta.id)
