@@ -1,5 +1,5 @@
-"""The tenancy tables (SQLAlchemy 2): tenants, their API keys, adapters, the usage ledger, and
-the stored responses of the Responses API.
+"""The tenancy tables (SQLAlchemy 2): tenants, their API keys, adapters, the usage ledger, the
+stored responses of the Responses API, and the conversations of the Conversations API.
 
 Alembic owns the schema (migrations/); the app never calls `create_all` outside tests, and
 a test holds the models and the migrations to each other. Ids are short random strings with
@@ -208,3 +208,48 @@ class StoredResponseRow(Base):
     expires_at: Mapped[datetime] = mapped_column(index=True)
     # When the gateway running it last said so (each save, and a beat while in background).
     heartbeat_at: Mapped[datetime]
+
+
+class ConversationRow(Base):
+    """A conversation of the Conversations API (`/v1/conversations`): its items are
+    ConversationItemRow, in order. Read and written by tenants/conversations.py; deleted when
+    it expires (the sweep; every write moves `expires_at` on), when the tenant holds more than
+    its cap, or with the tenant (ON DELETE CASCADE, by hand where SQLite does not enforce it).
+    """
+
+    __tablename__ = "conversations"
+    # The cap deletes a tenant's least recently written first: by expires_at.
+    __table_args__ = (Index("ix_conversations_tenant_id_expires_at", "tenant_id", "expires_at"),)
+
+    id: Mapped[str] = mapped_column(String(64), primary_key=True)  # conv_<32 hex>
+    tenant_id: Mapped[str] = mapped_column(
+        String(32), ForeignKey("tenants.id", ondelete="CASCADE"), index=True
+    )
+    key_id: Mapped[str | None] = mapped_column(String(32))
+    # `metadata` is the declarative base's own attribute: the column keeps the API's name.
+    meta: Mapped[dict[str, str]] = mapped_column("metadata", JSON)
+    # Positions handed out so far: the next item's position. Items deleted leave gaps.
+    next_position: Mapped[int] = mapped_column(BigInteger)
+    created_at: Mapped[datetime]
+    expires_at: Mapped[datetime] = mapped_column(index=True)
+
+
+class ConversationItemRow(Base):
+    """An item of a conversation (a message, a function call or its output, in the Responses
+    API's shape with its id), at its position: items list in position order. An item id is
+    unique within its conversation."""
+
+    __tablename__ = "conversation_items"
+    __table_args__ = (
+        UniqueConstraint(
+            "conversation_id", "item_id", name="uq_conversation_items_conversation_id_item_id"
+        ),
+    )
+
+    conversation_id: Mapped[str] = mapped_column(
+        String(64), ForeignKey("conversations.id", ondelete="CASCADE"), primary_key=True
+    )
+    position: Mapped[int] = mapped_column(BigInteger, primary_key=True)
+    item_id: Mapped[str] = mapped_column(String(64))
+    item: Mapped[dict[str, Any]] = mapped_column(JSON)
+    created_at: Mapped[datetime]

@@ -9,7 +9,14 @@ from sqlalchemy import delete, func, or_, select, tuple_
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.ext.asyncio import AsyncSession
 
-from tenants.models import Adapter, ApiKey, StoredResponseRow, Tenant
+from tenants.models import (
+    Adapter,
+    ApiKey,
+    ConversationItemRow,
+    ConversationRow,
+    StoredResponseRow,
+    Tenant,
+)
 from tenants.names import check_tenant_name
 
 MAX_TENANTS_PAGE = 1000
@@ -103,14 +110,20 @@ async def update_tenant(session: AsyncSession, *, tenant: Tenant, **fields: Any)
 
 
 async def delete_tenant(session: AsyncSession, *, tenant: Tenant) -> list[str]:
-    """Delete the tenant, its keys and its adapters; returns the deleted adapters' sha256s
-    (their files may now be unreferenced)."""
+    """Delete the tenant, its keys, adapters, stored responses and conversations; returns the
+    deleted adapters' sha256s (their files may now be unreferenced)."""
     shas = list(await session.scalars(select(Adapter.sha256).where(Adapter.owner_id == tenant.id)))
     # Explicit, not ON DELETE CASCADE: SQLite enforces foreign keys only when asked to.
     await session.execute(delete(Adapter).where(Adapter.owner_id == tenant.id))
     await session.execute(delete(ApiKey).where(ApiKey.tenant_id == tenant.id))
-    # By hand, as keys: SQLite enforces the foreign keys' ON DELETE only when asked to.
+    # By hand, as keys: SQLite enforces the foreign keys' ON DELETE only when asked to (a
+    # conversation's items first, as they cascade from it).
     await session.execute(delete(StoredResponseRow).where(StoredResponseRow.tenant_id == tenant.id))
+    conversations = select(ConversationRow.id).where(ConversationRow.tenant_id == tenant.id)
+    await session.execute(
+        delete(ConversationItemRow).where(ConversationItemRow.conversation_id.in_(conversations))
+    )
+    await session.execute(delete(ConversationRow).where(ConversationRow.tenant_id == tenant.id))
     await session.delete(tenant)
     await session.flush()
     return shas

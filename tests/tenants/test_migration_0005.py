@@ -38,7 +38,7 @@ def test_0005_covers_the_tenant_index_and_gives_days_statistics(postgres_url: st
     upgrade(postgres_url, "0004")
     assert "INCLUDE" not in _index_definition(postgres_url)
     assert _statistics(postgres_url) == []
-    upgrade(postgres_url)
+    upgrade(postgres_url, "0005")
     assert current_revision(postgres_url) == "0005"
     definition = _index_definition(postgres_url)
     assert definition.endswith(

@@ -15,7 +15,15 @@ from sqlalchemy.exc import IntegrityError
 from tenants.db import async_url, current_revision, downgrade, upgrade
 from tenants.models import Base
 
-TABLES = {"tenants", "api_keys", "adapters", "usage", "responses"}
+TABLES = {
+    "tenants",
+    "api_keys",
+    "adapters",
+    "usage",
+    "responses",
+    "conversations",
+    "conversation_items",
+}
 
 
 def _sync_engine(url: str):  # type: ignore[no-untyped-def]
@@ -207,5 +215,75 @@ def test_0004_adds_stored_responses_and_usage_endpoints(database_url: str) -> No
                 ("a",),
                 ("b",),
             ]
+    finally:
+        engine.dispose()
+
+
+def test_0006_adds_conversations_whose_items_go_with_them(database_url: str) -> None:
+    """After 0006 a tenant's conversations and their items are stored, an item id once per
+    conversation; on PostgreSQL a conversation's items go with it and its conversations with
+    the tenant (SQLite enforces no foreign keys unless asked: the code deletes by hand); down
+    again, both tables go."""
+    upgrade(database_url, "0006")
+    created = datetime(2027, 1, 10, tzinfo=UTC)
+    engine = _sync_engine(database_url)
+    try:
+        with engine.begin() as conn:
+            tenants = Table("tenants", MetaData(), autoload_with=conn)
+            conn.execute(
+                insert(tenants).values(
+                    id="ten_new", name="new", status="active", created_at=created, weight=1.0
+                )
+            )
+            conversations = Table("conversations", MetaData(), autoload_with=conn)
+            items = Table("conversation_items", MetaData(), autoload_with=conn)
+            for n in (1, 2):
+                conn.execute(
+                    insert(conversations).values(
+                        id=f"conv_{n}",
+                        tenant_id="ten_new",
+                        key_id=None,
+                        metadata={"n": str(n)},
+                        next_position=1,
+                        created_at=created,
+                        expires_at=created,
+                    )
+                )
+                conn.execute(
+                    insert(items).values(
+                        conversation_id=f"conv_{n}",
+                        position=0,
+                        item_id="msg_1",  # the same id in two conversations
+                        item={"type": "message", "content": "hi"},
+                        created_at=created,
+                    )
+                )
+            assert conn.execute(select(conversations.c.metadata).order_by("id")).all() == [
+                ({"n": "1"},),
+                ({"n": "2"},),
+            ]
+        with pytest.raises(IntegrityError), engine.begin() as conn:
+            conn.execute(
+                insert(items).values(
+                    conversation_id="conv_1",
+                    position=1,
+                    item_id="msg_1",
+                    item={},
+                    created_at=created,
+                )
+            )
+        if engine.dialect.name == "postgresql":
+            with engine.begin() as conn:
+                conn.execute(delete(conversations).where(conversations.c.id == "conv_1"))
+                assert conn.execute(select(items.c.conversation_id)).all() == [("conv_2",)]
+                conn.execute(delete(tenants).where(tenants.c.id == "ten_new"))
+                assert conn.execute(select(conversations.c.id)).all() == []
+                assert conn.execute(select(items.c.item_id)).all() == []
+
+        downgrade(database_url, "0005")
+        with engine.connect() as conn:
+            names = set(inspect(conn).get_table_names())
+            assert not {"conversations", "conversation_items"} & names
+            assert "responses" in names
     finally:
         engine.dispose()
