@@ -42,6 +42,10 @@ BENCHMARKS: dict[str, tuple[str, str]] = {
         "a stream's updates over the engine pipe: text deltas vs the whole text each step",
     ),
     "responses": ("bench.responses", "a conversation through /v1/responses: TTFT per turn, bytes"),
+    "open-responses": (
+        "bench.open_responses",
+        "the Open Responses compliance templates against any server, checked against the spec",
+    ),
     "console-usage": (
         "bench.console_usage",
         "the admin console's usage queries on 1M PostgreSQL rows, without and with 0005",
