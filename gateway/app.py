@@ -18,6 +18,8 @@ from gateway.http.errors import ErrorBoundary, install_error_handlers
 from gateway.http.request_limits import RequestLimits
 from gateway.metrics import Metrics
 from gateway.models.served import ServedModels
+from gateway.openai.conversations import routes as conversations_routes
+from gateway.openai.conversations.serving import ConversationsServing
 from gateway.openai.responses import routes as responses_routes
 from gateway.openai.responses.serving import ResponsesServing
 from gateway.openai.routes import health_router, router
@@ -87,10 +89,13 @@ def build_app(
         catalog,
         options.tool_call_parser,
     )
+    conversations = app.state.conversations = (
+        None if tenancy.conversations is None else ConversationsServing(tenancy.conversations)
+    )
     app.state.responses = (
         None
         if tenancy.responses is None
-        else ResponsesServing(app.state.serving, tenancy.responses)
+        else ResponsesServing(app.state.serving, tenancy.responses, conversations)
     )
     app.state.started_at = int(time.time())
     install_error_handlers(app)
@@ -106,6 +111,7 @@ def build_app(
     routers = [
         router,
         responses_routes.router,
+        conversations_routes.router,
         usage.router,
         admin.router,
         usage.admin_router,

@@ -160,7 +160,9 @@ class Settings(BaseSettings):
     usage_spool_dir: Path | None = None
     usage_flush_interval: float = Field(default=0.5, gt=0.0, le=60.0)
     # The Responses API's stored responses (gateway/openai/responses): kept this long (seconds; 30
-    # days, as OpenAI keeps them), at most this many per tenant (the oldest go first).
+    # days, as OpenAI keeps them), at most this many per tenant (the oldest go first). The
+    # Conversations API's conversations (gateway/openai/conversations) are kept and capped by the
+    # same two, counted from a conversation's last write.
     responses_ttl: float = Field(default=30 * 86400.0, gt=0.0)
     responses_max_stored_per_tenant: int = Field(default=10_000, ge=1)
     responses_sweep_interval: float = Field(default=600.0, gt=0.0)

@@ -130,9 +130,12 @@ HELP: dict[str, str] = {
     "server's /console/oauth/callback as the browser reaches it.",
     "usage_spool_dir": "Usage rows' durable spool. Default: loragate-spool beside a SQLite db.",
     "usage_flush_interval": "Seconds between the usage ledger's batched database writes.",
-    "responses_ttl": "Seconds a stored response (/v1/responses) is kept: 30 days.",
-    "responses_max_stored_per_tenant": "Stored responses per tenant; past it the oldest go.",
-    "responses_sweep_interval": "Seconds between deletions of expired stored responses.",
+    "responses_ttl": "Seconds a stored response (/v1/responses) is kept, and a conversation "
+    "(/v1/conversations) after its last write: 30 days.",
+    "responses_max_stored_per_tenant": "Stored responses per tenant, and conversations; past "
+    "it the oldest go (conversations: the least recently written).",
+    "responses_sweep_interval": "Seconds between deletions of expired stored responses and "
+    "conversations.",
 }
 
 

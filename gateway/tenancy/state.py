@@ -1,5 +1,6 @@
 """Everything multi-tenant the gateway holds: the database, tenant and admin authentication,
-the adapter catalog, the stored responses (/v1/responses), and how they start.
+the adapter catalog, the stored responses (/v1/responses) and conversations
+(/v1/conversations), and how they start.
 
 `open_tenancy` migrates the database (unless told not to), sweeps the adapter store, and on
 an empty database creates the `demo` tenant with one key, which it returns once so the
@@ -23,6 +24,7 @@ from gateway.tenancy.adapter_catalog import AdapterCatalog
 from gateway.tenancy.admin_auth import AdminAuth
 from gateway.tenancy.auth import RequestTenant, TenantAuth, request_tenant
 from gateway.tenancy.ratelimit import LimiterOptions, RateLimiter, make_limiter
+from tenants.conversations import ConversationStore
 from tenants.db import Database, upgrade
 from tenants.keys import create_key
 from tenants.ledger import Ledger
@@ -53,6 +55,9 @@ class Tenancy:
     default_limits: dict[str, int | None] = field(default_factory=dict)
     # The Responses API's stored responses; None: no such routes.
     responses: ResponseStore | None = None
+    # The Conversations API's conversations (kept and capped as responses are); None: no such
+    # routes (and no `conversation` on a response).
+    conversations: ConversationStore | None = None
     responses_sweep_interval: float = 600.0
     _sweeper: asyncio.Task[None] | None = None
 
@@ -62,15 +67,16 @@ class Tenancy:
         return self.catalog.model_names
 
     async def start(self) -> None:
-        """Start the background work (the usage ledger's writer, the stored responses'
-        sweep) in the event loop that serves: the database's connections belong to it."""
+        """Start the background work (the usage ledger's writer, the sweep of stored responses
+        and conversations) in the event loop that serves: the database's connections belong
+        to it."""
         await self.ledger.start()
         if self.responses is not None:
             self._sweeper = asyncio.create_task(self._sweep_responses(self.responses))
 
     async def _sweep_responses(self, store: ResponseStore) -> None:
         """Background responses whose gateway fell silent fail (every BEAT_INTERVAL); expired
-        responses go (every responses_sweep_interval)."""
+        responses and conversations go (every responses_sweep_interval)."""
         swept_at = 0.0
         while True:
             try:
@@ -82,6 +88,10 @@ class Tenancy:
                     removed = await store.sweep()
                     if removed:
                         logger.info("removed %d expired stored responses", removed)
+                    if self.conversations is not None:
+                        removed = await self.conversations.sweep()
+                        if removed:
+                            logger.info("removed %d expired conversations", removed)
             except Exception:  # noqa: BLE001 - a database hiccup: the next round tries again
                 logger.exception("sweeping stored responses failed")
             await asyncio.sleep(BEAT_INTERVAL)
@@ -150,6 +160,11 @@ def open_tenancy(settings: Settings, bases: dict[str, BaseModelInfo]) -> Tenancy
             "monthly_token_quota": settings.default_monthly_token_quota,
         },
         responses=ResponseStore(
+            db,
+            ttl=settings.responses_ttl,
+            max_per_tenant=settings.responses_max_stored_per_tenant,
+        ),
+        conversations=ConversationStore(
             db,
             ttl=settings.responses_ttl,
             max_per_tenant=settings.responses_max_stored_per_tenant,

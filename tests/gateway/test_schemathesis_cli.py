@@ -16,7 +16,7 @@ from live_server import Server, build_test_app, live_server, lora_engine
 CONFIG = Path(__file__).with_name("schemathesis.toml")
 SCHEMATHESIS = Path(sys.executable).with_name("schemathesis")
 PASSES = {
-    "tenant": r"^/(v1/(chat|completions|models|usage)|health|metrics)",
+    "tenant": r"^/(v1/(chat|completions|conversations|models|usage)|health|metrics)",
     "admin": r"^/(admin|v1/organization|v1/load_lora_adapter|v1/unload_lora_adapter)",
 }
 

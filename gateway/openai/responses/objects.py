@@ -54,6 +54,7 @@ class ResponseMeta:
             "output": output,
             "parallel_tool_calls": request.parallel_tool_calls,
             "previous_response_id": request.previous_response_id,
+            **request.conversation_body(),  # only when it names one
             "reasoning": {"effort": None, "summary": None},
             "store": request.store,
             "temperature": 1.0 if request.temperature is None else request.temperature,

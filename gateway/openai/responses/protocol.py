@@ -13,7 +13,7 @@ from __future__ import annotations
 import uuid
 from typing import Annotated, Any, Literal, get_args
 
-from pydantic import Field
+from pydantic import BaseModel, Field
 
 from gateway.openai.protocol import (
     MAX_DESCRIPTION_CHARS,
@@ -79,12 +79,23 @@ def new_id(prefix: str) -> str:
     return f"{prefix}_{uuid.uuid4().hex}"
 
 
+class ConversationRef(BaseModel):
+    """`conversation` as an object (the SDK's ResponseConversationParam)."""
+
+    id: str = Field(min_length=1, max_length=MAX_ID_CHARS)
+
+
 class ResponsesRequest(_SamplingFields):
     """OpenAI's fields, plus the sampling extras chat takes (top_k, min_p, seed, stop, ...)."""
 
     input: str | Annotated[list[dict[str, Any]], Field(min_length=1, max_length=MAX_MESSAGES)]
     instructions: str | None = None
     previous_response_id: str | None = Field(None, min_length=1, max_length=MAX_ID_CHARS)
+    # A conversation (gateway.openai.conversations): its items come before this turn's input,
+    # and the turn is appended to it. Its id, or {"id": ...}.
+    conversation: (
+        Annotated[str, Field(min_length=1, max_length=MAX_ID_CHARS)] | ConversationRef | None
+    ) = None
     store: bool = True
     background: bool = False
     max_output_tokens: int | None = Field(None, ge=1, le=2**31 - 1)
@@ -114,12 +125,27 @@ class ResponsesRequest(_SamplingFields):
             raise FieldError("background", "background responses are stored: set store true")
         if self.background and self.stream:
             raise FieldError("stream", "a background response is polled, not streamed")
+        if self.conversation is not None and self.previous_response_id is not None:
+            raise FieldError(
+                "conversation", "conversation and previous_response_id cannot both be given"
+            )
+
+    @property
+    def conversation_id(self) -> str | None:
+        """`conversation`'s id, however it was given."""
+        given = self.conversation
+        return given.id if isinstance(given, ConversationRef) else given
+
+    def conversation_body(self) -> dict[str, Any]:
+        """`conversation` as the response object echoes it: only when one was given."""
+        given = self.conversation_id
+        return {} if given is None else {"conversation": {"id": given}}
 
     def input_items(self) -> list[dict[str, Any]]:
         """This turn's input as Responses items with ids. Raises FieldError."""
         if isinstance(self.input, str):
             return [_message("user", [{"type": "input_text", "text": self.input}])]
-        return [_item(item, f"input[{i}]") for i, item in enumerate(self.input)]
+        return [input_item(item, f"input[{i}]") for i, item in enumerate(self.input)]
 
     def chat_tools(self) -> list[dict[str, Any]] | None:
         if self.tools is None:
@@ -208,6 +234,7 @@ class ResponsesRequest(_SamplingFields):
                 "input",
                 "instructions",
                 "previous_response_id",
+                "conversation",
                 "store",
                 "background",
                 "max_output_tokens",
@@ -273,7 +300,9 @@ def chat_messages(instructions: str | None, items: list[dict[str, Any]]) -> list
     return messages
 
 
-def _item(item: dict[str, Any], where: str) -> dict[str, Any]:
+def input_item(item: dict[str, Any], where: str) -> dict[str, Any]:
+    """One input item (at `where`, as errors name it) as stored, with an id. Raises
+    FieldError. The Conversations API takes its items through here too."""
     kind = item.get("type", "message")  # an easy message has a role and no type
     if kind == "message":
         role = item.get("role")

@@ -1,5 +1,6 @@
 """The Responses API over the chat path (gateway.openai.chat): a response is a chat request
-made of the stored conversation (`previous_response_id`) and this turn's input, admitted,
+made of the stored conversation (`previous_response_id`, or a `conversation`'s items, to which
+its turn is appended: gateway.openai.conversations) and this turn's input, admitted,
 metered (one usage row, endpoint `responses`) and answered as chat is; its result is stored
 per tenant (unless `store: false`) for later turns, `GET`, `input_items` and deletion.
 
@@ -24,6 +25,8 @@ from gateway.http.request_limits import INVALID_VALUE
 from gateway.models.served import ServedModel
 from gateway.openai.answer import Answer
 from gateway.openai.chat import ChatServing
+from gateway.openai.conversations.serving import ConversationsServing
+from gateway.openai.conversations.serving import not_found as conversation_not_found
 from gateway.openai.json_response import collect, json_body
 from gateway.openai.protocol import FieldError
 from gateway.openai.responses.events import EventStream
@@ -58,10 +61,16 @@ def not_found(response_id: str, param: str | None = None) -> APIError:
 
 
 class ResponsesServing:
-    def __init__(self, serving: OpenAIServing, store: ResponseStore) -> None:
+    def __init__(
+        self,
+        serving: OpenAIServing,
+        store: ResponseStore,
+        conversations: ConversationsServing | None = None,
+    ) -> None:
         self.serving = serving
         self.chat = ChatServing(serving)
         self.store = store
+        self.conversations = conversations
         self._background: dict[str, asyncio.Task[None]] = {}
         self._beating: asyncio.Task[None] | None = None
 
@@ -82,6 +91,10 @@ class ResponsesServing:
                 raise not_found(body.previous_response_id, "previous_response_id")
             for turn in chain:
                 history += turn.input_items + turn.output
+        if body.conversation_id is not None:  # the turn is appended by _save
+            if self.conversations is None:  # a server that keeps none has not this one
+                raise conversation_not_found(body.conversation_id, "conversation")
+            history = await self.conversations.history(tenant, body.conversation_id, items)
         messages = chat_messages(body.instructions, history + items)
         if body.truncation == "auto":
             model, _ = await self.serving.resolve_model(body.model, tenant)
@@ -264,6 +277,8 @@ class ResponsesServing:
         response: dict[str, Any],
     ) -> None:
         request = meta.request
+        if self.conversations is not None and request.conversation_id is not None:
+            await self.conversations.append_turn(tenant, request.conversation_id, items, response)
         if not request.store:
             return
         await self.store.save(
