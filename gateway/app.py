@@ -21,6 +21,7 @@ from gateway.models.served import ServedModels
 from gateway.openai.conversations import routes as conversations_routes
 from gateway.openai.conversations.serving import ConversationsServing
 from gateway.openai.responses import routes as responses_routes
+from gateway.openai.responses import websocket as responses_socket
 from gateway.openai.responses.serving import ResponsesServing
 from gateway.openai.routes import health_router, router
 from gateway.openai.serving import OpenAIServing
@@ -126,6 +127,8 @@ def build_app(
         routers.append(lora.router)
     for included in routers:
         app.include_router(included)
+    app.state.max_body_bytes = options.max_body_bytes  # a WebSocket message's bound too
+    app.include_router(responses_socket.router)  # no methods: not among the routes a 405 lists
     console_routes = install_console(app)
     # What a 405's Allow header lists (gateway.http.errors).
     app.state.routes = [r for included in routers for r in included.routes] + console_routes

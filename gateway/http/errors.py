@@ -103,7 +103,7 @@ def install_error_handlers(app: FastAPI) -> None:
     async def on_validation_error(_: Request, exc: RequestValidationError) -> JSONResponse:
         # OpenAI answers malformed bodies with 400, not FastAPI's 422.
         first = exc.errors()[0] if exc.errors() else {}
-        param = _param(first.get("loc", ()))
+        param = validation_param(first.get("loc", ()))
         message = f"{param}: {first.get('msg', 'invalid value')}" if param else "invalid request"
         return _response(APIError(400, message, param=param))
 
@@ -135,7 +135,7 @@ def _allowed(request: Request) -> list[str]:
     return sorted(methods)
 
 
-def _param(loc: tuple[int | str, ...] | list[int | str]) -> str | None:
+def validation_param(loc: tuple[int | str, ...] | list[int | str]) -> str | None:
     """A validation error's location as OpenAI's `param` ("messages.0.content"): the body's
     field path, without pydantic's union-branch tags ("str", "list[int]")."""
     parts = [str(p) for p in loc if isinstance(p, int) or p.isdigit() or p.isidentifier()]

@@ -9,10 +9,11 @@ from typing import Any
 
 import pytest
 from openai.types.responses import Response
-from response_events import event_violations, response_violations
+from response_events import response_violations
 
+from bench.open_responses_spec import sse_violations
 from gateway.openai.protocol import FieldError
-from gateway.openai.responses.events import EventStream
+from gateway.openai.responses.events import EventStream, sse
 from gateway.openai.responses.objects import ResponseMeta, item_list, output_items, usage_body
 from gateway.openai.responses.protocol import ResponsesRequest, chat_messages
 
@@ -153,10 +154,9 @@ def test_a_stream_of_chat_chunks_becomes_openais_events() -> None:
     usage = usage_body({"prompt_tokens": 5, "completion_tokens": 9, "total_tokens": 14})
     closing, final = stream.finish("completed", usage)
     events += closing
-    parsed = [json.loads(e.split("data: ", 1)[1]) for e in events]
-    for event, data in zip(events, parsed, strict=True):
-        assert event_violations(data) == []
-        assert event.startswith(f"event: {data['type']}\n")
+    assert sse_violations("".join(sse(e) for e in events)) == []
+    parsed = [json.loads(sse(e).split("data: ", 1)[1]) for e in events]  # JSON both ways
+    assert parsed == events
     assert [p["sequence_number"] for p in parsed] == list(range(len(parsed)))
     assert [p["type"] for p in parsed] == [
         "response.created",

@@ -48,16 +48,16 @@ class EventStream:
     _message: _Open | None = None
     _calls: dict[int, _Open] = field(default_factory=dict)  # by the chat call's index
 
-    def start(self) -> list[str]:
+    def start(self) -> list[dict[str, Any]]:
         body = self.meta.body("in_progress", [])
         return [
             self._event("response.created", response=body),
             self._event("response.in_progress", response=body),
         ]
 
-    def chunk(self, chunk: dict[str, Any]) -> list[str]:
+    def chunk(self, chunk: dict[str, Any]) -> list[dict[str, Any]]:
         """A chat chunk's events (none for the role chunk)."""
-        events: list[str] = []
+        events: list[dict[str, Any]] = []
         for choice in chunk.get("choices", ()):
             delta = choice.get("delta") or {}
             if delta.get("content"):
@@ -68,7 +68,9 @@ class EventStream:
                 self.finish_reason = choice["finish_reason"]
         return events
 
-    def finish(self, status: str, usage: dict[str, Any] | None) -> tuple[list[str], dict[str, Any]]:
+    def finish(
+        self, status: str, usage: dict[str, Any] | None
+    ) -> tuple[list[dict[str, Any]], dict[str, Any]]:
         """The closing events, and the final response object."""
         events = self._close_all(item_status(self.finish_reason))
         body = self.meta.body(status, self.output, usage, finish_reason=self.finish_reason)
@@ -77,7 +79,7 @@ class EventStream:
         )
         return [*events, self._event(kind, response=body)], body
 
-    def fail(self, error: dict[str, Any]) -> tuple[list[str], dict[str, Any]]:
+    def fail(self, error: dict[str, Any]) -> tuple[list[dict[str, Any]], dict[str, Any]]:
         """A failure once the stream has begun: what was produced, and the error."""
         events = self._close_all("incomplete")
         body = self.meta.body("failed", self.output, error=error)
@@ -98,7 +100,7 @@ class EventStream:
 
     # -- items ------------------------------------------------------------------------------
 
-    def _text(self, delta: str, logprobs: list[dict[str, Any]]) -> list[str]:
+    def _text(self, delta: str, logprobs: list[dict[str, Any]]) -> list[dict[str, Any]]:
         events = []
         if self._message is None:
             item = message_item(new_id("msg"), "", status="in_progress")
@@ -130,7 +132,7 @@ class EventStream:
             ),
         ]
 
-    def _call(self, call: dict[str, Any]) -> list[str]:
+    def _call(self, call: dict[str, Any]) -> list[dict[str, Any]]:
         events = []
         index = int(call.get("index", 0))
         function = call.get("function") or {}
@@ -160,7 +162,7 @@ class EventStream:
             )
         return events
 
-    def _close_all(self, status: str) -> list[str]:
+    def _close_all(self, status: str) -> list[dict[str, Any]]:
         """Every open item done, as `status` says (incomplete: the response was cut)."""
         events = []
         if self._message is not None:
@@ -194,7 +196,12 @@ class EventStream:
         self._calls = {}
         return events
 
-    def _event(self, kind: str, **fields: Any) -> str:
+    def _event(self, kind: str, **fields: Any) -> dict[str, Any]:
         data = {"type": kind, "sequence_number": self.sequence, **fields}
         self.sequence += 1
-        return f"event: {kind}\ndata: {json.dumps(data, ensure_ascii=False)}\n\n"
+        return data
+
+
+def sse(event: dict[str, Any]) -> str:
+    """An event as an SSE frame: its `event:` line names its type."""
+    return f"event: {event['type']}\ndata: {json.dumps(event, ensure_ascii=False)}\n\n"

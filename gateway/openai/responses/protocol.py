@@ -85,10 +85,13 @@ class ConversationRef(BaseModel):
     id: str = Field(min_length=1, max_length=MAX_ID_CHARS)
 
 
-class ResponsesRequest(_SamplingFields):
-    """OpenAI's fields, plus the sampling extras chat takes (top_k, min_p, seed, stop, ...)."""
+Input = str | Annotated[list[dict[str, Any]], Field(min_length=1, max_length=MAX_MESSAGES)]
 
-    input: str | Annotated[list[dict[str, Any]], Field(min_length=1, max_length=MAX_MESSAGES)]
+
+class ResponseFields(_SamplingFields):
+    """A response's fields but its input: OpenAI's, plus the sampling extras chat takes
+    (top_k, min_p, seed, stop, ...)."""
+
     instructions: str | None = None
     previous_response_id: str | None = Field(None, min_length=1, max_length=MAX_ID_CHARS)
     # A conversation (gateway.openai.conversations): its items come before this turn's input,
@@ -143,9 +146,7 @@ class ResponsesRequest(_SamplingFields):
 
     def input_items(self) -> list[dict[str, Any]]:
         """This turn's input as Responses items with ids. Raises FieldError."""
-        if isinstance(self.input, str):
-            return [_message("user", [{"type": "input_text", "text": self.input}])]
-        return [input_item(item, f"input[{i}]") for i, item in enumerate(self.input)]
+        raise NotImplementedError
 
     def chat_tools(self) -> list[dict[str, Any]] | None:
         if self.tools is None:
@@ -267,6 +268,32 @@ class ResponsesRequest(_SamplingFields):
             return ChatCompletionRequest.model_validate(body)
         except ValueError as exc:
             raise FieldError("input", _first_error(exc)) from exc
+
+
+class ResponsesRequest(ResponseFields):
+    """`POST /v1/responses`."""
+
+    input: Input
+
+    def input_items(self) -> list[dict[str, Any]]:
+        return items_of(self.input)
+
+
+class InputTokensRequest(ResponseFields):
+    """`POST /v1/responses/input_tokens`: a response's body, counted, not run. `input` may be
+    left out where a conversation or a previous response says it all."""
+
+    input: Input | None = None
+
+    def input_items(self) -> list[dict[str, Any]]:
+        return [] if self.input is None else items_of(self.input)
+
+
+def items_of(given: str | list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """`input` as Responses items with ids. Raises FieldError."""
+    if isinstance(given, str):
+        return [_message("user", [{"type": "input_text", "text": given}])]
+    return [input_item(item, f"input[{i}]") for i, item in enumerate(given)]
 
 
 def chat_messages(instructions: str | None, items: list[dict[str, Any]]) -> list[dict[str, Any]]:

@@ -11,7 +11,7 @@ from gateway.http.body import StrictJSONRoute
 from gateway.http.deps import TenantDep
 from gateway.http.error_schemas import OPENAI_ERRORS
 from gateway.http.errors import APIError
-from gateway.openai.responses.protocol import MAX_ID_CHARS, ResponsesRequest
+from gateway.openai.responses.protocol import MAX_ID_CHARS, InputTokensRequest, ResponsesRequest
 from gateway.openai.responses.serving import ResponsesServing
 from gateway.openai.routes import hung_up
 
@@ -47,6 +47,14 @@ async def create_response(
     body: ResponsesRequest, responses: ResponsesDep, tenant: TenantDep, request: Request
 ) -> Response:
     return await responses.create(body, tenant, hung_up(request))
+
+
+@router.post("/input_tokens")
+async def count_input_tokens(
+    body: InputTokensRequest, responses: ResponsesDep, tenant: TenantDep
+) -> dict[str, Any]:
+    """The input tokens the same body would run with (not run, not billed)."""
+    return await responses.input_tokens(body, tenant)
 
 
 @router.get("/{response_id}")

@@ -16,6 +16,7 @@ import asyncio
 import contextlib
 import logging
 from collections.abc import AsyncGenerator
+from dataclasses import dataclass
 from typing import Any
 
 from fastapi.responses import JSONResponse, Response
@@ -28,8 +29,8 @@ from gateway.openai.chat import ChatServing
 from gateway.openai.conversations.serving import ConversationsServing
 from gateway.openai.conversations.serving import not_found as conversation_not_found
 from gateway.openai.json_response import collect, json_body
-from gateway.openai.protocol import FieldError
-from gateway.openai.responses.events import EventStream
+from gateway.openai.protocol import ChatCompletionRequest, FieldError
+from gateway.openai.responses.events import EventStream, sse
 from gateway.openai.responses.objects import (
     ResponseMeta,
     item_list,
@@ -38,7 +39,13 @@ from gateway.openai.responses.objects import (
     status_of,
     usage_body,
 )
-from gateway.openai.responses.protocol import ResponsesRequest, chat_messages, new_id
+from gateway.openai.responses.protocol import (
+    InputTokensRequest,
+    ResponseFields,
+    ResponsesRequest,
+    chat_messages,
+    new_id,
+)
 from gateway.openai.serving import CLIENT_CLOSED_REQUEST, OpenAIServing
 from gateway.openai.sse import chunk_bodies
 from gateway.openai.streaming import Disconnected, MeteredStream, unless_disconnected
@@ -60,6 +67,17 @@ def not_found(response_id: str, param: str | None = None) -> APIError:
     )
 
 
+@dataclass(slots=True)
+class Turn:
+    """A response admitted and at its engine: what it echoes, the chat answer it streams
+    from, its tenant, and this turn's input items (stored with it)."""
+
+    meta: ResponseMeta
+    answer: Answer
+    tenant: RequestTenant
+    items: list[dict[str, Any]]
+
+
 class ResponsesServing:
     def __init__(
         self,
@@ -79,6 +97,29 @@ class ResponsesServing:
     async def create(
         self, body: ResponsesRequest, tenant: RequestTenant, disconnected: Disconnected | None
     ) -> Response:
+        turn = await self.begin(body, tenant)
+        meta, answer = turn.meta, turn.answer
+        if body.background:
+            return await self._detach(meta, answer, tenant, turn.items)
+        if body.stream:
+            return MeteredStream(
+                (sse(event) async for event in self.event_dicts(turn)),
+                on_close=answer.abandon,
+                media_type="text/event-stream",
+                headers=answer.headers,
+            )
+        if not await unless_disconnected(collect(answer), disconnected):
+            return Response(status_code=CLIENT_CLOSED_REQUEST)
+        response = await self._result(meta, answer)
+        await self._save(meta, tenant, turn.items, response)
+        return JSONResponse(response, headers=answer.headers)
+
+    async def prepare(
+        self, body: ResponseFields, tenant: RequestTenant
+    ) -> tuple[list[dict[str, Any]], ChatCompletionRequest]:
+        """This turn's input items, and the chat request that answers it: the stored history
+        (`previous_response_id`, or the conversation's items), instructions, tools, format.
+        Raises APIError (400 naming the field, 404 for an unknown id)."""
         try:
             body.check()
             items = body.input_items()
@@ -100,9 +141,14 @@ class ResponsesServing:
             model, _ = await self.serving.resolve_model(body.model, tenant)
             messages = await asyncio.to_thread(_fit, model, messages, body.max_output_tokens)
         try:
-            chat = body.chat_request(messages)
+            return items, body.chat_request(messages)
         except FieldError as exc:
             raise APIError(400, str(exc), param=exc.param, code=INVALID_VALUE) from exc
+
+    async def begin(self, body: ResponsesRequest, tenant: RequestTenant) -> Turn:
+        """The response admitted and at its engine (HTTP and the WebSocket mode alike): from
+        here on it ends with exactly one usage row. Raises APIError."""
+        items, chat = await self.prepare(body, tenant)
         meta = ResponseMeta(new_id("resp"), body)
         try:
             # The usage row's request id is the response's: billing joins the two.
@@ -111,20 +157,15 @@ class ResponsesServing:
             if exc.param == "messages":  # this API's name for the conversation
                 exc.param = "input"
             raise
-        if body.background:
-            return await self._detach(meta, answer, tenant, items)
-        if body.stream:
-            return MeteredStream(
-                self._events(meta, answer, tenant, items),
-                on_close=answer.abandon,
-                media_type="text/event-stream",
-                headers=answer.headers,
-            )
-        if not await unless_disconnected(collect(answer), disconnected):
-            return Response(status_code=CLIENT_CLOSED_REQUEST)
-        response = await self._result(meta, answer)
-        await self._save(meta, tenant, items, response)
-        return JSONResponse(response, headers=answer.headers)
+        return Turn(meta, answer, tenant, items)
+
+    async def input_tokens(self, body: InputTokensRequest, tenant: RequestTenant) -> dict[str, Any]:
+        """`POST /v1/responses/input_tokens`: the prompt the same body would run, counted
+        (template, tools, instructions and history included), without running it: nothing
+        admitted, nothing billed."""
+        _, chat = await self.prepare(body, tenant)
+        generation = await self.chat.generation(chat, tenant, "responses")
+        return {"object": "response.input_tokens", "input_tokens": len(generation.prompts[0])}
 
     async def _result(self, meta: ResponseMeta, answer: Answer) -> dict[str, Any]:
         """The collected chat answer as the response object."""
@@ -140,17 +181,14 @@ class ResponsesServing:
             finish_reason=reason,
         )
 
-    async def _events(
-        self,
-        meta: ResponseMeta,
-        answer: Answer,
-        tenant: RequestTenant,
-        items: list[dict[str, Any]],
-    ) -> AsyncGenerator[str]:
-        stream = EventStream(meta)
+    async def event_dicts(self, turn: Turn) -> AsyncGenerator[dict[str, Any]]:
+        """The turn's stream events, in order (SSE frames them; the WebSocket mode sends
+        them as they are); the response is stored before its last event."""
+        stream = EventStream(turn.meta)
         for event in stream.start():
             yield event
-        closing: list[str] | None = None
+        answer = turn.answer
+        closing: list[dict[str, Any]] | None = None
         async with contextlib.aclosing(chunk_bodies(answer, self.serving.checks)) as chunks:
             async for chunk in chunks:
                 if "error" in chunk and "choices" not in chunk:
@@ -162,7 +200,7 @@ class ResponsesServing:
             usage = usage_body(answer.usage.body(answer.choices))
             closing, response = stream.finish(status_of(stream.finish_reason), usage)
         # Stored before the client hears the end: what it saw complete, it can fetch.
-        await self._save(meta, tenant, items, response)
+        await self._save(turn.meta, turn.tenant, turn.items, response)
         for event in closing:
             yield event
 
