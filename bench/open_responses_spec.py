@@ -15,7 +15,6 @@ from typing import Any
 import openresponses_types as spec
 import pydantic
 from openai.types.responses import (
-    CompactedResponse,
     InputTokenCountResponse,
     Response,
     ResponseStreamEvent,
@@ -112,9 +111,11 @@ def sse_violations(text: str) -> list[str]:
 
 
 def compacted_violations(body: Any) -> list[str]:
-    """How a `/responses/compact` answer departs from the spec's CompactResource and the
-    SDK's CompactedResponse."""
-    return _errors(spec.CompactResource, body, "spec") + _errors(CompactedResponse, body, "sdk")
+    """How a `/responses/compact` answer departs from the spec's CompactResource. (The
+    SDK's CompactedResponse types its output as output items, so a user message, which its
+    own documentation says the output lists, does not validate there: the SDK does not
+    validate what it reads, and the spec is the reference here.)"""
+    return _errors(spec.CompactResource, body, "spec")
 
 
 def input_tokens_violations(body: Any) -> list[str]:

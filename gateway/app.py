@@ -22,6 +22,7 @@ from gateway.openai.conversations import routes as conversations_routes
 from gateway.openai.conversations.serving import ConversationsServing
 from gateway.openai.responses import routes as responses_routes
 from gateway.openai.responses import websocket as responses_socket
+from gateway.openai.responses.compaction import Compactor, CompactPolicy
 from gateway.openai.responses.serving import ResponsesServing
 from gateway.openai.routes import health_router, router
 from gateway.openai.serving import OpenAIServing
@@ -46,6 +47,7 @@ class AppOptions:
     metrics_max_tenants: int = 100
     tool_call_parser: str | None = None
     console_oauth: ConsoleOAuth | None = None
+    compaction: CompactPolicy = CompactPolicy()
 
     @classmethod
     def from_settings(cls, settings: Settings, console_oauth: ConsoleOAuth | None) -> AppOptions:
@@ -57,6 +59,9 @@ class AppOptions:
             ),
             limits=RequestLimits(max_n=settings.max_n, max_prompt_chars=settings.max_prompt_chars),
             metrics_max_tenants=settings.metrics_max_tenants,
+            compaction=CompactPolicy(
+                settings.responses_compact_keep_turns, settings.responses_compact_summary_tokens
+            ),
             tool_call_parser=(
                 settings.tool_call_parser if settings.enable_auto_tool_choice else None
             ),
@@ -97,6 +102,9 @@ def build_app(
         None
         if tenancy.responses is None
         else ResponsesServing(app.state.serving, tenancy.responses, conversations)
+    )
+    app.state.compactor = (
+        None if app.state.responses is None else Compactor(app.state.responses, options.compaction)
     )
     app.state.started_at = int(time.time())
     install_error_handlers(app)

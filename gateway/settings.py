@@ -166,6 +166,10 @@ class Settings(BaseSettings):
     responses_ttl: float = Field(default=30 * 86400.0, gt=0.0)
     responses_max_stored_per_tenant: int = Field(default=10_000, ge=1)
     responses_sweep_interval: float = Field(default=600.0, gt=0.0)
+    # POST /v1/responses/compact (gateway/openai/responses/compaction.py): the last turns kept
+    # whole, the rest summarised by the model in at most so many tokens.
+    responses_compact_keep_turns: int = Field(default=2, ge=0, le=1000)
+    responses_compact_summary_tokens: int = Field(default=256, ge=16, le=8192)
 
     @field_validator("lora_modules", mode="before")
     @classmethod

@@ -134,6 +134,10 @@ HELP: dict[str, str] = {
     "(/v1/conversations) after its last write: 30 days.",
     "responses_max_stored_per_tenant": "Stored responses per tenant, and conversations; past "
     "it the oldest go (conversations: the least recently written).",
+    "responses_compact_keep_turns": "POST /v1/responses/compact keeps the last this many user "
+    "turns of a conversation whole and summarises what came before.",
+    "responses_compact_summary_tokens": "The most tokens a compaction's summary takes (the model "
+    "writes it, greedily).",
     "responses_sweep_interval": "Seconds between deletions of expired stored responses and "
     "conversations.",
 }

@@ -220,3 +220,78 @@ def test_a_hang_up_mid_response_aborts_it_and_bills_what_was_made(server: Server
     (row,) = _usage_rows(server, [response_id])
     assert row.status == "aborted" and row.endpoint == "responses"
     assert 3 <= row.completion_tokens < 900
+
+
+# -- compaction -----------------------------------------------------------------------------
+
+
+def _chat(turns: int) -> list[dict[str, Any]]:
+    """A conversation of `turns` user turns with their answers, a function call and its
+    output in the middle."""
+    items: list[dict[str, Any]] = []
+    for turn in range(turns):
+        items.append({"role": "user", "content": f"Turn {turn}: tell me about the river."})
+        items.append({"role": "assistant", "content": f"Answer {turn}: it is long and wide."})
+        if turn == turns // 2:
+            items.append(
+                {
+                    "type": "function_call",
+                    "call_id": "call_mid",
+                    "name": "get_weather",
+                    "arguments": '{"city": "Paris"}',
+                }
+            )
+            items.append({"type": "function_call_output", "call_id": "call_mid", "output": "sun"})
+    return items
+
+
+def test_compaction_summarises_the_older_turns_and_keeps_the_rest(
+    server: Server, client: openai.OpenAI
+) -> None:
+    conversation = _chat(30)
+    compacted = client.responses.compact(model="demo", input=conversation)  # type: ignore[arg-type]
+    assert compacted.object == "response.compaction"
+    kinds = [item.type for item in compacted.output]
+    assert kinds[0] == "compaction"
+    assert kinds[1:3] == ["function_call", "function_call_output"]  # kept whole
+    assert compacted.output[1].call_id == "call_mid"  # type: ignore[union-attr]
+    recent = [item.content[0].text for item in compacted.output[3:]]  # type: ignore[union-attr]
+    assert recent == [i["content"] for i in conversation[-4:]]  # the last two turns, as they were
+    assert compacted.usage.output_tokens > 0
+    (row,) = _usage_rows(server, [compacted.id])
+    assert row.endpoint == "responses_compact" and row.status == "ok"
+    assert row.completion_tokens == compacted.usage.output_tokens
+    # The compacted items are the next request's input, and a shorter one.
+    follow = [item.model_dump(exclude_none=True) for item in compacted.output]
+    follow.append({"role": "user", "content": "And now?"})
+    whole = [*conversation, {"role": "user", "content": "And now?"}]
+    short = client.responses.input_tokens.count(model="demo", input=follow)  # type: ignore[arg-type]
+    long = client.responses.input_tokens.count(model="demo", input=whole)  # type: ignore[arg-type]
+    assert short.input_tokens < long.input_tokens
+    answered = client.responses.create(model="demo", input=follow, max_output_tokens=4)  # type: ignore[arg-type]
+    assert answered.status in ("completed", "incomplete")
+
+
+def test_compaction_reads_a_stored_chain_and_refuses_what_it_cannot(
+    server: Server, client: openai.OpenAI
+) -> None:
+    previous = None
+    for turn in range(4):
+        previous = client.responses.create(
+            model="demo", input=f"turn {turn}", max_output_tokens=4, previous_response_id=previous
+        ).id
+    compacted = client.responses.compact(model="demo", previous_response_id=previous)
+    assert [item.type for item in compacted.output][0] == "compaction"
+    assert len(compacted.output) == 1 + 4  # the summary, then the last two turns' four items
+    # Nothing before the last turns: nothing run, the items as they were, no usage row.
+    short = [{"role": "user", "content": "only this"}]
+    unchanged = client.responses.compact(model="demo", input=short)  # type: ignore[arg-type]
+    assert [item.type for item in unchanged.output] == ["message"]
+    assert unchanged.usage.total_tokens == 0 and _usage_rows(server, [unchanged.id]) == []
+    forged = {"type": "compaction", "encrypted_content": "gAAAA-someone-elses"}
+    with pytest.raises(openai.BadRequestError) as refused:
+        client.responses.create(model="demo", input=[forged])  # type: ignore[list-item]
+    assert refused.value.body["param"] == "input[0].encrypted_content"  # type: ignore[index]
+    theirs = server.client(new_tenant(server, "compacted-elsewhere")[1])
+    with pytest.raises(openai.NotFoundError):
+        theirs.responses.compact(model="demo", previous_response_id=previous)

@@ -25,7 +25,10 @@ from gateway.openai.protocol import (
     FieldError,
     _SamplingFields,
 )
+from gateway.openai.responses.compaction_item import compaction_item, summary_of
 
+# How a compaction's summary (gateway.openai.responses.compaction) reads to the model.
+SUMMARY_HEADING = "A summary of the conversation before the turns that follow:\n"
 MAX_METADATA_PAIRS = 16  # OpenAI's bounds on `metadata`
 MAX_METADATA_KEY = 64
 MAX_METADATA_VALUE = 512
@@ -324,6 +327,9 @@ def chat_messages(instructions: str | None, items: list[dict[str, Any]]) -> list
             messages.append(
                 {"role": "tool", "tool_call_id": item["call_id"], "content": item["output"]}
             )
+        elif kind == "compaction":  # checked when it came in (input_item)
+            summary = summary_of(item["encrypted_content"])
+            messages.append({"role": "system", "content": f"{SUMMARY_HEADING}{summary}"})
     return messages
 
 
@@ -336,6 +342,14 @@ def input_item(item: dict[str, Any], where: str) -> dict[str, Any]:
         if role not in ROLES:
             raise FieldError(f"{where}.role", f"role is one of {', '.join(ROLES)}")
         return _message(role, _parts(item.get("content"), role, f"{where}.content"))
+    if kind == "compaction":
+        content = _bounded_str(item.get("encrypted_content"), f"{where}.encrypted_content")
+        try:
+            summary_of(content)
+        except ValueError as exc:
+            raise FieldError(f"{where}.encrypted_content", str(exc)) from exc
+        item_id = _bounded_str(item.get("id") or new_id("cmp"), f"{where}.id", MAX_ID_CHARS)
+        return compaction_item(summary_of(content), item_id)
     if kind == "function_call":
         return {
             "type": "function_call",

@@ -11,6 +11,7 @@ from gateway.http.body import StrictJSONRoute
 from gateway.http.deps import TenantDep
 from gateway.http.error_schemas import OPENAI_ERRORS
 from gateway.http.errors import APIError
+from gateway.openai.responses.compaction import Compactor, CompactRequest
 from gateway.openai.responses.protocol import MAX_ID_CHARS, InputTokensRequest, ResponsesRequest
 from gateway.openai.responses.serving import ResponsesServing
 from gateway.openai.routes import hung_up
@@ -47,6 +48,24 @@ async def create_response(
     body: ResponsesRequest, responses: ResponsesDep, tenant: TenantDep, request: Request
 ) -> Response:
     return await responses.create(body, tenant, hung_up(request))
+
+
+def get_compactor(request: Request) -> Compactor:
+    compactor: Compactor | None = getattr(request.app.state, "compactor", None)
+    if compactor is None:
+        raise APIError(404, "this server does not serve the Responses API", code="not_found")
+    return compactor
+
+
+@router.post("/compact")
+async def compact_conversation(
+    body: CompactRequest,
+    compactor: Annotated[Compactor, Depends(get_compactor)],
+    tenant: TenantDep,
+) -> dict[str, Any]:
+    """A conversation made shorter: its older turns summarised by the model, its last turns
+    and every function call with its output kept (billed as `responses_compact`)."""
+    return await compactor.compact(body, tenant)
 
 
 @router.post("/input_tokens")

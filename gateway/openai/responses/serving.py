@@ -127,11 +127,7 @@ class ResponsesServing:
             raise APIError(400, str(exc), param=exc.param, code=INVALID_VALUE) from exc
         history: list[dict[str, Any]] = []
         if body.previous_response_id is not None:
-            chain = await self.store.chain(tenant.id, body.previous_response_id)
-            if chain is None:
-                raise not_found(body.previous_response_id, "previous_response_id")
-            for turn in chain:
-                history += turn.input_items + turn.output
+            history = await self.history(tenant, body.previous_response_id)
         if body.conversation_id is not None:  # the turn is appended by _save
             if self.conversations is None:  # a server that keeps none has not this one
                 raise conversation_not_found(body.conversation_id, "conversation")
@@ -144,6 +140,14 @@ class ResponsesServing:
             return items, body.chat_request(messages)
         except FieldError as exc:
             raise APIError(400, str(exc), param=exc.param, code=INVALID_VALUE) from exc
+
+    async def history(self, tenant: RequestTenant, response_id: str) -> list[dict[str, Any]]:
+        """The items of a stored response's chain, oldest first: each turn's input, then its
+        output. Raises the 404 an unknown (or another tenant's) id gets."""
+        chain = await self.store.chain(tenant.id, response_id)
+        if chain is None:
+            raise not_found(response_id, "previous_response_id")
+        return [item for turn in chain for item in turn.input_items + turn.output]
 
     async def begin(self, body: ResponsesRequest, tenant: RequestTenant) -> Turn:
         """The response admitted and at its engine (HTTP and the WebSocket mode alike): from
