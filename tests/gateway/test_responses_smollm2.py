@@ -13,6 +13,7 @@ import pytest
 from live_server import Server, build_test_app, live_server
 
 from engine.async_engine import AsyncEngine
+from gateway.openai.responses.compaction_item import summary_of
 
 pytestmark = pytest.mark.smollm2
 
@@ -73,3 +74,40 @@ def test_a_strict_schema_answer_validates(server: Server) -> None:
     )
     assert response.status == "completed"
     jsonschema.validate(json.loads(response.output_text), CITY)
+
+
+def _long_chat(turns: int) -> list[dict[str, str]]:
+    """A `turns`-turn chat whose first turn gives the user's name and the rest talk rivers."""
+    items = [
+        {"role": "user", "content": "My name is Alice. Please remember it."},
+        {"role": "assistant", "content": "Nice to meet you, Alice! I will remember your name."},
+    ]
+    rivers = ["Loire", "Seine", "Rhone", "Garonne", "Danube", "Rhine", "Elbe", "Po", "Tagus"]
+    for turn in range(1, turns):
+        river = rivers[turn % len(rivers)]
+        items.append({"role": "user", "content": f"Tell me one fact about the {river}."})
+        items.append({"role": "assistant", "content": f"The {river} is a long European river."})
+    return items
+
+
+def test_a_compacted_conversation_still_knows_the_name(server: Server) -> None:
+    """30 turns, the name in the first: compacted to the model's list of facts and the last
+    two turns, the conversation is under half its tokens and the name is still in it."""
+    client = server.client()
+    conversation = _long_chat(30)
+    compacted = client.responses.compact(model="smollm2", input=conversation)  # type: ignore[arg-type]
+    assert compacted.output[0].type == "compaction"
+    summary = summary_of(compacted.output[0].encrypted_content)  # type: ignore[union-attr]
+    assert "Alice" in summary
+    ask = {"role": "user", "content": "What is my name?"}
+    follow = [item.model_dump(exclude_none=True) for item in compacted.output] + [ask]
+    before = client.responses.input_tokens.count(model="smollm2", input=[*conversation, ask])  # type: ignore[arg-type, list-item]
+    after = client.responses.input_tokens.count(model="smollm2", input=follow)  # type: ignore[arg-type]
+    assert after.input_tokens < before.input_tokens / 2
+    answer = client.responses.create(
+        model="smollm2",
+        input=follow,  # type: ignore[arg-type]
+        max_output_tokens=24,
+        temperature=0,
+    )
+    assert "Alice" in answer.output_text

@@ -2,10 +2,11 @@
 
 The conversation (a `previous_response_id` chain, then `input`) is cut before its last
 `keep_turns` user turns. What comes before is summarised by the model itself, greedily, in at
-most `summary_tokens` tokens, into one `compaction` item; every function call and its output
-from there is kept whole (an agent's record of what its tools returned), and the last turns
-are kept as they are. The result (OpenAI's `response.compaction` object) is the input of the
-next request: the compaction item reads as a system message holding the summary.
+most `summary_tokens` tokens (a list of the facts in it, each line once), into one
+`compaction` item; every function call and its output from there is kept whole (an agent's
+record of what its tools returned), and the last turns are kept as they are. The result
+(OpenAI's `response.compaction` object) is the input of the next request: the compaction item
+reads as a system message holding the summary.
 
 The summary runs on the chat path as any request does (admitted, rate-limited, one usage row
 with endpoint `responses_compact`); a conversation with nothing before its last turns runs
@@ -34,10 +35,13 @@ from gateway.openai.responses.serving import ResponsesServing
 from gateway.tenancy.auth import RequestTenant
 
 ENDPOINT = "responses_compact"  # the usage row's
-INSTRUCTIONS = (
-    "You summarise conversations so that an assistant can go on with them. Write the summary "
-    "of the conversation below in plain sentences: keep every name, number, fact, decision "
-    "and open question; leave out greetings. At most {words} words."
+# A list of facts rather than prose: small models keep names and numbers in a list and lose
+# them in a story (SmolLM2-135M, tried both ways).
+INSTRUCTIONS = "You extract facts from conversations so that an assistant can go on with them."
+ASK = (
+    "Conversation:\n{conversation}\n\nList the important facts from the conversation above "
+    "(names, numbers, decisions, open questions), one per line, starting with the user's name "
+    "if they gave it. At most {words} words."
 )
 SPEAKERS = {"user": "User", "assistant": "Assistant", "system": "System", "developer": "System"}
 
@@ -162,17 +166,16 @@ class Compactor:
         # Room for the instructions and the template's own tokens besides the transcript.
         budget = model.engine.facts.max_model_len - tokens - 128
         kept = await asyncio.to_thread(fit_lines, model, lines, budget)
-        words = max(8, tokens * 3 // 4)
-        system = INSTRUCTIONS.format(words=words)
+        system = INSTRUCTIONS
         if body.instructions:
             system += f"\nThe assistant's own instructions were: {body.instructions}"
-        conversation = "\n".join(kept) or "(empty)"
+        ask = ASK.format(conversation="\n".join(kept) or "(empty)", words=max(8, tokens * 3 // 4))
         chat = ChatCompletionRequest.model_validate(
             {
                 "model": body.model,
                 "messages": [
                     {"role": "system", "content": system},
-                    {"role": "user", "content": f"Conversation:\n{conversation}\n\nSummary:"},
+                    {"role": "user", "content": ask},
                 ],
                 "max_completion_tokens": tokens,
                 "temperature": 0,
@@ -187,8 +190,18 @@ class Compactor:
             raise
         await collect(answer)
         result = await json_body(answer, serving.checks)
-        summary = (result["choices"][0]["message"].get("content") or "").strip()
-        return summary, usage_body(result["usage"])
+        text = result["choices"][0]["message"].get("content") or ""
+        return distinct_lines(text), usage_body(result["usage"])
+
+
+def distinct_lines(text: str) -> str:
+    """The summary's lines, each once, in order: a small model repeats itself until its
+    budget runs out, and a repeated fact costs every later turn its tokens."""
+    seen: dict[str, None] = {}
+    for line in text.splitlines():
+        if line.strip():
+            seen.setdefault(line.strip())
+    return "\n".join(seen)
 
 
 def _role(item: dict[str, Any]) -> str | None:
