@@ -7,15 +7,18 @@ from __future__ import annotations
 import json
 from typing import Any
 
+import openresponses_types
 import pytest
 from openai.types.responses import Response
 from response_events import response_violations
 
 from bench.open_responses_spec import sse_violations
+from gateway.http.errors import APIError
 from gateway.openai.protocol import FieldError
 from gateway.openai.responses.events import EventStream, sse
 from gateway.openai.responses.objects import ResponseMeta, item_list, output_items, usage_body
 from gateway.openai.responses.protocol import ResponsesRequest, chat_messages
+from gateway.openai.responses.websocket import socket_error
 
 SCHEMA = {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}
 
@@ -201,3 +204,14 @@ def test_input_items_are_paged_newest_first() -> None:
     assert [i["id"] for i in page["data"]] == ["i4", "i3"] and page["has_more"]
     rest = item_list(items, "desc", 10, page["last_id"])
     assert [i["id"] for i in rest["data"]] == ["i2", "i1", "i0"] and not rest["has_more"]
+
+
+def test_a_refusal_on_a_socket_is_the_specs_error_event() -> None:
+    refused = APIError(
+        429, "slow down", type="rate_limit_error", code="rate_limit_exceeded",
+        headers={"Retry-After": "3"},
+    )  # fmt: skip
+    event = socket_error(refused)
+    openresponses_types.WebSocketErrorEvent.model_validate(event)
+    assert event["status"] == 429 and event["error"]["code"] == "rate_limit_exceeded"
+    assert event["error"]["headers"] == {"Retry-After": "3"}  # as an HTTP answer carries it
