@@ -17,7 +17,7 @@ import httpx
 import openai
 import pydantic
 import pytest
-from live_server import Server, admin_client, build_test_app, live_server, new_tenant
+from live_server import Server, admin_client, demo_server, new_tenant
 from openai.types.conversations import (
     Conversation,
     ConversationDeletedResource,
@@ -27,7 +27,6 @@ from openai.types.conversations import (
 from openai.types.responses import Response
 from sqlalchemy import func, select
 
-from engine.async_engine import AsyncEngine
 from tenants.models import ConversationItemRow, ConversationRow
 
 LONG = {"ignore_eos": True}  # the demo model's answers run to max_output_tokens
@@ -37,21 +36,8 @@ UNKNOWN = "conv_" + "0" * 32
 
 @pytest.fixture(scope="module")
 def server(demo_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
-    from engine import EngineConfig, LLMEngine
-
-    config = EngineConfig(
-        model=str(demo_model_dir),
-        kv_cache_memory=64 << 20,
-        max_model_len=1024,
-        num_threads=1,
-        dtype="float32",
-        block_size=16,
-    )
-    engine = AsyncEngine(LLMEngine(config), max_waiting=64)
-    engine.start()
     root = tmp_path_factory.mktemp("conversations")
-    app = build_test_app(engine, "demo", root, demo_model_dir)
-    with live_server(app, engine) as server:
+    with demo_server(demo_model_dir, root) as server:
         yield server
 
 

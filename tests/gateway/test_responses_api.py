@@ -18,13 +18,12 @@ import httpx
 import jsonschema
 import openai
 import pytest
-from live_server import Server, build_test_app, live_server, new_tenant
+from live_server import Server, demo_server, new_tenant
 from openai.types.responses import Response
 from response_events import EVENTS
 from sqlalchemy import select
 from tool_schemas import WEATHER
 
-from engine.async_engine import AsyncEngine
 from tenants.models import Usage
 
 SCHEMA = WEATHER["function"]["parameters"]
@@ -34,22 +33,10 @@ LONG = {"ignore_eos": True}  # the demo model's answers run to max_output_tokens
 
 @pytest.fixture(scope="module")
 def server(demo_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
-    from engine import EngineConfig, LLMEngine
-
-    config = EngineConfig(
-        model=str(demo_model_dir),
-        kv_cache_memory=64 << 20,
-        max_model_len=1024,
-        num_threads=1,
-        dtype="float32",
-        block_size=16,
-    )
-    engine = AsyncEngine(LLMEngine(config), max_waiting=64)
-    engine.start()
     root = tmp_path_factory.mktemp("responses")
-    settings = {"responses_max_stored_per_tenant": 50}
-    app = build_test_app(engine, "demo", root, demo_model_dir, settings=settings)
-    with live_server(app, engine) as server:
+    with demo_server(
+        demo_model_dir, root, settings={"responses_max_stored_per_tenant": 50}
+    ) as server:
         yield server
 
 

@@ -14,14 +14,13 @@ from typing import Any
 import httpx
 import openai
 import pytest
-from live_server import Server, build_test_app, live_server, new_tenant
+from live_server import Server, demo_server, new_tenant
 from response_events import event_violations
 from sqlalchemy import func, select
 from tool_schemas import WEATHER
 from websockets.exceptions import InvalidStatus
 from websockets.sync.client import ClientConnection, connect
 
-from engine.async_engine import AsyncEngine
 from tenants.models import Usage
 
 TOOL = {
@@ -35,20 +34,8 @@ ENDS = ("response.completed", "response.incomplete", "response.failed")
 
 @pytest.fixture(scope="module")
 def server(demo_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
-    from engine import EngineConfig, LLMEngine
-
-    config = EngineConfig(
-        model=str(demo_model_dir),
-        kv_cache_memory=64 << 20,
-        max_model_len=1024,
-        num_threads=1,
-        dtype="float32",
-        block_size=16,
-    )
-    engine = AsyncEngine(LLMEngine(config), max_waiting=64)
-    engine.start()
-    app = build_test_app(engine, "demo", tmp_path_factory.mktemp("modes"), demo_model_dir)
-    with live_server(app, engine) as server:
+    root = tmp_path_factory.mktemp("modes")
+    with demo_server(demo_model_dir, root) as server:
         yield server
 
 
