@@ -22,6 +22,7 @@ from pathlib import Path
 
 import httpx
 import pytest
+from websockets.sync.client import connect
 
 from bench.servers import LORAGATE_CLI, spawn, stop, wait_ready
 from gateway.settings import Settings
@@ -199,7 +200,8 @@ def test_the_directives_streaming_needs_are_there() -> None:
     for directive in (
         "proxy_buffering off;",
         "proxy_http_version 1.1;",
-        'proxy_set_header Connection "";',
+        "proxy_set_header Upgrade $http_upgrade;",
+        "proxy_set_header Connection $loragate_connection;",
         "proxy_set_header X-Request-ID $loragate_request_id;",
     ):
         assert directive in text
@@ -245,6 +247,20 @@ def test_a_streamed_completion_arrives_token_by_token(stack: Stack) -> None:
     assert first < done
     # Reads that carried an event: a buffering proxy gives a handful for 64 tokens.
     assert sum(b"data: " in r for r in reads) >= 16, [len(r) for r in reads]
+
+
+def test_the_websocket_mode_passes_through(stack: Stack) -> None:
+    """The Responses API's WebSocket mode through nginx: upgraded, answered to the end."""
+    url = stack.https_url.replace("https://", "wss://") + "/v1/responses"
+    headers = {"Authorization": f"Bearer {stack.api_key}"}
+    create = {"type": "response.create", "model": "demo", "input": "Hi", "max_output_tokens": 4}
+    with connect(url, additional_headers=headers, ssl=stack.tls, open_timeout=30) as ws:
+        for _ in range(2):  # two responses on the one socket
+            ws.send(json.dumps(create))
+            kinds = []
+            while not kinds or kinds[-1] not in ("response.completed", "response.incomplete"):
+                kinds.append(json.loads(ws.recv(timeout=60))["type"])
+            assert kinds[0] == "response.created"
 
 
 def test_request_ids_come_back_and_are_logged(stack: Stack) -> None:
