@@ -98,6 +98,14 @@ def test_the_chat_request_carries_tools_format_and_sampling() -> None:
         ),
         ({"input": [{"role": "robot", "content": "x"}]}, "input[0].role"),
         (
+            {"input": [{"role": "user", "content": [{"type": "refusal", "refusal": 5}]}]},
+            "input[0].content[0].type",
+        ),
+        (
+            {"input": [{"role": "user", "content": [{"type": ["input_text"], "text": "x"}]}]},
+            "input[0].content[0].type",
+        ),
+        (
             {"input": [{"type": "function_call", "call_id": "", "name": "w", "arguments": "{}"}]},
             "input[0].call_id",
         ),

@@ -386,12 +386,13 @@ def _parts(content: Any, role: str, where: str) -> list[dict[str, Any]]:
     parts = []
     for j, part in enumerate(content):
         part_kind = part.get("type") if isinstance(part, dict) else None
-        if part_kind in UNSUPPORTED_PARTS:
+        if isinstance(part_kind, str) and part_kind in UNSUPPORTED_PARTS:
             raise FieldError(
                 f"{where}[{j}].type",
                 f"{UNSUPPORTED_PARTS[part_kind]} are not supported: the model reads text only",
             )
-        if part_kind not in TEXT_PARTS or not isinstance(part.get("text", ""), str):
+        texts = (part.get("text", ""), part.get("refusal", ""))
+        if part_kind not in TEXT_PARTS or not all(isinstance(text, str) for text in texts):
             raise FieldError(f"{where}[{j}].type", f"a content part of type {part_kind!r}")
         parts.append({"type": kind, "text": part.get("text") or part.get("refusal") or ""})
     return parts
