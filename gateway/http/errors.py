@@ -127,11 +127,15 @@ def install_error_handlers(app: FastAPI) -> None:
 
 def _allowed(request: Request) -> list[str]:
     """Every method some route allows on this path (app.state.routes: what build_app
-    included)."""
+    included). A path that a route names without parameters is that route's resource alone,
+    as OpenAPI matches concrete paths before templated ones: /v1/responses/compact is not a
+    response id."""
+    routes = getattr(request.app.state, "routes", ())
+    matching = [route for route in routes if route.path_regex.match(request.url.path)]
+    concrete = [route for route in matching if not route.param_convertors]
     methods: set[str] = set()
-    for route in getattr(request.app.state, "routes", ()):
-        if route.path_regex.match(request.url.path):
-            methods |= route.methods or set()
+    for route in concrete or matching:
+        methods |= route.methods or set()
     return sorted(methods)
 
 

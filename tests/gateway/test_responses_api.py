@@ -337,6 +337,13 @@ def test_unsupported_values_are_refused_by_name(server: Server) -> None:
         assert error["type"] == "invalid_request_error"
 
 
+def test_a_405_lists_the_methods_of_the_path_as_the_schema_names_it(server: Server) -> None:
+    # /v1/responses/compact is its own resource (OpenAPI matches concrete paths first), not a
+    # response id: GET and DELETE there reach /v1/responses/{response_id}, but it has POST only.
+    assert _raw(server, "PUT", "/responses/compact").headers["allow"] == "POST"
+    assert _raw(server, "PUT", "/responses/resp_1").headers["allow"] == "DELETE, GET"
+
+
 def test_delete_and_input_items(client: openai.OpenAI) -> None:
     items = [
         {"role": "user", "content": "one"},
