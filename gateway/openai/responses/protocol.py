@@ -10,12 +10,16 @@ image, file or audio inputs, item references) is a 400 naming the field, never i
 
 from __future__ import annotations
 
+import re
 import uuid
 from typing import Annotated, Any, Literal, get_args
 
-from pydantic import BaseModel, Field
+from pydantic import BaseModel, Field, GetJsonSchemaHandler, TypeAdapter
+from pydantic.json_schema import JsonSchemaValue
+from pydantic_core import CoreSchema
 
 from gateway.openai.protocol import (
+    INT32_MAX,
     MAX_DESCRIPTION_CHARS,
     MAX_LOGPROBS,
     MAX_MESSAGES,
@@ -23,9 +27,11 @@ from gateway.openai.protocol import (
     MAX_TOOLS,
     ChatCompletionRequest,
     FieldError,
+    FunctionName,
+    JSONSchemaFormat,
     _SamplingFields,
 )
-from gateway.openai.responses.compaction_item import compaction_item, summary_of
+from gateway.openai.responses.compaction_item import PREFIX, compaction_item, summary_of
 
 # How a compaction's summary (gateway.openai.responses.compaction) reads to the model.
 SUMMARY_HEADING = "A summary of the conversation before the turns that follow:\n"
@@ -34,8 +40,10 @@ MAX_METADATA_KEY = 64
 MAX_METADATA_VALUE = 512
 MAX_ID_CHARS = 64
 MAX_ARGUMENT_CHARS = 1 << 20
-ROLES = ("user", "system", "developer", "assistant")
-TEXT_PARTS = ("input_text", "output_text", "text", "refusal")
+Role = Literal["user", "system", "developer", "assistant"]
+ROLES: tuple[str, ...] = get_args(Role)
+TextPartType = Literal["input_text", "output_text", "text", "refusal"]
+TEXT_PARTS: tuple[str, ...] = get_args(TextPartType)
 UNSUPPORTED_PARTS = {
     "input_image": "image inputs",
     "input_file": "file inputs",
@@ -88,13 +96,126 @@ class ConversationRef(BaseModel):
     id: str = Field(min_length=1, max_length=MAX_ID_CHARS)
 
 
-Input = str | Annotated[list[dict[str, Any]], Field(min_length=1, max_length=MAX_MESSAGES)]
+# -- what the OpenAPI document shows --------------------------------------------------------------
+# `input`'s items, `tools`, `tool_choice` and `text` are checked by hand (input_item, chat_tools,
+# chat_tool_choice, chat_response_format: a 400 naming the exact field, e.g.
+# `input[0].content[1].type`), so they validate as plain dicts. The models below are their JSON
+# schemas, and only that: each says what those checks (and the chat request a response runs
+# as) accept, no more and no less, and schemathesis holds the two together
+# (tests/gateway/test_schemathesis_cli.py). A change to a check changes its model here.
+
+
+class ShownAs:
+    """A field's JSON schema taken from `shape`, a type declared for the schema only; the
+    field still validates as its own type."""
+
+    def __init__(self, shape: Any) -> None:
+        self.shape = TypeAdapter(shape).core_schema
+
+    def __get_pydantic_json_schema__(
+        self, _: CoreSchema, handler: GetJsonSchemaHandler
+    ) -> JsonSchemaValue:
+        return handler(self.shape)
+
+
+# An item's own id: given, or made when absent, null or empty.
+ItemId = Annotated[str, Field(max_length=MAX_ID_CHARS)] | None
+CallId = Annotated[str, Field(min_length=1, max_length=MAX_NAME_CHARS)]
+ItemText = Annotated[str, Field(max_length=MAX_ARGUMENT_CHARS)]
+
+
+class InputTextPart(BaseModel):
+    """A content part: the model reads its `text`, or, where that is empty, its `refusal`."""
+
+    type: TextPartType
+    text: str = ""
+    refusal: str = ""
+
+
+class EasyInputMessage(BaseModel):
+    type: Literal["message"] = "message"
+    role: Role
+    content: str | list[InputTextPart]
+
+
+class FunctionCallItem(BaseModel):
+    """A call the model made in an earlier turn."""
+
+    type: Literal["function_call"]
+    id: ItemId = None
+    call_id: CallId
+    # A response runs only names of letters, digits, `_` and `-` (chat's); /v1/responses/compact
+    # and a conversation keep any.
+    name: Annotated[str, Field(min_length=1, max_length=64)]
+    arguments: ItemText
+
+
+class FunctionCallOutputItem(BaseModel):
+    """What a call returned."""
+
+    type: Literal["function_call_output"]
+    id: ItemId = None
+    call_id: CallId
+    # Content parts: their `text`, joined.
+    output: ItemText | list[Any]
+
+
+class CompactionItem(BaseModel):
+    """The summary /v1/responses/compact made: only this server's content reads back."""
+
+    type: Literal["compaction"]
+    id: ItemId = None
+    encrypted_content: Annotated[
+        str, Field(max_length=MAX_ARGUMENT_CHARS, pattern=f"^{re.escape(PREFIX)}")
+    ]
+
+
+InputItem = Annotated[
+    dict[str, Any],
+    ShownAs(EasyInputMessage | FunctionCallItem | FunctionCallOutputItem | CompactionItem),
+]
+Input = str | Annotated[list[InputItem], Field(min_length=1, max_length=MAX_MESSAGES)]
+
+
+class FunctionTool(BaseModel):
+    """The only tool a response takes: built-in tools are refused by name."""
+
+    type: Literal["function"]
+    name: FunctionName
+    description: Annotated[str, Field(max_length=MAX_DESCRIPTION_CHARS)] | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = Field(None, description="null or absent: true")
+
+
+class ToolChoiceFunction(BaseModel):
+    type: Literal["function"]
+    name: FunctionName
+
+
+class ResponseFormatText(BaseModel):
+    type: Literal["text"]
+
+
+class ResponseFormatJsonObject(BaseModel):
+    type: Literal["json_object"]
+
+
+class TextResponseFormatJsonSchema(JSONSchemaFormat):
+    type: Literal["json_schema"]
+
+
+class ResponseTextParam(BaseModel):
+    format: ResponseFormatText | ResponseFormatJsonObject | TextResponseFormatJsonSchema | None = (
+        None
+    )
 
 
 class ResponseFields(_SamplingFields):
     """A response's fields but its input: OpenAI's, plus the sampling extras chat takes
     (top_k, min_p, seed, stop, ...)."""
 
+    # A response has one output: any n but 1 is refused by check(), naming the field.
+    n: Annotated[int, ShownAs(Literal[1])] = Field(1, ge=1, le=INT32_MAX)
     instructions: str | None = None
     previous_response_id: str | None = Field(None, min_length=1, max_length=MAX_ID_CHARS)
     # A conversation (gateway.openai.conversations): its items come before this turn's input,
@@ -105,10 +226,16 @@ class ResponseFields(_SamplingFields):
     store: bool = True
     background: bool = False
     max_output_tokens: int | None = Field(None, ge=1, le=2**31 - 1)
-    tools: list[dict[str, Any]] | None = Field(None, max_length=MAX_TOOLS)
-    tool_choice: Literal["none", "auto", "required"] | dict[str, Any] | None = None
+    tools: list[Annotated[dict[str, Any], ShownAs(FunctionTool)]] | None = Field(
+        None, max_length=MAX_TOOLS
+    )
+    tool_choice: (
+        Literal["none", "auto", "required"]
+        | Annotated[dict[str, Any], ShownAs(ToolChoiceFunction)]
+        | None
+    ) = None
     parallel_tool_calls: bool = True
-    text: dict[str, Any] | None = None
+    text: Annotated[dict[str, Any], ShownAs(ResponseTextParam)] | None = None
     metadata: Metadata | None = None
     truncation: Literal["disabled", "auto"] = "disabled"
     include: list[Includable] | None = Field(None, max_length=len(get_args(Includable)))

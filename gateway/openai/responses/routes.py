@@ -20,10 +20,20 @@ router = APIRouter(
     prefix="/v1/responses", tags=["responses"], route_class=StrictJSONRoute, responses=OPENAI_ERRORS
 )
 
+# One server-sent event, as OpenAPI describes text/event-stream (its schema is each event's):
+# `data` is the event's JSON.
+_EVENT = {
+    "type": "object",
+    "required": ["data"],
+    "properties": {
+        "event": {"type": "string"},
+        "data": {"type": "string", "contentMediaType": "application/json"},
+    },
+}
 _CREATED: dict[int | str, dict[str, Any]] = {
     200: {
         "description": "The response, or its events as server-sent events.",
-        "content": {"application/json": {}, "text/event-stream": {"schema": {"type": "string"}}},
+        "content": {"application/json": {}, "text/event-stream": {"schema": _EVENT}},
     }
 }
 
