@@ -153,7 +153,10 @@ class Compactor:
             raise APIError(400, str(exc), param="input", code=INVALID_VALUE) from exc
         if not items:
             raise APIError(
-                400, "nothing to compact: give input or a previous_response_id", param="input"
+                400,
+                "nothing to compact: give input or a previous_response_id",
+                param="input",
+                code=INVALID_VALUE,
             )
         return items
 

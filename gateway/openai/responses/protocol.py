@@ -35,6 +35,7 @@ from gateway.openai.responses.compaction_item import PREFIX, compaction_item, su
 
 # How a compaction's summary (gateway.openai.responses.compaction) reads to the model.
 SUMMARY_HEADING = "A summary of the conversation before the turns that follow:\n"
+FUNCTION_NAME = re.compile(r"[a-zA-Z0-9_-]{1,64}")  # chat's FunctionName
 MAX_METADATA_PAIRS = 16  # OpenAI's bounds on `metadata`
 MAX_METADATA_KEY = 64
 MAX_METADATA_VALUE = 512
@@ -144,9 +145,7 @@ class FunctionCallItem(BaseModel):
     type: Literal["function_call"]
     id: ItemId = None
     call_id: CallId
-    # A response runs only names of letters, digits, `_` and `-` (chat's); /v1/responses/compact
-    # and a conversation keep any.
-    name: Annotated[str, Field(min_length=1, max_length=64)]
+    name: FunctionName  # what chat's template takes: a later turn replays the call
     arguments: ItemText
 
 
@@ -482,7 +481,7 @@ def input_item(item: dict[str, Any], where: str) -> dict[str, Any]:
             "type": "function_call",
             "id": _bounded_str(item.get("id") or new_id("fc"), f"{where}.id", MAX_ID_CHARS),
             "call_id": _bounded_str(item.get("call_id"), f"{where}.call_id", MAX_NAME_CHARS),
-            "name": _bounded_str(item.get("name"), f"{where}.name", 64),
+            "name": _function_name(item.get("name"), f"{where}.name"),
             "arguments": _bounded_str(item.get("arguments"), f"{where}.arguments"),
             "status": "completed",
         }
@@ -523,6 +522,15 @@ def _parts(content: Any, role: str, where: str) -> list[dict[str, Any]]:
             raise FieldError(f"{where}[{j}].type", f"a content part of type {part_kind!r}")
         parts.append({"type": kind, "text": part.get("text") or part.get("refusal") or ""})
     return parts
+
+
+def _function_name(value: Any, where: str) -> str:
+    """A function call's name as chat's tools take it: a later turn replays the call to the
+    chat template, which would refuse any other."""
+    name = _bounded_str(value, where, 64)
+    if not FUNCTION_NAME.fullmatch(name):
+        raise FieldError(where, "a function name is 1 to 64 of a-z, A-Z, 0-9, _ and -")
+    return name
 
 
 def _bounded_str(value: Any, where: str, limit: int = MAX_ARGUMENT_CHARS) -> str:
