@@ -326,6 +326,19 @@ def test_unsupported_values_are_refused_by_name(server: Server) -> None:
         ({"text": {"format": {"type": "xml"}}}, "text.format.type"),
         ({"metadata": {f"k{i}": "v" for i in range(17)}}, "metadata"),
         ({"include": ["message.output_text.everything"]}, "include.0"),
+        (
+            {
+                "input": [
+                    {
+                        "type": "function_call",
+                        "call_id": "c1",
+                        "name": "get weather!",
+                        "arguments": "{}",
+                    }
+                ]
+            },
+            "input[0].name",
+        ),
         ({"service_tier": "gold"}, "service_tier"),
         ({"prompt_cache_key": "k" * 257}, "prompt_cache_key"),
     ]
