@@ -219,7 +219,8 @@ class TextPart(_Body):
 
 
 # OpenAI's function names: letters, digits, underscores and dashes, at most 64.
-FunctionName = Annotated[str, Field(pattern=r"^[a-zA-Z0-9_-]{1,64}$")]
+FUNCTION_NAME_PATTERN = r"^[a-zA-Z0-9_-]{1,64}$"
+FunctionName = Annotated[str, Field(pattern=FUNCTION_NAME_PATTERN)]
 
 
 class FunctionDefinition(_Body):

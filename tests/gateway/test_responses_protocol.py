@@ -16,8 +16,9 @@ from bench.open_responses_spec import sse_violations
 from gateway.http.errors import APIError
 from gateway.openai.protocol import FieldError
 from gateway.openai.responses.events import EventStream, sse
+from gateway.openai.responses.items import chat_messages
 from gateway.openai.responses.objects import ResponseMeta, item_list, output_items, usage_body
-from gateway.openai.responses.protocol import ResponsesRequest, chat_messages
+from gateway.openai.responses.protocol import ResponsesRequest
 from gateway.openai.responses.websocket import socket_error
 
 SCHEMA = {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}

@@ -13,7 +13,8 @@ from typing import Any, Literal
 from pydantic import BaseModel, Field
 
 from gateway.openai.protocol import _Body
-from gateway.openai.responses.protocol import Metadata, input_item
+from gateway.openai.responses.items import input_item
+from gateway.openai.responses.protocol import Metadata
 from tenants.conversations import ItemPage, StoredConversation
 
 MAX_NEW_ITEMS = 20

@@ -19,7 +19,7 @@ from gateway.openai.conversations.protocol import (
     ItemsCreate,
 )
 from gateway.openai.conversations.serving import ConversationsServing
-from gateway.openai.responses.protocol import MAX_ID_CHARS
+from gateway.openai.responses.items import MAX_ID_CHARS
 
 _ERRORS = OPENAI_ERRORS | {
     404: error_response(

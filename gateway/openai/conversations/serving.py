@@ -25,7 +25,7 @@ from gateway.openai.conversations.protocol import (
     item_page,
 )
 from gateway.openai.protocol import FieldError
-from gateway.openai.responses.protocol import new_id
+from gateway.openai.responses.items import new_id
 from gateway.tenancy.auth import RequestTenant
 from tenants.conversations import (
     MAX_ITEMS,

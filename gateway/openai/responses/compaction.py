@@ -29,8 +29,9 @@ from gateway.models.served import ServedModel
 from gateway.openai.json_response import collect, json_body
 from gateway.openai.protocol import MAX_NAME_CHARS, ChatCompletionRequest, FieldError, _Body
 from gateway.openai.responses.compaction_item import compaction_item, summary_of
+from gateway.openai.responses.items import MAX_ID_CHARS, items_of, new_id
 from gateway.openai.responses.objects import text_part, usage_body
-from gateway.openai.responses.protocol import MAX_ID_CHARS, Input, items_of, new_id
+from gateway.openai.responses.protocol import Input
 from gateway.openai.responses.serving import ResponsesServing
 from gateway.tenancy.auth import RequestTenant
 

@@ -18,6 +18,7 @@ import json
 from dataclasses import dataclass, field
 from typing import Any
 
+from gateway.openai.responses.items import new_id
 from gateway.openai.responses.objects import (
     ResponseMeta,
     call_item,
@@ -26,7 +27,6 @@ from gateway.openai.responses.objects import (
     message_item,
     text_part,
 )
-from gateway.openai.responses.protocol import new_id
 
 
 @dataclass(slots=True)

@@ -10,7 +10,8 @@ from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from typing import Any
 
-from gateway.openai.responses.protocol import ResponsesRequest, new_id
+from gateway.openai.responses.items import new_id
+from gateway.openai.responses.protocol import ResponsesRequest
 
 
 @dataclass(slots=True)

@@ -2,16 +2,16 @@
 and its conversation as a chat request: the gateway answers a response with the chat path
 (templates, tools, grammars, admission, metering), so the two can never drift apart.
 
-Input items are kept in the Responses shape with ids (what `input_items` lists and what a
-later turn's `previous_response_id` replays); they become chat messages only to run.
-Anything the API defines that a text model behind this gateway cannot do (built-in tools,
-image, file or audio inputs, item references) is a 400 naming the field, never ignored.
+Input items (gateway.openai.responses.items) are kept in the Responses shape with ids; they
+become chat messages only to run. Anything the API defines that a text model behind this
+gateway cannot do (built-in tools, image, file or audio inputs, item references) is a 400
+naming the field, never ignored.
 """
 
 from __future__ import annotations
 
 import re
-import uuid
+from abc import abstractmethod
 from typing import Annotated, Any, Literal, get_args
 
 from pydantic import BaseModel, Field, GetJsonSchemaHandler, TypeAdapter
@@ -31,25 +31,18 @@ from gateway.openai.protocol import (
     JSONSchemaFormat,
     _SamplingFields,
 )
-from gateway.openai.responses.compaction_item import PREFIX, compaction_item, summary_of
+from gateway.openai.responses.compaction_item import PREFIX
+from gateway.openai.responses.items import (
+    MAX_ARGUMENT_CHARS,
+    MAX_ID_CHARS,
+    Role,
+    TextPartType,
+    items_of,
+)
 
-# How a compaction's summary (gateway.openai.responses.compaction) reads to the model.
-SUMMARY_HEADING = "A summary of the conversation before the turns that follow:\n"
-FUNCTION_NAME = re.compile(r"[a-zA-Z0-9_-]{1,64}")  # chat's FunctionName
 MAX_METADATA_PAIRS = 16  # OpenAI's bounds on `metadata`
 MAX_METADATA_KEY = 64
 MAX_METADATA_VALUE = 512
-MAX_ID_CHARS = 64
-MAX_ARGUMENT_CHARS = 1 << 20
-Role = Literal["user", "system", "developer", "assistant"]
-ROLES: tuple[str, ...] = get_args(Role)
-TextPartType = Literal["input_text", "output_text", "text", "refusal"]
-TEXT_PARTS: tuple[str, ...] = get_args(TextPartType)
-UNSUPPORTED_PARTS = {
-    "input_image": "image inputs",
-    "input_file": "file inputs",
-    "input_audio": "audio inputs",
-}
 BUILT_IN_TOOLS = (
     "web_search",
     "web_search_preview",
@@ -85,10 +78,6 @@ Metadata = Annotated[
     ],
     Field(max_length=MAX_METADATA_PAIRS),
 ]
-
-
-def new_id(prefix: str) -> str:
-    return f"{prefix}_{uuid.uuid4().hex}"
 
 
 class ConversationRef(BaseModel):
@@ -273,9 +262,9 @@ class ResponseFields(_SamplingFields):
         given = self.conversation_id
         return {} if given is None else {"conversation": {"id": given}}
 
+    @abstractmethod
     def input_items(self) -> list[dict[str, Any]]:
         """This turn's input as Responses items with ids. Raises FieldError."""
-        raise NotImplementedError
 
     def chat_tools(self) -> list[dict[str, Any]] | None:
         if self.tools is None:
@@ -416,131 +405,6 @@ class InputTokensRequest(ResponseFields):
 
     def input_items(self) -> list[dict[str, Any]]:
         return [] if self.input is None else items_of(self.input)
-
-
-def items_of(given: str | list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """`input` as Responses items with ids. Raises FieldError."""
-    if isinstance(given, str):
-        return [_message("user", [{"type": "input_text", "text": given}])]
-    return [input_item(item, f"input[{i}]") for i, item in enumerate(given)]
-
-
-def chat_messages(instructions: str | None, items: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """Responses items (inputs and earlier outputs, oldest first) as chat messages: a
-    function call joins the assistant message before it, its output is a tool message."""
-    messages: list[dict[str, Any]] = []
-    if instructions:
-        messages.append({"role": "system", "content": instructions})
-    for item in items:
-        kind = item["type"]
-        if kind == "message":
-            text = "".join(
-                part.get("text") or part.get("refusal") or "" for part in item["content"]
-            )
-            messages.append({"role": item["role"], "content": text})
-        elif kind == "function_call":
-            call = {
-                "id": item["call_id"],
-                "type": "function",
-                "function": {"name": item["name"], "arguments": item["arguments"]},
-            }
-            last = messages[-1] if messages else None
-            if last is not None and last["role"] == "assistant":
-                last.setdefault("tool_calls", []).append(call)
-            else:
-                messages.append({"role": "assistant", "content": None, "tool_calls": [call]})
-        elif kind == "function_call_output":
-            messages.append(
-                {"role": "tool", "tool_call_id": item["call_id"], "content": item["output"]}
-            )
-        elif kind == "compaction":  # checked when it came in (input_item)
-            summary = summary_of(item["encrypted_content"])
-            messages.append({"role": "system", "content": f"{SUMMARY_HEADING}{summary}"})
-    return messages
-
-
-def input_item(item: dict[str, Any], where: str) -> dict[str, Any]:
-    """One input item (at `where`, as errors name it) as stored, with an id. Raises
-    FieldError. The Conversations API takes its items through here too."""
-    kind = item.get("type", "message")  # an easy message has a role and no type
-    if kind == "message":
-        role = item.get("role")
-        if role not in ROLES:
-            raise FieldError(f"{where}.role", f"role is one of {', '.join(ROLES)}")
-        return _message(role, _parts(item.get("content"), role, f"{where}.content"))
-    if kind == "compaction":
-        content = _bounded_str(item.get("encrypted_content"), f"{where}.encrypted_content")
-        try:
-            summary_of(content)
-        except ValueError as exc:
-            raise FieldError(f"{where}.encrypted_content", str(exc)) from exc
-        item_id = _bounded_str(item.get("id") or new_id("cmp"), f"{where}.id", MAX_ID_CHARS)
-        return compaction_item(summary_of(content), item_id)
-    if kind == "function_call":
-        return {
-            "type": "function_call",
-            "id": _bounded_str(item.get("id") or new_id("fc"), f"{where}.id", MAX_ID_CHARS),
-            "call_id": _bounded_str(item.get("call_id"), f"{where}.call_id", MAX_NAME_CHARS),
-            "name": _function_name(item.get("name"), f"{where}.name"),
-            "arguments": _bounded_str(item.get("arguments"), f"{where}.arguments"),
-            "status": "completed",
-        }
-    if kind == "function_call_output":
-        output = item.get("output")
-        if isinstance(output, list):  # content parts: their text
-            output = "".join(str(p.get("text", "")) for p in output if isinstance(p, dict))
-        return {
-            "type": "function_call_output",
-            "id": _bounded_str(item.get("id") or new_id("fco"), f"{where}.id", MAX_ID_CHARS),
-            "call_id": _bounded_str(item.get("call_id"), f"{where}.call_id", MAX_NAME_CHARS),
-            "output": _bounded_str(output, f"{where}.output"),
-            "status": "completed",
-        }
-    raise FieldError(f"{where}.type", f"input items of type {kind!r} are not supported")
-
-
-def _message(role: str, parts: list[dict[str, Any]]) -> dict[str, Any]:
-    return {"type": "message", "id": new_id("msg"), "role": role, "content": parts}
-
-
-def _parts(content: Any, role: str, where: str) -> list[dict[str, Any]]:
-    kind = "output_text" if role == "assistant" else "input_text"
-    if isinstance(content, str):
-        return [{"type": kind, "text": content}]
-    if not isinstance(content, list):
-        raise FieldError(where, "content is a string or a list of content parts")
-    parts = []
-    for j, part in enumerate(content):
-        part_kind = part.get("type") if isinstance(part, dict) else None
-        if isinstance(part_kind, str) and part_kind in UNSUPPORTED_PARTS:
-            raise FieldError(
-                f"{where}[{j}].type",
-                f"{UNSUPPORTED_PARTS[part_kind]} are not supported: the model reads text only",
-            )
-        texts = (part.get("text", ""), part.get("refusal", ""))
-        if part_kind not in TEXT_PARTS or not all(isinstance(text, str) for text in texts):
-            raise FieldError(f"{where}[{j}].type", f"a content part of type {part_kind!r}")
-        parts.append({"type": kind, "text": part.get("text") or part.get("refusal") or ""})
-    return parts
-
-
-def _function_name(value: Any, where: str) -> str:
-    """A function call's name as chat's tools take it: a later turn replays the call to the
-    chat template, which would refuse any other."""
-    name = _bounded_str(value, where, 64)
-    if not FUNCTION_NAME.fullmatch(name):
-        raise FieldError(where, "a function name is 1 to 64 of a-z, A-Z, 0-9, _ and -")
-    return name
-
-
-def _bounded_str(value: Any, where: str, limit: int = MAX_ARGUMENT_CHARS) -> str:
-    """A string field of an item: ids and names not empty; arguments and outputs may be."""
-    may_be_empty = limit == MAX_ARGUMENT_CHARS
-    if not isinstance(value, str) or not (value or may_be_empty):
-        raise FieldError(where, f"{where.rsplit('.', 1)[-1]} is a non-empty string")
-    if len(value) > limit:
-        raise FieldError(where, f"{where.rsplit('.', 1)[-1]} is over {limit} characters")
-    return value
 
 
 def _first_error(exc: ValueError) -> str:

@@ -12,7 +12,8 @@ from gateway.http.deps import TenantDep
 from gateway.http.error_schemas import OPENAI_ERRORS
 from gateway.http.errors import APIError
 from gateway.openai.responses.compaction import Compactor, CompactRequest
-from gateway.openai.responses.protocol import MAX_ID_CHARS, InputTokensRequest, ResponsesRequest
+from gateway.openai.responses.items import MAX_ID_CHARS
+from gateway.openai.responses.protocol import InputTokensRequest, ResponsesRequest
 from gateway.openai.responses.serving import ResponsesServing
 from gateway.openai.routes import hung_up
 

@@ -31,6 +31,7 @@ from gateway.openai.conversations.serving import not_found as conversation_not_f
 from gateway.openai.json_response import collect, json_body
 from gateway.openai.protocol import ChatCompletionRequest, FieldError
 from gateway.openai.responses.events import EventStream, sse
+from gateway.openai.responses.items import chat_messages, new_id
 from gateway.openai.responses.objects import (
     ResponseMeta,
     item_list,
@@ -39,13 +40,7 @@ from gateway.openai.responses.objects import (
     status_of,
     usage_body,
 )
-from gateway.openai.responses.protocol import (
-    InputTokensRequest,
-    ResponseFields,
-    ResponsesRequest,
-    chat_messages,
-    new_id,
-)
+from gateway.openai.responses.protocol import InputTokensRequest, ResponseFields, ResponsesRequest
 from gateway.openai.serving import CLIENT_CLOSED_REQUEST, OpenAIServing
 from gateway.openai.sse import chunk_bodies
 from gateway.openai.streaming import Disconnected, MeteredStream, unless_disconnected
