@@ -1,6 +1,7 @@
 """The Responses API on a real model (SmolLM2-135M-Instruct, its own chat template): a
 conversation through `previous_response_id` whose second prompt holds the first turn and finds
-it in the prefix cache, and a strict json_schema answer that validates."""
+it in the prefix cache, a strict json_schema answer that validates, five turns through the
+Conversations API, and a compacted conversation that keeps the name it was given."""
 
 from __future__ import annotations
 
@@ -23,6 +24,15 @@ CITY = {
     "required": ["city", "country"],
     "additionalProperties": False,
 }
+
+
+TURNS = (
+    "My name is Alice. Please remember it.",
+    "What is 2 + 2?",
+    "Name a fruit.",
+    "Say hello.",
+    "What is my name?",
+)
 
 
 @pytest.fixture(scope="module")
@@ -111,3 +121,34 @@ def test_a_compacted_conversation_still_knows_the_name(server: Server) -> None:
         temperature=0,
     )
     assert "Alice" in answer.output_text
+
+
+def test_five_turns_through_a_conversation_remember_the_first(server: Server) -> None:
+    """The Conversations API: five turns through one conversation, greedy, and the last one
+    answers with the name the first gave (each turn's prompt is the conversation's items).
+
+    A 135M model recalls a name it was told only once it has said it itself (asked "What is
+    my name?" after "My name is Alice." it names itself, even in two turns), so the first turn
+    asks it to remember the name and its answer greets Alice; no later input names her, so the
+    last turn can take the name only from the conversation."""
+    client = server.client()
+    conversation = client.conversations.create()
+    inputs, answers = [], []
+    for text in TURNS:
+        response = client.responses.create(
+            model="smollm2",
+            input=text,
+            conversation=conversation.id,
+            max_output_tokens=32,
+            temperature=0,
+        )
+        assert response.usage is not None
+        inputs.append(response.usage.input_tokens)
+        answers.append(response.output_text)
+    # Each turn's prompt held every earlier turn: it grew each time.
+    assert inputs == sorted(inputs) and len(set(inputs)) == len(TURNS)
+    items = list(client.conversations.items.list(conversation.id, order="asc", limit=100))
+    assert len(items) == 2 * len(TURNS)
+    assert [i.role for i in items] == ["user", "assistant"] * len(TURNS)  # type: ignore[union-attr]
+    assert "Alice" in answers[0], answers
+    assert "Alice" in answers[-1], answers
