@@ -1,5 +1,6 @@
 """The tenancy tables (SQLAlchemy 2): tenants, their API keys, adapters, the usage ledger, the
-stored responses of the Responses API, and the conversations of the Conversations API.
+stored responses of the Responses API, the conversations of the Conversations API, and the
+files of the Files API.
 
 Alembic owns the schema (migrations/); the app never calls `create_all` outside tests, and
 a test holds the models and the migrations to each other. Ids are short random strings with
@@ -252,4 +253,26 @@ class ConversationItemRow(Base):
     position: Mapped[int] = mapped_column(BigInteger, primary_key=True)
     item_id: Mapped[str] = mapped_column(String(64))
     item: Mapped[dict[str, Any]] = mapped_column(JSON)
+    created_at: Mapped[datetime]
+
+
+class FileRow(Base):
+    """A file of the Files API (`/v1/files`): its bytes are on disk (tenants/files.py, under
+    the adapter store's root), this row says whose they are and what they are for. `purpose`
+    is `batch` for a client's upload, `batch_output` for what a batch wrote. Deleted through
+    the API, or with the tenant (ON DELETE CASCADE, by hand where SQLite does not enforce it).
+    """
+
+    __tablename__ = "files"
+    # A tenant's files listed by creation: by (tenant_id, created_at).
+    __table_args__ = (Index("ix_files_tenant_id_created_at", "tenant_id", "created_at"),)
+
+    id: Mapped[str] = mapped_column(String(64), primary_key=True)  # file-<32 hex>
+    tenant_id: Mapped[str] = mapped_column(
+        String(32), ForeignKey("tenants.id", ondelete="CASCADE"), index=True
+    )
+    purpose: Mapped[str] = mapped_column(String(32))
+    filename: Mapped[str] = mapped_column(String(255))
+    num_bytes: Mapped[int] = mapped_column("bytes", BigInteger)
+    num_lines: Mapped[int] = mapped_column("lines", BigInteger)
     created_at: Mapped[datetime]

@@ -14,6 +14,7 @@ from tenants.models import (
     ApiKey,
     ConversationItemRow,
     ConversationRow,
+    FileRow,
     StoredResponseRow,
     Tenant,
 )
@@ -110,8 +111,9 @@ async def update_tenant(session: AsyncSession, *, tenant: Tenant, **fields: Any)
 
 
 async def delete_tenant(session: AsyncSession, *, tenant: Tenant) -> list[str]:
-    """Delete the tenant, its keys, adapters, stored responses and conversations; returns the
-    deleted adapters' sha256s (their files may now be unreferenced)."""
+    """Delete the tenant, its keys, adapters, stored responses, conversations and files' rows;
+    returns the deleted adapters' sha256s (their files may now be unreferenced). The files'
+    bytes are the caller's to remove after (tenants.files.FileStore.remove_tenant)."""
     shas = list(await session.scalars(select(Adapter.sha256).where(Adapter.owner_id == tenant.id)))
     # Explicit, not ON DELETE CASCADE: SQLite enforces foreign keys only when asked to.
     await session.execute(delete(Adapter).where(Adapter.owner_id == tenant.id))
@@ -124,6 +126,7 @@ async def delete_tenant(session: AsyncSession, *, tenant: Tenant) -> list[str]:
         delete(ConversationItemRow).where(ConversationItemRow.conversation_id.in_(conversations))
     )
     await session.execute(delete(ConversationRow).where(ConversationRow.tenant_id == tenant.id))
+    await session.execute(delete(FileRow).where(FileRow.tenant_id == tenant.id))
     await session.delete(tenant)
     await session.flush()
     return shas

@@ -23,6 +23,7 @@ TABLES = {
     "responses",
     "conversations",
     "conversation_items",
+    "files",
 }
 
 
