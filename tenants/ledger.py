@@ -57,6 +57,7 @@ _LENGTHS = {
         "adapter_sha256",
         "finish_reason",
         "endpoint",
+        "batch_id",
     )
 }
 
@@ -79,9 +80,12 @@ class UsageRecord:
     ttft: float | None  # seconds
     latency: float  # seconds
     created_at: datetime  # timezone-aware
-    # The API the request came through ("completions", "chat", "responses").
+    # The API the request came through ("completions", "chat", "responses", "batch").
     # Last, with a default: spool lines written before it existed replay as None.
     endpoint: str | None = None
+    # The batch a line of which this request was (tenants/batch_lines.py writes those rows
+    # itself, with the line's answer); None: not a batch's. A default, as `endpoint`.
+    batch_id: str | None = None
 
     def __post_init__(self) -> None:
         """Raises ValueError for a record the table cannot hold."""

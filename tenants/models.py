@@ -1,6 +1,6 @@
 """The tenancy tables (SQLAlchemy 2): tenants, their API keys, adapters, the usage ledger, the
-stored responses of the Responses API, the conversations of the Conversations API, and the
-files of the Files API.
+stored responses of the Responses API, the conversations of the Conversations API, the files of
+the Files API, and the batches of the Batch API with their lines.
 
 Alembic owns the schema (migrations/); the app never calls `create_all` outside tests, and
 a test holds the models and the migrations to each other. Ids are short random strings with
@@ -30,6 +30,19 @@ from sqlalchemy.types import TypeDecorator
 TENANT_ACTIVE, TENANT_SUSPENDED = "active", "suspended"
 USAGE_STATUSES = ("ok", "aborted", "error")
 RESPONSE_STATUSES = ("queued", "in_progress", "completed", "failed", "cancelled", "incomplete")
+# OpenAI's batch statuses; a line's: waiting, claimed by a gateway, answered (done) or refused
+# (failed), or never run (the batch was cancelled or expired first).
+BATCH_STATUSES = (
+    "validating",
+    "in_progress",
+    "finalizing",
+    "completed",
+    "failed",
+    "expired",
+    "cancelling",
+    "cancelled",
+)
+LINE_STATUSES = ("pending", "running", "done", "failed", "cancelled", "expired")
 PUBLIC_SCOPE = "public"  # an adapter every tenant may use
 
 
@@ -81,6 +94,9 @@ class Tenant(Base):
     monthly_token_quota: Mapped[int | None] = mapped_column(BigInteger)
     # The served models (by name) the tenant may use; None: every model.
     allowed_models: Mapped[list[str] | None] = mapped_column(JSON(none_as_null=True))
+    # Tokens (estimated: prompt + max_tokens per line) the tenant's unfinished batches may
+    # hold at once; None: the server's --batch-token-limit.
+    batch_token_limit: Mapped[int | None] = mapped_column(BigInteger)
 
 
 class ApiKey(Base):
@@ -174,9 +190,11 @@ class Usage(Base):
     latency: Mapped[float]  # seconds, arrival to the last byte (or the abort)
     created_at: Mapped[datetime]
     created_epoch: Mapped[int] = mapped_column(BigInteger)
-    # The API the request came through ("completions", "chat", "responses");
+    # The API the request came through ("completions", "chat", "responses", "batch");
     # None: written before 0004 recorded it.
     endpoint: Mapped[str | None] = mapped_column(String(32))
+    # The batch a line of which this request was (endpoint "batch"); None: not a batch's.
+    batch_id: Mapped[str | None] = mapped_column(String(64), index=True)
 
 
 class StoredResponseRow(Base):
@@ -276,3 +294,79 @@ class FileRow(Base):
     num_bytes: Mapped[int] = mapped_column("bytes", BigInteger)
     num_lines: Mapped[int] = mapped_column("lines", BigInteger)
     created_at: Mapped[datetime]
+
+
+class BatchRow(Base):
+    """A batch of the Batch API (`/v1/batches`): its lines are BatchLineRow. Read and written
+    by tenants/batches.py and tenants/batch_lines.py; deleted with the tenant (ON DELETE
+    CASCADE, by hand where SQLite does not enforce it).
+
+    `finisher` and `finish_until` are the claim on its finalization (writing its output and
+    error files, its counts and last status): whoever sets them first, or after they lapsed,
+    finalizes it, once. The counts and usage sums are written then; while it runs they are
+    read from its lines.
+    """
+
+    __tablename__ = "batches"
+    __table_args__ = (Index("ix_batches_tenant_id_created_at", "tenant_id", "created_at"),)
+
+    id: Mapped[str] = mapped_column(String(64), primary_key=True)  # batch_<32 hex>
+    tenant_id: Mapped[str] = mapped_column(
+        String(32), ForeignKey("tenants.id", ondelete="CASCADE"), index=True
+    )
+    key_id: Mapped[str | None] = mapped_column(String(32))
+    endpoint: Mapped[str] = mapped_column(String(32))  # the url every line names
+    input_file_id: Mapped[str] = mapped_column(String(64))
+    completion_window: Mapped[str] = mapped_column(String(8))
+    status: Mapped[str] = mapped_column(String(16), index=True)  # BATCH_STATUSES
+    # `metadata` is the declarative base's own attribute: the column keeps the API's name.
+    meta: Mapped[dict[str, str]] = mapped_column("metadata", JSON)
+    output_file_id: Mapped[str | None] = mapped_column(String(64))
+    error_file_id: Mapped[str | None] = mapped_column(String(64))
+    num_total: Mapped[int] = mapped_column(BigInteger)
+    num_completed: Mapped[int] = mapped_column(BigInteger, default=0)
+    num_failed: Mapped[int] = mapped_column(BigInteger, default=0)
+    prompt_tokens: Mapped[int] = mapped_column(BigInteger, default=0)
+    cached_tokens: Mapped[int] = mapped_column(BigInteger, default=0)
+    completion_tokens: Mapped[int] = mapped_column(BigInteger, default=0)
+    created_at: Mapped[datetime]
+    in_progress_at: Mapped[datetime | None]
+    expires_at: Mapped[datetime]
+    finalizing_at: Mapped[datetime | None]
+    completed_at: Mapped[datetime | None]
+    failed_at: Mapped[datetime | None]
+    expired_at: Mapped[datetime | None]
+    cancelling_at: Mapped[datetime | None]
+    cancelled_at: Mapped[datetime | None]
+    finisher: Mapped[str | None] = mapped_column(String(64))
+    finish_until: Mapped[datetime | None]
+
+
+class BatchLineRow(Base):
+    """A line of a batch's input file: its request, its state, and once answered its output
+    line (OpenAI's shape) and usage figures. A gateway claims a line (`claimed_by`, until
+    `lease_until`, renewed while it runs); its answer is written with the line's usage row in
+    one transaction, only while the claim is still the writer's."""
+
+    __tablename__ = "batch_lines"
+    # Claims look for a batch's lines by status, in order.
+    __table_args__ = (Index("ix_batch_lines_batch_id_status_line", "batch_id", "status", "line"),)
+
+    batch_id: Mapped[str] = mapped_column(
+        String(64), ForeignKey("batches.id", ondelete="CASCADE"), primary_key=True
+    )
+    line: Mapped[int] = mapped_column(BigInteger, primary_key=True)  # 1-based, in the file
+    custom_id: Mapped[str] = mapped_column(String(512))
+    body: Mapped[dict[str, Any]] = mapped_column(JSON)  # the request's body
+    # Prompt + max_tokens (what the route reserves): what the queued-token cap counts.
+    estimated_tokens: Mapped[int] = mapped_column(BigInteger)
+    status: Mapped[str] = mapped_column(String(16))  # LINE_STATUSES
+    claimed_by: Mapped[str | None] = mapped_column(String(64))
+    lease_until: Mapped[datetime | None]
+    attempts: Mapped[int] = mapped_column(BigInteger, default=0)  # claims so far
+    # The output line ({"id", "custom_id", "response", "error"}), once done or failed.
+    result: Mapped[dict[str, Any] | None] = mapped_column(JSON(none_as_null=True))
+    prompt_tokens: Mapped[int] = mapped_column(BigInteger, default=0)
+    cached_tokens: Mapped[int] = mapped_column(BigInteger, default=0)
+    completion_tokens: Mapped[int] = mapped_column(BigInteger, default=0)
+    finished_at: Mapped[datetime | None]

@@ -12,6 +12,8 @@ from sqlalchemy.ext.asyncio import AsyncSession
 from tenants.models import (
     Adapter,
     ApiKey,
+    BatchLineRow,
+    BatchRow,
     ConversationItemRow,
     ConversationRow,
     FileRow,
@@ -111,9 +113,10 @@ async def update_tenant(session: AsyncSession, *, tenant: Tenant, **fields: Any)
 
 
 async def delete_tenant(session: AsyncSession, *, tenant: Tenant) -> list[str]:
-    """Delete the tenant, its keys, adapters, stored responses, conversations and files' rows;
-    returns the deleted adapters' sha256s (their files may now be unreferenced). The files'
-    bytes are the caller's to remove after (tenants.files.FileStore.remove_tenant)."""
+    """Delete the tenant, its keys, adapters, stored responses, conversations, batches (with
+    their lines) and files' rows; returns the deleted adapters' sha256s (their files may now
+    be unreferenced). The files' bytes are the caller's to remove after
+    (tenants.files.FileStore.remove_tenant)."""
     shas = list(await session.scalars(select(Adapter.sha256).where(Adapter.owner_id == tenant.id)))
     # Explicit, not ON DELETE CASCADE: SQLite enforces foreign keys only when asked to.
     await session.execute(delete(Adapter).where(Adapter.owner_id == tenant.id))
@@ -127,6 +130,9 @@ async def delete_tenant(session: AsyncSession, *, tenant: Tenant) -> list[str]:
     )
     await session.execute(delete(ConversationRow).where(ConversationRow.tenant_id == tenant.id))
     await session.execute(delete(FileRow).where(FileRow.tenant_id == tenant.id))
+    batches = select(BatchRow.id).where(BatchRow.tenant_id == tenant.id)
+    await session.execute(delete(BatchLineRow).where(BatchLineRow.batch_id.in_(batches)))
+    await session.execute(delete(BatchRow).where(BatchRow.tenant_id == tenant.id))
     await session.delete(tenant)
     await session.flush()
     return shas

@@ -24,6 +24,8 @@ TABLES = {
     "conversations",
     "conversation_items",
     "files",
+    "batches",
+    "batch_lines",
 }
 
 
