@@ -7,7 +7,7 @@ from dataclasses import dataclass
 from engine.spec_decode import SpeculativeConfig
 
 GiB = 1 << 30
-SCHEDULING_POLICIES = ("fair", "fcfs")
+SCHEDULING_POLICIES = ("fair", "priority", "fcfs")
 
 
 @dataclass(frozen=True, slots=True)
@@ -29,9 +29,14 @@ class EngineConfig:
     max_num_batched_tokens: int = 2048
     enable_prefix_caching: bool = True
     enable_chunked_prefill: bool = True
-    # Admission order of waiting requests: "fair" weighs each fairness key's service (VTC,
-    # engine/fairness.py); "fcfs" is arrival order, fairness keys ignored.
+    # Admission order of waiting requests: "fair": priority bands (lower first), each
+    # fairness key's service weighed within a band (VTC, engine/fairness.py); "priority":
+    # bands, arrival order within them (vLLM's); "fcfs": arrival order, priority and
+    # fairness keys ignored (engine/priority.py).
     scheduling_policy: str = "fair"
+    # Seconds a priority band with requests waiting may go without an admission while better
+    # bands keep the engine busy; then its head is admitted next (bounded starvation).
+    priority_max_wait: float = 30.0
     # Policy fair, while a key below its share of the service is present: the other keys'
     # prompt chunks are cut so that a step takes about this times that key's own first step
     # (its next request waits at most that long for the step under way; engine/scheduler.py).
@@ -101,7 +106,12 @@ class EngineConfig:
             raise ValueError(f"kernels must be auto, triton, native or torch, got {self.kernels!r}")
         if self.scheduling_policy not in SCHEDULING_POLICIES:
             raise ValueError(
-                f"scheduling_policy must be fair or fcfs, got {self.scheduling_policy!r}"
+                f"scheduling_policy must be one of {', '.join(SCHEDULING_POLICIES)}, "
+                f"got {self.scheduling_policy!r}"
+            )
+        if not 0.0 < self.priority_max_wait <= 86400.0:
+            raise ValueError(
+                f"priority_max_wait must be in (0, 86400] seconds, got {self.priority_max_wait}"
             )
         if not 0.0 < self.fair_delay_ratio <= 100.0:
             raise ValueError(f"fair_delay_ratio must be in (0, 100], got {self.fair_delay_ratio}")

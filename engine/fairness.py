@@ -245,22 +245,26 @@ class FairQueue:
             longest = max(longest, typical)
         return longest
 
-    def prompt_need(
-        self, running: list[Request], num_slots: int, below: Collection[str | None]
-    ) -> float:
-        """Prompt tokens a step must compute for the keys not `below` their share to keep the
-        slots the below-share keys leave them decoding: a prompt per output's worth of steps
-        a slot, at the highest typical prompt / typical output among those keys that have
-        prompts to compute (a key with nothing finished yet: output 16, a guess that errs
-        towards more prompt)."""
-        free = num_slots - sum(1 for r in running if r.fairness_key in below)
-        prompting = {r.fairness_key for r in running if r.num_tokens - r.num_computed_tokens > 1}
-        prompting.update(line.key for line in self._backlog.values())
+    def prompt_ratio(self, running: list[Request], exclude: Collection[str | None]) -> float:
+        """Prompt tokens per decode slot and step that the keys not in `exclude` need to keep
+        their slots decoding: the highest typical prompt / typical output among those keys
+        with prompts to compute (running or waiting; a key with nothing finished yet: output
+        16, a guess that errs towards more prompt). `running`: this queue's running requests."""
+        prompting = {self._key(r) for r in running if r.num_tokens - r.num_computed_tokens > 1}
+        prompting.update(self._backlog)
         ratio = 0.0
-        for key in prompting - set(below):
+        for key in prompting - set(exclude):
             line = self._lines[key]
             ratio = max(ratio, line.typical_prompt / max(1.0, line.typical_output or 16.0))
-        return ratio * free
+        return ratio
+
+    def keys(self) -> list[str | None]:
+        """Every key this queue has a line for."""
+        return list(self._lines)
+
+    def backlogged_keys(self) -> list[str | None]:
+        """The keys with requests waiting."""
+        return list(self._backlog)
 
     def waiting_heads(self, keys: Collection[str | None]) -> list[Request]:
         """The head of each of these keys' lines that has requests waiting."""

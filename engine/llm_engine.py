@@ -115,6 +115,7 @@ class LLMEngine:
             config.enable_chunked_prefill,
             config.scheduling_policy,
             config.fair_delay_ratio,
+            config.priority_max_wait,
         )
         self.scheduler = Scheduler(self.kv, scheduling, lora=self.lora)
         self.sequences: dict[str, _Sequence] = {}
@@ -176,6 +177,8 @@ class LLMEngine:
         fairness_weight = request.fairness_weight
         if not (math.isfinite(fairness_weight) and fairness_weight > 0):
             raise RequestRefused(f"fairness_weight must be positive, got {fairness_weight}")
+        if not isinstance(request.priority, int) or isinstance(request.priority, bool):
+            raise RequestRefused(f"priority must be an integer, got {request.priority!r}")
         prompt_ids = self.tokenize(request.prompt)
         self._validate(prompt_ids, params)
         if request.lora is not None and self.lora is None:
@@ -192,7 +195,9 @@ class LLMEngine:
                 seed = None if params.seed is None else (params.seed + index) & (2**64 - 1)
                 child_params = replace(params, n=1, seed=seed)
             child_id = request_id if params.n == 1 else f"{request_id}#{index}"
-            child = Request(child_id, prompt_ids, child_params, eos, owner)
+            child = Request(
+                child_id, prompt_ids, child_params, eos, owner, priority=request.priority
+            )
             detok = IncrementalDetokenizer(
                 self.tokenizer, prompt_ids, child_params.stop, child_params.skip_special_tokens
             )

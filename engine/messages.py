@@ -44,6 +44,9 @@ class EngineRequest:
     # The client's name for a shared prefix (prompt_cache_key): replicas are chosen by it,
     # joined to the salt, in place of the prompt's first block.
     routing_key: str | None = None
+    # Its band (vLLM's `priority`: lower runs first; engine/priority.py). The gateway bounds
+    # it: a tenant's request never asks for a band better than 0; batch lines run below.
+    priority: int = 0
 
 
 @dataclass(frozen=True, slots=True)

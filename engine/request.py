@@ -267,6 +267,7 @@ class Request:
         "grammar",
         "spec_token_ids",
         "ngram_index",
+        "priority",
     )
 
     def __init__(
@@ -278,6 +279,7 @@ class Request:
         owner: Owner = ANONYMOUS,
         *,
         arrival_time: float | None = None,
+        priority: int = 0,
     ) -> None:
         self.request_id = request_id
         self.prompt_token_ids = prompt_token_ids
@@ -309,6 +311,9 @@ class Request:
         # (never among the known tokens), and where this request's n-grams occurred.
         self.spec_token_ids: list[int] = []
         self.ngram_index: Proposer | None = None
+        # Its band (engine/priority.py): lower runs first. The starvation bound may promote
+        # a waiting request into a better band; it never moves it down.
+        self.priority = priority
 
     @property
     def lora(self) -> LoRARequest | None:

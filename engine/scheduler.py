@@ -4,7 +4,8 @@ One rule covers every phase: each request's num_computed_tokens catches up
 with its num_tokens. A fresh prompt, a prompt chunk, a prefix-cache hit and a
 recompute after preemption differ only in where num_computed_tokens starts.
 
-Each step: running requests first (in admission order), then waiting ones,
+Each step: running requests first (best priority band first, admission order within
+one; engine/priority.py), then waiting ones,
 under max_num_seqs, max_num_batched_tokens and the free KV blocks. Waiting
 requests stand in one line per fairness key (engine/fairness.py): policy "fair"
 admits from the least-served key first, "fcfs" in arrival order. When a running
@@ -21,6 +22,8 @@ longer than that for the step under way. The cap never goes below twice the prom
 the other keys' decode slots consume (their throughput holds; their first tokens wait). In
 a step where a below-share key's prompt runs or is admitted, the others' prompts get none
 of the budget.
+The same protection covers a whole priority band while a worse one is present (`Favour`):
+batch lines fill what interactive traffic leaves, in steps kept short around it.
 Decode rows are never capped (another key's prompt chunk leaves each below-share decode row
 its token), and with nobody below their share steps are as large as max_num_batched_tokens
 allows.
@@ -34,10 +37,11 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from engine.config import SCHEDULING_POLICIES
-from engine.fairness import FairQueue
+from engine.kv_cache.block_pool import KVCacheBlock
 from engine.kv_cache.manager import KVCacheManager
 from engine.lora import LoRAManager
 from engine.lora_types import LoRALoadError
+from engine.priority import DEFAULT_MAX_WAIT, NOBODY, BandedQueue, Favour
 from engine.request import Request, RequestStatus
 from engine.step_cost import StepCost
 
@@ -56,12 +60,18 @@ class SchedulerConfig:
     max_num_seqs: int
     max_num_batched_tokens: int
     enable_chunked_prefill: bool = True
-    policy: str = "fair"  # "fair": by each fairness key's service; "fcfs": arrival order
+    # "fair": priority bands, by each fairness key's service within a band; "priority":
+    # bands, arrival order within them; "fcfs": arrival order (engine/priority.py).
+    policy: str = "fair"
     fair_delay_ratio: float = 0.5  # see the module doc: short steps while someone waits
+    priority_max_wait: float = DEFAULT_MAX_WAIT  # seconds a waiting band may go unserved
 
     def __post_init__(self) -> None:
         if self.policy not in SCHEDULING_POLICIES:
-            raise ValueError(f"scheduling policy must be fair or fcfs, got {self.policy!r}")
+            raise ValueError(
+                f"scheduling policy must be one of {', '.join(SCHEDULING_POLICIES)}, "
+                f"got {self.policy!r}"
+            )
         if not self.fair_delay_ratio > 0:
             raise ValueError(f"fair_delay_ratio must be positive, got {self.fair_delay_ratio}")
 
@@ -101,10 +111,12 @@ class Scheduler:
         self.fair_delay_ratio = config.fair_delay_ratio
         # Measured by the engine after each step; what a step of so many tokens costs.
         self.step_cost = step_cost or StepCost()
-        # Waiting requests, in one line per fairness key ("fcfs": one line for all).
-        self.waiting = FairQueue(use_keys=config.policy == "fair", clock=clock)
-        # This step's keys below their share and what is left of its prefill cap.
-        self._below: frozenset[str | None] = frozenset()
+        # Waiting requests: a band per priority, one line per fairness key in each ("fcfs":
+        # one band, one line for all).
+        self.waiting = BandedQueue(config.policy, config.priority_max_wait, clock)
+        # This step's favoured requests (the best band's, or its keys below their share) and
+        # what is left of its prefill cap.
+        self._favour: Favour = NOBODY
         self._cap_left: int | None = None
         self.running: list[Request] = []
         self.num_preemptions = 0
@@ -125,7 +137,7 @@ class Scheduler:
         out = SchedulerOutput()
         if self.lora is not None:
             self.lora.begin_step()
-        self._below = self.waiting.below_share()
+        self._favour = self.waiting.favour()
         out.prefill_cap = self._cap_left = self._prefill_cap()
         self._schedule_running(out)
         if not out.preempted:
@@ -150,14 +162,12 @@ class Scheduler:
         # Below-share keys' decode rows not yet planned: another key's prompt chunk leaves
         # each of them its token (with nobody below their share, chunks take what they find,
         # as they always have: the rows behind a full chunk wait a step).
-        below = self._below
+        favour = self._favour
         decode_left = (
             sum(
-                1
-                for r in self.running
-                if r.fairness_key in below and r.num_tokens - r.num_computed_tokens <= 1
+                1 for r in self.running if r in favour and r.num_tokens - r.num_computed_tokens <= 1
             )
-            if below
+            if favour
             else 0
         )
         while i < len(self.running):
@@ -168,13 +178,13 @@ class Scheduler:
             considered.add(id(request))
             remaining = request.num_tokens - request.num_computed_tokens
             if remaining > 1:
-                reserve = 0 if request.fairness_key in below else decode_left
+                reserve = 0 if request in favour else decode_left
                 num_new = self._capped(request, min(remaining, budget - reserve))
                 if num_new <= 0:  # a prompt chunk that yields this step
                     i += 1
                     continue
             else:
-                if request.fairness_key in below:
+                if request in favour:
                     decode_left -= 1
                 num_new = min(remaining, budget)
             if request.spec_token_ids:
@@ -203,12 +213,31 @@ class Scheduler:
                 return False
         return True
 
+    def _allocate_or_yield(
+        self,
+        request: Request,
+        num_new: int,
+        computed_blocks: list[KVCacheBlock],
+        out: SchedulerOutput,
+    ) -> bool:
+        """A waiting request's first blocks: where memory runs out, worse bands' running
+        requests give theirs up (newest first), never a band as good as its own."""
+        band_of = self.waiting.band_of
+        while not self.kv.allocate_slots(request, num_new, computed_blocks):
+            if not self.running or max(map(band_of, self.running)) <= band_of(request):
+                return False
+            victim = self.waiting.victim(self.running, request, self._favour)
+            self._unschedule(out, victim)
+            self.preempt(victim)
+            out.preempted.append(victim)
+        return True
+
     def _share_slots(self, out: SchedulerOutput) -> None:
         """Policy fair, every sequence slot taken: slots go from keys above their weighted
         share to backlogged keys below it (engine/fairness.py, `slot_victim`)."""
         while len(self.running) >= self.max_num_seqs:
             victim = self.waiting.slot_victim(
-                self.running, self.max_num_seqs, self._admissible, self._below
+                self.running, self.max_num_seqs, self._admissible, self._favour
             )
             if victim is None:
                 return
@@ -241,7 +270,7 @@ class Scheduler:
     def preemption_victim(self, requester: Request | None = None) -> Request:
         """The running request to preempt when memory runs out for `requester` (there must be
         one): never one of a key below its share for another key's work."""
-        return self.waiting.victim(self.running, requester, self._below)
+        return self.waiting.victim(self.running, requester, self._favour)
 
     # -- the step's prefill cap -------------------------------------------------------------
 
@@ -251,8 +280,8 @@ class Scheduler:
         within fair_delay_ratio x that key's own first step, or as the others' decode rows
         need to stay fed, whichever is more. None: no cap (nobody below their share, policy
         fcfs, no chunking, or too few steps measured to tell)."""
-        below = self._below
-        if not below or not self.enable_chunked_prefill:
+        favour = self._favour
+        if not favour or not self.enable_chunked_prefill:
             return None
         if self._below_share_prefill_due():
             return 0
@@ -261,7 +290,7 @@ class Scheduler:
         # The step under way when the below-share key's next request comes is what it waits
         # for: at most fair_delay_ratio x its own first step...
         target = self.fair_delay_ratio * self.step_cost.predict(
-            int(self.waiting.typical_prompt(below)) or self.kv.block_size
+            int(self.waiting.typical_prompt(favour)) or self.kv.block_size
         )
         decode_rows = sum(
             1 + len(r.spec_token_ids)
@@ -271,37 +300,34 @@ class Scheduler:
         within = self.step_cost.marginal_tokens(target - self.step_cost.predict(decode_rows))
         # ...but never so short that the other keys' decode rows run dry of prompts: their
         # throughput is kept, their first tokens wait. And at least a block a step.
-        need = self.waiting.prompt_need(self.running, self.max_num_seqs, below)
+        need = self.waiting.prompt_need(self.running, self.max_num_seqs, favour)
         return max(self.kv.block_size, within, int(PROMPT_NEED_MARGIN * need))
 
     def _below_share_prefill_due(self) -> bool:
         """Does a key below its share compute prompt tokens this step: a running prompt
         chunk, or a waiting request that could be admitted now (its gates pass, and a slot is
         free or would be given to it)?"""
-        below = self._below
-        if any(
-            r.fairness_key in below and r.num_tokens - r.num_computed_tokens > 1
-            for r in self.running
-        ):
+        favour = self._favour
+        if any(r in favour and r.num_tokens - r.num_computed_tokens > 1 for r in self.running):
             return True
         # A head whose first chunk could not get its blocks would hold the others' prompts
         # back for nothing (they might be what holds the blocks): it waits like anyone.
         free_tokens = self.kv.num_free_blocks * self.kv.block_size
         heads = [
             r
-            for r in self.waiting.waiting_heads(below)
+            for r in self.waiting.waiting_heads(favour)
             if self._admissible(r) and min(r.num_tokens, self.max_num_batched_tokens) <= free_tokens
         ]
         if not heads:
             return False
         if len(self.running) < self.max_num_seqs:
             return True
-        victim = self.waiting.slot_victim(self.running, self.max_num_seqs, self._admissible, below)
+        victim = self.waiting.slot_victim(self.running, self.max_num_seqs, self._admissible, favour)
         return victim is not None
 
     def _capped(self, request: Request, num_new: int) -> int:
         """A prompt chunk of a key not below its share, cut to what is left of the cap."""
-        if self._cap_left is None or request.fairness_key in self._below:
+        if self._cap_left is None or request in self._favour:
             return num_new
         return min(num_new, self._cap_left)
 
@@ -309,7 +335,7 @@ class Scheduler:
         """Count a planned prompt chunk against the cap (decode rows never are)."""
         if (
             self._cap_left is not None
-            and request.fairness_key not in self._below
+            and request not in self._favour
             and request.num_tokens - request.num_computed_tokens > 1
         ):
             self._cap_left -= num_new
@@ -320,8 +346,8 @@ class Scheduler:
             budget = self.max_num_batched_tokens - out.num_batched_tokens
             if budget <= 0:
                 break
-            # With the cap spent, only keys below their share are admitted.
-            only = self._below if self._cap_left == 0 else None
+            # With the cap spent, only the favoured are admitted.
+            only = self._favour if self._cap_left == 0 else None
             request = self.waiting.pop_next(only)
             if request is None:
                 break
@@ -343,7 +369,7 @@ class Scheduler:
             num_new = min(num_prompt, budget)
             if num_new > 1:
                 num_new = self._capped(request, num_new)
-            if not fits or not self.kv.allocate_slots(request, num_new, computed_blocks):
+            if not fits or not self._allocate_or_yield(request, num_new, computed_blocks, out):
                 self._release_lora(request)
                 self.waiting.push_front(request)
                 break
@@ -352,7 +378,7 @@ class Scheduler:
                 request.num_cached_tokens = num_cached
                 request.scheduled_time = time.monotonic()
             request.status = RequestStatus.RUNNING
-            self.running.append(request)
+            self.waiting.order(self.running, request)
             self.waiting.admitted(request, num_prompt if request.num_preemptions == 0 else None)
             out.scheduled.append((request, num_new))
             out.num_batched_tokens += num_new

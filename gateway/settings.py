@@ -77,8 +77,12 @@ class Settings(BaseSettings):
     enable_prefix_caching: bool = True
     enable_chunked_prefill: bool = True
     max_waiting: int = 1024
-    scheduling_policy: Literal["fair", "fcfs"] = "fair"
+    scheduling_policy: Literal["fair", "priority", "fcfs"] = "fair"
     fair_delay_ratio: float = 0.5
+    priority_max_wait: float = Field(default=30.0, gt=0, le=86400)
+    # The band every batch line runs in (engine/priority.py): below interactive requests'
+    # (0 unless they ask for worse), so batches take the capacity interactive traffic leaves.
+    batch_priority: int = Field(default=100, ge=0, le=1_000_000)
     dtype: str = "auto"
     quantization: Literal["int8"] | None = None
     # vLLM's JSON, e.g. {"method": "ngram", "num_speculative_tokens": 4, ...}; None: off.
@@ -170,6 +174,21 @@ class Settings(BaseSettings):
     # whole, the rest summarised by the model in at most so many tokens.
     responses_compact_keep_turns: int = Field(default=2, ge=0, le=1000)
     responses_compact_summary_tokens: int = Field(default=256, ge=16, le=8192)
+    # The Files API (gateway/openai/files): a batch input file's bytes and lines (OpenAI's
+    # limits), checked at upload; files a tenant may hold (a batch's outputs count, never
+    # refused). The bytes live under adapter_store's files/.
+    batch_file_max_bytes: int = Field(default=200 << 20, ge=1)
+    batch_file_max_lines: int = Field(default=50_000, ge=1)
+    files_max_per_tenant: int = Field(default=1000, ge=1)
+    # The Batch API (gateway/openai/batches): lines a gateway keeps in its engines at once;
+    # tokens (prompt + max_tokens per line) a tenant's unfinished batches may hold, when the
+    # tenant has no cap of its own (None: unlimited); how long a gateway's claim on a line
+    # lasts unless renewed (a gateway that died leaves its lines to others after it); and
+    # what a batch's completion_window "24h" means here, in seconds.
+    batch_max_concurrency: int = Field(default=64, ge=1, le=100_000)
+    batch_token_limit: int | None = Field(default=None, ge=0)
+    batch_lease_seconds: float = Field(default=60.0, gt=0.0, le=86400.0)
+    batch_completion_window_seconds: float = Field(default=86400.0, gt=0.0)
 
     @field_validator("lora_modules", mode="before")
     @classmethod

@@ -47,7 +47,14 @@ HELP: dict[str, str] = {
     "enable_prefix_caching": "Reuse KV blocks of identical prefixes (same adapter and salt).",
     "enable_chunked_prefill": "Split long prompts across steps.",
     "max_waiting": "Queued requests before 503.",
-    "scheduling_policy": "fair (tenants share the batch by weight, VTC) or fcfs.",
+    "scheduling_policy": "fair (priority bands, lower first; tenants share a band by weight, "
+    "VTC), priority (bands, arrival order within them) or fcfs (arrival order; priority "
+    "ignored).",
+    "priority_max_wait": "Seconds a priority band with requests waiting may go without one "
+    "admitted while better bands keep the engine busy; then its next request runs (bounded "
+    "starvation).",
+    "batch_priority": "The priority band batch lines run in (lower runs first; interactive "
+    "requests default to 0).",
     "fair_delay_ratio": "Policy fair, while a tenant below its share is active: other tenants' "
     "prompt chunks are cut so that a step takes about this times that tenant's own first step "
     "(its next first token waits at most that long for the step under way).",
@@ -138,6 +145,22 @@ HELP: dict[str, str] = {
     "turns of a conversation whole and summarises what came before.",
     "responses_compact_summary_tokens": "The most tokens a compaction's summary takes (the model "
     "writes it, greedily).",
+    "batch_file_max_bytes": "The largest file POST /v1/files takes (a batch's input; 413 past "
+    "it): 200 MiB, as OpenAI's.",
+    "batch_file_max_lines": "The most lines (requests) a batch's input file may have (413 past "
+    "it): 50,000, as OpenAI's.",
+    "files_max_per_tenant": "Files a tenant may hold (/v1/files); an upload past it is refused "
+    "(a batch's output files count but are always written).",
+    "batch_max_concurrency": "Batch lines (/v1/batches) this gateway keeps in its engines at "
+    "once; it claims more as they finish.",
+    "batch_token_limit": "Tokens (each line's prompt + max_tokens) a tenant's unfinished "
+    "batches may hold, for a tenant without a cap of its own; a batch past it is a 429. "
+    "Default: none (unlimited).",
+    "batch_lease_seconds": "Seconds a gateway's claim on a batch line lasts unless renewed "
+    "(every third of it while the line runs): a gateway that died leaves its lines to the "
+    "others after this.",
+    "batch_completion_window_seconds": "What a batch's completion_window `24h` means here: "
+    "unfinished lines are expired this long after its creation.",
     "responses_sweep_interval": "Seconds between deletions of expired stored responses and "
     "conversations.",
 }

@@ -179,6 +179,7 @@ class ChatServing:
             tools=calls,
             tool_format=None if calls is None or calls.forced else fmt,
             routing_key=body.prompt_cache_key,
+            priority=body.priority,
         )
 
     def _tool_plan(self, body: ChatCompletionRequest) -> ToolPlan | None:

@@ -114,6 +114,7 @@ class CompletionServing:
             include_usage=body.include_usage,
             guided_param=body.guided_param,
             routing_key=body.prompt_cache_key,
+            priority=body.priority,
         )
 
 

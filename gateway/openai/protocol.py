@@ -43,6 +43,7 @@ MAX_PROMPTS = 128  # prompts in one completion request
 MAX_MESSAGES = 1024
 MAX_CONTENT_PARTS = 256
 MAX_NAME_CHARS = 256
+MAX_PRIORITY = 1_000_000
 MAX_GUIDED_CHOICES = 1024
 MAX_LOGPROBS = 20
 MAX_TOOLS = 128
@@ -114,6 +115,10 @@ class _SamplingFields(_Body):
     # Requests that share a long prefix say so: a model's replicas route them together (the
     # key is joined to the tenant's cache salt, so it never joins two tenants).
     prompt_cache_key: str | None = Field(None, min_length=1, max_length=MAX_NAME_CHARS)
+    # vLLM's: the request's band under --scheduling-policy fair or priority, lower first
+    # (engine/priority.py). 0 is the best a tenant may ask for; batch lines run at
+    # --batch-priority.
+    priority: int = Field(0, ge=0, le=MAX_PRIORITY)
     response_format: ResponseFormat | None = None
     guided_json: dict[str, Any] | str | None = None
     guided_regex: str | None = None

@@ -12,6 +12,7 @@ Each prompt x n sample is one choice; the usage counts prompt, cached and comple
 from __future__ import annotations
 
 import logging
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 
 from fastapi.responses import JSONResponse, Response
@@ -39,7 +40,7 @@ from gateway.openai.tools.calls import ToolPlan
 from gateway.openai.tools.parsers import FORMATS, ToolFormat
 from gateway.openai.tools.stream import ToolCallStream
 from gateway.tenancy.adapter_catalog import AdapterResolver, AmbiguousAdapter
-from gateway.tenancy.admission import Admission
+from gateway.tenancy.admission import Admission, Ticket
 from gateway.tenancy.auth import RequestTenant
 from gateway.tenancy.metering import Meter, UsageSink
 
@@ -47,6 +48,9 @@ logger = logging.getLogger(__name__)
 
 # What nginx logs for a client that hung up before its answer; no client ever reads it.
 CLIENT_CLOSED_REQUEST = 499
+
+# An admission: (tenant, request id, tokens to reserve) to its Ticket, or an APIError.
+Admit = Callable[[RequestTenant, str, int], Awaitable[Ticket]]
 
 
 @dataclass(frozen=True, slots=True)
@@ -68,6 +72,7 @@ class Generation:
     tools: ToolPlan | None = None  # each choice's output read for calls
     tool_format: ToolFormat | None = None  # the calls' format under tool_choice "auto"
     routing_key: str | None = None  # the client's prompt_cache_key
+    priority: int = 0  # its band in the engine (lower first): the client's, or a batch's
 
 
 class OpenAIServing:
@@ -119,22 +124,30 @@ class OpenAIServing:
             )
         return served, found.lora
 
-    async def start(self, generation: Generation, tenant: RequestTenant) -> Answer:
+    async def start(
+        self,
+        generation: Generation,
+        tenant: RequestTenant,
+        admit: Admit | None = None,
+        sink: UsageSink | None = None,
+    ) -> Answer:
         """Admit the generation and start its engine requests: a refusal (its grammar,
         admission, the engine's) is an HTTP error here, before anything is answered. From
-        here on the request ends with exactly one usage row."""
+        here on the request ends with exactly one usage row. `admit` and `sink` replace the
+        tenant's admission and the usage ledger (a batch line is admitted by its quota alone,
+        and its row is written with its answer: gateway.openai.batches)."""
         g = generation
         timer = Timer(self.metrics)  # time to first token includes a grammar's compile
         if g.params.guided is not None:
             await compile_grammar(g.model, g.params.guided, g.guided_param)
-        ticket = await self.admission.admit(tenant, g.request_id, _reserved(g))
+        ticket = await (admit or self.admission.admit)(tenant, g.request_id, reserved_tokens(g))
         try:
             updates = await self._submit(g, tenant)
         except BaseException:
             ticket.release(0)  # refused by the engine: nothing used
             raise
         meter = Meter(
-            self.ledger,
+            sink or self.ledger,
             ticket,
             self.metrics.tenants,
             tenant,
@@ -192,6 +205,7 @@ class OpenAIServing:
                     fairness_key=tenant.id,
                     fairness_weight=tenant.weight,
                     routing_key=g.routing_key,
+                    priority=g.priority,
                 )
             )
             for i, prompt in enumerate(g.prompts)
@@ -233,7 +247,7 @@ async def compile_grammar(model: ServedModel, spec: GuidedSpec, param: str | Non
         raise APIError(400, str(exc), param=param, code=INVALID_GRAMMAR) from exc
 
 
-def _reserved(g: Generation) -> int:
+def reserved_tokens(g: Generation) -> int:
     """Tokens the limiter reserves: each prompt, and each sample's max_tokens (what remains of
     the context where none is given). The actual count replaces it at the end."""
     max_len, params = g.model.engine.facts.max_model_len, g.params

@@ -68,6 +68,7 @@ def encode_request(request: EngineRequest) -> dict[str, Any]:
         "fairness_key": request.fairness_key,
         "fairness_weight": request.fairness_weight,
         "routing_key": request.routing_key,
+        "priority": request.priority,
     }
 
 
@@ -96,6 +97,7 @@ def decode_request(data: dict[str, Any], store: AdapterStorage | None) -> Engine
             fairness_key=data.get("fairness_key"),
             fairness_weight=float(data.get("fairness_weight", 1.0)),
             routing_key=data.get("routing_key"),
+            priority=int(data.get("priority", 0)),
         )
     except RequestRefused:
         raise

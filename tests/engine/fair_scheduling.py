@@ -21,9 +21,10 @@ def make_scheduler(
     caching: bool = True,
     step_cost: StepCost | None = None,
     clock: Callable[[], float] = time.monotonic,
+    max_wait: float = 30.0,
 ) -> Scheduler:
     kv = KVCacheManager(num_blocks, block_size, caching)
-    config = SchedulerConfig(max_seqs, budget, policy=policy)
+    config = SchedulerConfig(max_seqs, budget, policy=policy, priority_max_wait=max_wait)
     return Scheduler(kv, config, step_cost=step_cost, clock=clock)
 
 
@@ -35,6 +36,7 @@ def add(
     weight: float = 1.0,
     first: int = 0,
     max_tokens: int = 100,
+    priority: int = 0,
 ) -> Request:
     request = Request(
         rid,
@@ -42,6 +44,7 @@ def add(
         SamplingParams(max_tokens=max_tokens),
         None,
         Owner(fairness_key=key, fairness_weight=weight),
+        priority=priority,
     )
     sched.add_request(request)
     return request

@@ -210,7 +210,7 @@ def test_a_light_keys_burst_takes_slots_beyond_its_count_share() -> None:
     for _ in range(20):
         run_step(sched.schedule())
         clock.now += 0.01
-    assert sched.waiting.below_share() == {"B"}
+    assert sched.waiting.favour().keys == {"B"}
     assert sched.num_fairness_preemptions == 3
 
 

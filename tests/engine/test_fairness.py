@@ -213,7 +213,9 @@ def trace(policy: str, keyed: bool, seed: int = 3) -> list[tuple]:
         )
         finish_done(sched, run_step(out))
         running = Counter(r.fairness_key if policy == "fair" else None for r in sched.running)
-        tracked = {k: line.num_running for k, line in sched.waiting._lines.items()}
+        queue = sched.waiting.band_queue(0)
+        lines = {} if queue is None else queue._lines
+        tracked = {k: line.num_running for k, line in lines.items()}
         assert all(tracked.get(k, 0) == n for k, n in running.items())
         assert sum(tracked.values()) == len(sched.running)
     assert sum(len(step[1]) for step in steps) > 0  # the workload does preempt
@@ -232,7 +234,7 @@ def test_fcfs_ignores_keys_and_weights() -> None:
 def test_the_policy_is_validated() -> None:
     with pytest.raises(ValueError, match="scheduling_policy"):
         EngineConfig(model="m", scheduling_policy="lottery")
-    with pytest.raises(ValueError, match="fair or fcfs"):
+    with pytest.raises(ValueError, match="fair, priority, fcfs"):
         make_scheduler("lottery")
 
 

@@ -210,6 +210,9 @@ def test_models_and_health(server: Server) -> None:
         ({"model": MODEL, "prompt": "x", "temperature": "hot"}, 400, "temperature"),
         ({"model": MODEL, "prompt": "x", "temperature": -1}, 400, "temperature"),
         ({"model": "nope", "prompt": "x"}, 404, "model"),
+        # Lower runs first; a tenant may not ask for a band better than everyone's default.
+        ({"model": MODEL, "prompt": "x", "priority": -1}, 400, "priority"),
+        ({"model": MODEL, "prompt": "x", "priority": 10**7}, 400, "priority"),
         ({"model": MODEL, "prompt": list(range(10, 600)), "max_tokens": 10}, 400, None),
         (
             {"model": MODEL, "prompt": "x", "response_format": {"type": "xml"}},

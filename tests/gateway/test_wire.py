@@ -53,6 +53,7 @@ def test_a_request_round_trips_with_the_engine_store_path(tmp_path: Path) -> Non
         cache_salt="salt",
         fairness_key="ten_1",
         fairness_weight=2.0,
+        priority=100,
     )
     store = LocalAdapterStore(tmp_path / "store")
     back = decode_request(_over_the_wire(encode_request(request)), store)  # type: ignore[arg-type]
@@ -64,6 +65,7 @@ def test_a_request_round_trips_with_the_engine_store_path(tmp_path: Path) -> Non
         "ten_1",
         2.0,
     )
+    assert back.priority == 100
 
 
 @pytest.mark.parametrize(
