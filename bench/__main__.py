@@ -46,6 +46,10 @@ BENCHMARKS: dict[str, tuple[str, str]] = {
         "bench.open_responses",
         "the Open Responses compliance templates against any server, checked against the spec",
     ),
+    "batch": (
+        "bench.batch",
+        "interactive TTFT alone and beside a batch; the batch's tok/s alone and beside traffic",
+    ),
     "console-usage": (
         "bench.console_usage",
         "the admin console's usage queries on 1M PostgreSQL rows, without and with 0005",

@@ -177,6 +177,11 @@ class Scheduler:
             request = self.running[i]
             considered.add(id(request))
             remaining = request.num_tokens - request.num_computed_tokens
+            if self._cap_left == 0 and favour.whole and request not in favour:
+                # A better band's prompt is due: the step is its first token's, run as if the
+                # worse bands were not there (their rows wait one step).
+                i += 1
+                continue
             if remaining > 1:
                 reserve = 0 if request in favour else decode_left
                 num_new = self._capped(request, min(remaining, budget - reserve))

@@ -166,3 +166,16 @@ def test_the_engine_takes_priority_and_refuses_a_non_integer(demo_model_dir: Pat
     assert [u.request_id for u in first][:1] == ["high"]  # planned first
     with pytest.raises(RequestRefused, match="priority"):
         engine.add(EngineRequest("bad", [5], params, priority=1.5))  # type: ignore[arg-type]
+
+
+def test_a_better_bands_first_step_runs_without_the_worse_bands_rows() -> None:
+    sched = make_scheduler("fair", budget=64)
+    add(sched, "batch", 4, key="A", priority=BATCH)
+    run_step(sched.schedule())  # the batch decodes from here on
+    add(sched, "chat", 8, key="B", first=500)
+    out = sched.schedule()
+    # The chat's first token comes from a step as short as if it were alone; the batch's
+    # decode row waits that one step.
+    assert [(r.request_id, n) for r, n in out.scheduled] == [("chat", 8)]
+    run_step(out)
+    assert admitted(sched.schedule()) == ["chat", "batch"]
