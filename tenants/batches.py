@@ -15,17 +15,30 @@ another finalizes. Before an expired or cancelled batch is read for its files, i
 lines are fenced (`fence_lines`): their status changes, so an answer that arrives afterwards
 finds its claim gone and writes nothing (tenants/batch_lines.py).
 
-Every read is scoped to a tenant: another tenant's batch id reads as missing. Times are UTC.
+Every read is scoped to a tenant: another tenant's batch id reads as missing (but `page_all`,
+the admin's list across tenants). Times are UTC.
 """
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta
 from typing import Any, Literal, cast
 
-from sqlalchemy import CursorResult, and_, exists, func, insert, or_, select, tuple_, update
+from sqlalchemy import (
+    ColumnElement,
+    CursorResult,
+    and_,
+    exists,
+    func,
+    insert,
+    or_,
+    select,
+    true,
+    tuple_,
+    update,
+)
 
 from tenants.db import Database
 from tenants.models import BatchLineRow, BatchRow, Tenant, utcnow
@@ -259,13 +272,33 @@ class BatchStore:
         """The tenant's batches newest first (created_at, then id), from the one after the
         batch `after` (another tenant's or an unknown id: from the start, as OpenAI does for
         a cursor it does not know), at most `limit`; and whether more follow."""
+        mine = BatchRow.tenant_id == tenant_id
+        return await self._page(mine, limit, after, cursor_scope=mine)
+
+    async def page_all(
+        self, statuses: Sequence[str] | None, limit: int, after: str | None = None
+    ) -> tuple[list[StoredBatch], bool]:
+        """Every tenant's batches (of these statuses, if given) newest first, paged as `page`
+        pages one tenant's (the cursor any batch: one whose status changed since still marks
+        the place): the admin's view across tenants."""
+        scope = true() if statuses is None else BatchRow.status.in_(statuses)
+        return await self._page(scope, limit, after, cursor_scope=true())
+
+    async def _page(
+        self,
+        scope: ColumnElement[bool],
+        limit: int,
+        after: str | None,
+        *,
+        cursor_scope: ColumnElement[bool],
+    ) -> tuple[list[StoredBatch], bool]:
+        """The batches in `scope`, newest first, after the batch `after` if `cursor_scope`
+        holds it (else from the start)."""
         row = BatchRow
-        query = select(row).where(row.tenant_id == tenant_id)
+        query = select(row).where(scope)
         async with self.db.session() as session:
             if after is not None:
-                cursor = await session.scalar(
-                    select(row).where(row.id == after, row.tenant_id == tenant_id)
-                )
+                cursor = await session.scalar(select(row).where(row.id == after, cursor_scope))
                 if cursor is not None:
                     position = tuple_(cursor.created_at, cursor.id)
                     query = query.where(tuple_(row.created_at, row.id) < position)

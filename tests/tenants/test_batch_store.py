@@ -144,6 +144,29 @@ def test_a_batch_is_made_read_by_its_tenant_only_and_listed(database_url: str) -
     run(database_url, body)
 
 
+def test_every_tenants_batches_are_listed_by_status_for_the_admin(database_url: str) -> None:
+    async def body(db: Database, a: str, b: str) -> None:
+        store = BatchStore(db)
+        first = await store.create(new_batch(a), lines(2), None)
+        second = await store.create(new_batch(b), lines(1), None)
+        third = await store.create(new_batch(a), lines(1), None)
+        await store.cancel(b, second.id)
+        page, more = await store.page_all(None, 2)
+        assert [x.id for x in page] == [third.id, second.id] and more
+        assert (page[0].tenant_id, page[1].tenant_id, page[1].status) == (a, b, "cancelling")
+        page, more = await store.page_all(None, 2, after=second.id)
+        assert [x.id for x in page] == [first.id] and not more
+        assert page[0].totals.total == 2  # live from its lines, as the tenant's list reads it
+        running, _ = await store.page_all(["in_progress"], 10)
+        assert [x.id for x in running] == [third.id, first.id]
+        # A cursor whose batch left the statuses asked for still marks the place.
+        page, _ = await store.page_all(["in_progress"], 10, after=second.id)
+        assert [x.id for x in page] == [first.id]
+        assert await store.page_all(["completed"], 10) == ([], False)
+
+    run(database_url, body)
+
+
 def test_the_queued_token_cap_counts_unfinished_lines(database_url: str) -> None:
     async def body(db: Database, a: str, b: str) -> None:
         store, claims = BatchStore(db), LineClaims(db)
