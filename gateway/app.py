@@ -20,6 +20,8 @@ from gateway.metrics import Metrics
 from gateway.models.served import ServedModels
 from gateway.openai.conversations import routes as conversations_routes
 from gateway.openai.conversations.serving import ConversationsServing
+from gateway.openai.files import routes as files_routes
+from gateway.openai.files.serving import FileLimits, FilesServing
 from gateway.openai.responses import routes as responses_routes
 from gateway.openai.responses import websocket as responses_socket
 from gateway.openai.responses.compaction import Compactor, CompactPolicy
@@ -32,6 +34,9 @@ from gateway.tenancy.admission import Admission
 from gateway.tenancy.state import Tenancy
 
 ADAPTER_UPLOADS = "/admin/adapters"
+FILE_UPLOADS = "/v1/files"
+# A file upload's bytes besides the file's own: the form's boundaries, headers and purpose.
+FORM_OVERHEAD = 64 << 10
 
 
 @dataclass(frozen=True)
@@ -106,14 +111,31 @@ def build_app(
     app.state.compactor = (
         None if app.state.responses is None else Compactor(app.state.responses, options.compaction)
     )
+    app.state.files = (
+        None
+        if tenancy.files is None
+        else FilesServing(
+            app.state.serving,
+            tenancy.files,
+            FileLimits(
+                tenancy.batch_file_max_bytes,
+                tenancy.batch_file_max_lines,
+                max_line_bytes=options.max_body_bytes,
+            ),
+            app.state.responses,
+        )
+    )
     app.state.started_at = int(time.time())
     install_error_handlers(app)
     # The last added runs first: every request passes the error boundary, then the size limit
-    # (adapter uploads have a limit of their own).
+    # (adapter and file uploads have limits of their own).
     app.add_middleware(
         BodySizeLimit,
         max_bytes=options.max_body_bytes,
-        overrides={ADAPTER_UPLOADS: tenancy.max_adapter_bytes},
+        overrides={
+            ADAPTER_UPLOADS: tenancy.max_adapter_bytes,
+            FILE_UPLOADS: tenancy.batch_file_max_bytes + FORM_OVERHEAD,
+        },
     )
     app.add_middleware(ConsoleHeaders)
     app.add_middleware(ErrorBoundary)
@@ -121,6 +143,7 @@ def build_app(
         router,
         responses_routes.router,
         conversations_routes.router,
+        files_routes.router,
         usage.router,
         admin.router,
         usage.admin_router,

@@ -307,7 +307,7 @@ async def update(tenant_id: str, body: TenantUpdate, tenancy: TenancyDep, _: Adm
 
 @router.delete("/tenants/{tenant_id}", status_code=204, response_class=Response)
 async def delete(tenant_id: str, tenancy: TenancyDep, _: AdminDep) -> Response:
-    """Delete the tenant with its keys, adapters, stored responses and conversations."""
+    """Delete the tenant with its keys, adapters, stored responses, conversations and files."""
     async with tenancy.db.session() as session, session.begin():
         tenant = await get_tenant(session, tenant_id=tenant_id)
         if tenant is None:
@@ -316,6 +316,8 @@ async def delete(tenant_id: str, tenancy: TenancyDep, _: AdminDep) -> Response:
     tenancy.auth.forget()
     tenancy.catalog.forget()
     await tenancy.catalog.release(shas)
+    if tenancy.files is not None:  # their rows went with the tenant; now their bytes
+        await tenancy.files.remove_tenant(tenant_id)
     return Response(status_code=204)
 
 

@@ -1,6 +1,6 @@
 """Everything multi-tenant the gateway holds: the database, tenant and admin authentication,
 the adapter catalog, the stored responses (/v1/responses) and conversations
-(/v1/conversations), and how they start.
+(/v1/conversations), the files (/v1/files), and how they start.
 
 `open_tenancy` migrates the database (unless told not to), sweeps the adapter store, and on
 an empty database creates the `demo` tenant with one key, which it returns once so the
@@ -16,9 +16,10 @@ import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from datetime import datetime
+from pathlib import Path
 
 from adapters.peft import BaseModelInfo
-from adapters.store import open_adapter_store
+from adapters.store import open_adapter_store, store_directory
 from gateway.settings import Settings
 from gateway.tenancy.adapter_catalog import AdapterCatalog
 from gateway.tenancy.admin_auth import AdminAuth
@@ -26,6 +27,7 @@ from gateway.tenancy.auth import RequestTenant, TenantAuth, request_tenant
 from gateway.tenancy.ratelimit import LimiterOptions, RateLimiter, make_limiter
 from tenants.conversations import ConversationStore
 from tenants.db import Database, upgrade
+from tenants.files import FileStore
 from tenants.keys import create_key
 from tenants.ledger import Ledger
 from tenants.responses import BEAT_INTERVAL, SILENT_AFTER, ResponseStore
@@ -58,6 +60,11 @@ class Tenancy:
     # The Conversations API's conversations (kept and capped as responses are); None: no such
     # routes (and no `conversation` on a response).
     conversations: ConversationStore | None = None
+    # The Files API's files (a batch's input uploaded, its output written); None: no such
+    # routes. An upload's bounds: its bytes and its lines.
+    files: FileStore | None = None
+    batch_file_max_bytes: int = 200 << 20
+    batch_file_max_lines: int = 50_000
     responses_sweep_interval: float = 600.0
     _sweeper: asyncio.Task[None] | None = None
 
@@ -170,6 +177,13 @@ def open_tenancy(settings: Settings, bases: dict[str, BaseModelInfo]) -> Tenancy
             max_per_tenant=settings.responses_max_stored_per_tenant,
         ),
         responses_sweep_interval=settings.responses_sweep_interval,
+        files=FileStore(
+            db,
+            Path(store_directory(str(settings.adapter_store))) / "files",
+            max_per_tenant=settings.files_max_per_tenant,
+        ),
+        batch_file_max_bytes=settings.batch_file_max_bytes,
+        batch_file_max_lines=settings.batch_file_max_lines,
     )
 
 
@@ -190,6 +204,8 @@ async def prepare(tenancy: Tenancy, settings: Settings) -> DemoKey | None:
     removed = await tenancy.catalog.sweep()
     if removed:
         logger.info("removed %d stored adapters no row references", len(removed))
+    if tenancy.files is not None and (swept := await tenancy.files.sweep()):
+        logger.info("removed %d stored files no row names", swept)
     if unserved := await tenancy.catalog.unserved():
         logger.warning(
             "adapters of base models this server does not serve name nothing: %s",

@@ -18,7 +18,9 @@ CONFIG = Path(__file__).with_name("schemathesis.toml")
 HOOKS = Path(__file__).with_name("schemathesis_hooks.py")  # valid responses reach the model
 SCHEMATHESIS = Path(sys.executable).with_name("schemathesis")
 PASSES = {
-    "tenant": r"^/(v1/(chat|completions|conversations|models|responses|usage)|health|metrics)",
+    "tenant": (
+        r"^/(v1/(chat|completions|conversations|files|models|responses|usage)|health|metrics)"
+    ),
     "admin": r"^/(admin|v1/organization|v1/load_lora_adapter|v1/unload_lora_adapter)",
 }
 
