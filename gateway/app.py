@@ -3,6 +3,7 @@ tenancy objects."""
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -18,6 +19,11 @@ from gateway.http.errors import ErrorBoundary, install_error_handlers
 from gateway.http.request_limits import RequestLimits
 from gateway.metrics import Metrics
 from gateway.models.served import ServedModels
+from gateway.openai.batches import routes as batches_routes
+from gateway.openai.batches.finalize import Finisher
+from gateway.openai.batches.lines import LineRunner
+from gateway.openai.batches.runner import BatchRunner, RunnerOptions, TenantLookup, worker_id
+from gateway.openai.batches.serving import BatchesServing, BatchPolicy
 from gateway.openai.conversations import routes as conversations_routes
 from gateway.openai.conversations.serving import ConversationsServing
 from gateway.openai.files import routes as files_routes
@@ -53,6 +59,9 @@ class AppOptions:
     tool_call_parser: str | None = None
     console_oauth: ConsoleOAuth | None = None
     compaction: CompactPolicy = CompactPolicy()
+    # The Batch API: how a batch is made (its window, the queued-token cap) and run here.
+    batch_policy: BatchPolicy = BatchPolicy()
+    batch_runner: RunnerOptions = RunnerOptions()
 
     @classmethod
     def from_settings(cls, settings: Settings, console_oauth: ConsoleOAuth | None) -> AppOptions:
@@ -71,6 +80,15 @@ class AppOptions:
                 settings.tool_call_parser if settings.enable_auto_tool_choice else None
             ),
             console_oauth=console_oauth,
+            batch_policy=BatchPolicy(
+                completion_window=settings.batch_completion_window_seconds,
+                token_limit=settings.batch_token_limit,
+            ),
+            batch_runner=RunnerOptions(
+                max_concurrency=settings.batch_max_concurrency,
+                lease=settings.batch_lease_seconds,
+                priority=settings.batch_priority,
+            ),
         )
 
 
@@ -125,6 +143,7 @@ def build_app(
             app.state.responses,
         )
     )
+    app.state.batch_runner, app.state.batches = _batches(app, tenancy, options)
     app.state.started_at = int(time.time())
     install_error_handlers(app)
     # The last added runs first: every request passes the error boundary, then the size limit
@@ -144,6 +163,7 @@ def build_app(
         responses_routes.router,
         conversations_routes.router,
         files_routes.router,
+        batches_routes.router,
         usage.router,
         admin.router,
         usage.admin_router,
@@ -164,3 +184,27 @@ def build_app(
     # What a 405's Allow header lists (gateway.http.errors).
     app.state.routes = [r for included in routers for r in included.routes] + console_routes
     return app
+
+
+def _batches(
+    app: FastAPI, tenancy: Tenancy, options: AppOptions
+) -> tuple[BatchRunner | None, BatchesServing | None]:
+    """The Batch API's routes' serving and this gateway's runner of batches (started and
+    stopped with the tenancy), on a tenancy that keeps batches and files."""
+    store, claims, files = tenancy.batches, tenancy.batch_lines, tenancy.files
+    if store is None or claims is None or files is None:
+        return None, None
+    run = options.batch_runner
+    runner = BatchRunner(
+        claims,
+        Finisher(store, files, worker_id(), run.lease),
+        LineRunner(app.state.serving, app.state.responses, run.priority),
+        TenantLookup(tenancy.db, tenancy.secret_key, tenancy.auth.ttl),
+        run,
+    )
+    tenancy.services.append(runner)
+    policy = options.batch_policy
+    if policy.max_line_bytes is None:
+        policy = dataclasses.replace(policy, max_line_bytes=options.max_body_bytes)
+    serving = BatchesServing(app.state.serving, store, files, policy, runner, app.state.responses)
+    return runner, serving

@@ -26,7 +26,7 @@ from tenants.models import Usage
 
 DAY = 86400
 MAX_EPOCH = 253402300799  # 9999-12-31T23:59:59Z
-SUMMARY_GROUPS = ("day", "tenant", "model", "adapter", "key", "endpoint")
+SUMMARY_GROUPS = ("day", "tenant", "model", "adapter", "key", "endpoint", "batch")
 MAX_TOP = 50
 # The IN list of a month_tokens query is at most this long; past it, every tenant's month is
 # summed (one query either way) rather than binding thousands of parameters.
@@ -68,7 +68,7 @@ class Grouping:
     only the `top` groups of that column keep rows of their own."""
 
     by_day: bool
-    name: str | None  # tenant, model, adapter, key or endpoint
+    name: str | None  # tenant, model, adapter, key, endpoint or batch
     top: int | None
 
 
@@ -79,6 +79,7 @@ GROUP_COLUMNS: dict[str, Any] = {
     "adapter": Usage.adapter_name,
     "key": Usage.key_id,
     "endpoint": Usage.endpoint,
+    "batch": Usage.batch_id,  # null: not a batch's line
 }
 
 
@@ -138,6 +139,19 @@ def _day(epoch: int) -> str:
     return datetime.fromtimestamp(epoch, UTC).date().isoformat()
 
 
+@dataclass(frozen=True, slots=True)
+class UsageQuery:
+    """A summary's parameters (summarize): [start, end) in Unix seconds (None: open), whose
+    rows (one tenant's, one batch's lines'; None: every row), the groups and `top`."""
+
+    start: int | None = None
+    end: int | None = None
+    tenant_id: str | None = None
+    batch_id: str | None = None
+    group_by: str | Sequence[str] | None = None
+    top: int | None = None
+
+
 async def summarize_usage(
     session: AsyncSession,
     *,
@@ -147,9 +161,15 @@ async def summarize_usage(
     group_by: str | Sequence[str] | None = None,
     top: int | None = None,
 ) -> list[UsageTotals]:
-    """Sums over [start, end): one row of everything (zeros when nothing matched), or one row
-    per group of `group_by`: day, tenant, model, adapter, key or endpoint, or day and one of
-    the others (a row per day and group that has requests that day).
+    """summarize, its parameters by keyword."""
+    return await summarize(session, UsageQuery(start, end, tenant_id, None, group_by, top))
+
+
+async def summarize(session: AsyncSession, query: UsageQuery) -> list[UsageTotals]:
+    """Sums over [start, end) (of one tenant's rows, of one batch's lines' rows, if given):
+    one row of everything (zeros when nothing matched), or one row per group of `group_by`:
+    day, tenant, model, adapter, key, endpoint or batch, or day and one of the others (a row
+    per day and group that has requests that day).
 
     With `top` (1 to MAX_TOP, a grouping other than day): the `top` groups with the most
     tokens (prompt + completion) over the whole range keep their rows; the sums of all the
@@ -159,12 +179,16 @@ async def summarize_usage(
     Order: days ascending; within a day (or without days), groups by value with null first,
     or with `top`, by their tokens over the range (most first; ties by value, null first),
     then the other row. Raises UsageQueryError for a grouping that cannot be asked."""
+    start, end, tenant_id, batch_id = query.start, query.end, query.tenant_id, query.batch_id
+    group_by, top = query.group_by, query.top
     how = grouping(group_by, top)
     where = [Usage.created_epoch >= _inline(start)] if start is not None else []
     where += [Usage.created_epoch < _inline(end)] if end is not None else []
     if tenant_id is not None:
         # PostgreSQL refuses a string with a NUL outright; no tenant id holds one: no rows.
         where.append(false() if "\x00" in tenant_id else Usage.tenant_id == tenant_id)
+    if batch_id is not None:
+        where.append(false() if "\x00" in batch_id else Usage.batch_id == batch_id)
     if how.name is None or how.top is None:
         rows = (await session.execute(_grouped_query(how, where))).all()
         totals = [_totals(row, how, row.grp if how.name else None) for row in rows]

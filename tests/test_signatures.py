@@ -38,6 +38,7 @@ DATA_BOOLS = {
     "scaling",
     "finished",
     "condition",
+    "has_more",
     "enabled",
     "gated",
     "use_keys",

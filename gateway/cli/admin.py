@@ -96,6 +96,14 @@ def tenants_create(
     monthly_token_quota: Annotated[
         int | None, typer.Option(min=0, help="Tokens per calendar month (UTC).")
     ] = None,
+    batch_token_limit: Annotated[
+        int | None,
+        typer.Option(
+            min=0,
+            help="Tokens its unfinished batches may hold. Default: the server's "
+            "--batch-token-limit.",
+        ),
+    ] = None,
     allowed_model: Annotated[
         list[str] | None,
         typer.Option(help="A base model it may use (repeat for more). Default: every model."),
@@ -132,6 +140,7 @@ def tenants_create(
             weight=weight,
             cache_group=cache_group,
             allowed_models=list(dict.fromkeys(allowed_model)) if allowed_model else None,
+            batch_token_limit=batch_token_limit,
             **limits,
         )
         return tenant.id

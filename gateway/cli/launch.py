@@ -93,6 +93,8 @@ def run_server(settings: Settings, with_progress: Callable[[Any], Any]) -> None:
     async def lifespan(_: object):  # type: ignore[no-untyped-def]
         await tenancy.start()  # in uvicorn's loop, which the tenancy's connections belong to
         yield
+        if app.state.batch_runner is not None:  # its lines aborted and given back, engines up
+            await app.state.batch_runner.close()
         if app.state.responses is not None:  # background responses end cancelled, recorded
             await app.state.responses.shutdown()
         await asyncio.gather(*(e.shutdown(settings.shutdown_grace) for e in engines.values()))

@@ -77,8 +77,9 @@ AllowedModels = Annotated[
 RequestLimit = Annotated[int, Field(ge=1, lt=1 << 53), BeforeValidator(_json_number)]
 TokenQuota = Annotated[int, Field(ge=0, lt=1 << 53), BeforeValidator(_json_number)]
 LIMIT_FIELDS = ("rpm_limit", "tpm_limit", "max_concurrency", "monthly_token_quota")
-# Fields where a PATCH's null is a value (no group, unlimited, every model), not "unchanged".
-NULLABLE_FIELDS = ("cache_group", "allowed_models", *LIMIT_FIELDS)
+# Fields where a PATCH's null is a value (no group, unlimited, every model, the server's
+# batch cap), not "unchanged".
+NULLABLE_FIELDS = ("cache_group", "allowed_models", *LIMIT_FIELDS, "batch_token_limit")
 
 
 class _Limits(_In):
@@ -89,6 +90,12 @@ class _Limits(_In):
     max_concurrency: RequestLimit | None = Field(None, description="Requests in flight.")
     monthly_token_quota: TokenQuota | None = Field(
         None, description="Prompt + completion tokens per calendar month (UTC)."
+    )
+    batch_token_limit: TokenQuota | None = Field(
+        None,
+        description="Tokens (each line's prompt + max_tokens) its unfinished batches may hold; "
+        "a batch past it is a 429 `token_limit_exceeded`. null: the server's "
+        "--batch-token-limit (unlimited unless set).",
     )
 
 
@@ -126,6 +133,7 @@ class TenantPublic(BaseModel):
     tpm_limit: int | None
     max_concurrency: int | None
     monthly_token_quota: int | None
+    batch_token_limit: int | None
     allowed_models: list[str] | None
     created_at: datetime
 

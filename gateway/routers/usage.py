@@ -1,7 +1,8 @@
 """The usage ledger's read side: token sums for billing and for tenants.
 
-- `GET /admin/usage` (admin token): sums over a time range, for one tenant or all, in one row
-  or grouped by day, tenant, model, adapter, key or endpoint, or by day and one of the others;
+- `GET /admin/usage` (admin token): sums over a time range, for one tenant or all (or one
+  batch's lines), in one row or grouped by day, tenant, model, adapter, key, endpoint or batch,
+  or by day and one of the others;
   `top` keeps the biggest groups and merges the rest into `other` rows; JSON, or CSV with
   `Accept: text/csv`.
 - `GET /admin/usage/completions` (admin token): buckets of a minute, an hour or a day in the
@@ -41,11 +42,12 @@ from tenants.usage import (
     MAX_TOP,
     CompletionsQuery,
     Grouping,
+    UsageQuery,
     UsageQueryError,
     UsageTotals,
     completions_page,
     grouping,
-    summarize_usage,
+    summarize,
 )
 
 # Reads: no 404 (an unknown tenant has no usage), no 409, no engine to be busy.
@@ -57,8 +59,9 @@ admin_router = APIRouter(
 router = APIRouter(prefix="/v1", tags=["usage"], route_class=StrictJSONRoute, responses=_TENANT)
 
 SUMS = ("num_requests", "prompt_tokens", "cached_tokens", "completion_tokens")
-GroupBy = Literal["day", "tenant", "model", "adapter", "key", "endpoint"]
-TenantGroupBy = Literal["day", "model", "adapter", "key", "endpoint"]  # a key sees one tenant
+GroupBy = Literal["day", "tenant", "model", "adapter", "key", "endpoint", "batch"]
+# A key sees one tenant.
+TenantGroupBy = Literal["day", "model", "adapter", "key", "endpoint", "batch"]
 CompletionsGroup = Literal["project_id", "api_key_id", "model", "adapter"]
 MAX_ID = 64
 Id = Annotated[str, Field(max_length=MAX_ID)]
@@ -70,6 +73,7 @@ _GROUP_BY = (
     "one grouping, or two: day and one other (`group_by=day&group_by=tenant`: a row per day "
     "and tenant)"
 )
+_BATCH_ID = "only the rows of this batch's lines (endpoint batch)"
 _TOP = (
     "with a grouping other than day: the groups with the most tokens (prompt + completion) "
     "over the range keep their rows; the rest are summed into rows with `other: true` and a "
@@ -90,8 +94,11 @@ class SummaryRow(BaseModel):
     key: str | None = Field(None, description="group_by=key: the key's id; null: no key")
     endpoint: str | None = Field(
         None,
-        description="group_by=endpoint: completions, chat or responses; null: rows recorded "
-        "before the endpoint was",
+        description="group_by=endpoint: completions, chat, responses or batch; null: rows "
+        "recorded before the endpoint was",
+    )
+    batch: str | None = Field(
+        None, description="group_by=batch: the batch's id (its lines' rows); null: not a batch's"
     )
     other: bool | None = Field(
         None,
@@ -169,9 +176,10 @@ async def admin_summary(
     end: Annotated[Instant | None, Query(alias="to", description=_TO)] = None,
     group_by: Annotated[list[GroupBy] | None, Query(max_length=2, description=_GROUP_BY)] = None,
     top: Annotated[int | None, Query(ge=1, le=MAX_TOP, description=_TOP)] = None,
+    batch_id: Annotated[str | None, Query(max_length=MAX_ID, description=_BATCH_ID)] = None,
 ) -> Response | dict[str, Any]:
     """Token sums of every tenant, or of one (`tenant_id`)."""
-    query = SummaryQuery(tenant_id, start, end, group_by or [], top)
+    query = SummaryQuery(tenant_id, start, end, group_by or [], top, batch_id)
     return await _summary(request, tenancy, query)
 
 
@@ -186,6 +194,7 @@ async def tenant_summary(
         list[TenantGroupBy] | None, Query(max_length=2, description=_GROUP_BY)
     ] = None,
     top: Annotated[int | None, Query(ge=1, le=MAX_TOP, description=_TOP)] = None,
+    batch_id: Annotated[str | None, Query(max_length=MAX_ID, description=_BATCH_ID)] = None,
 ) -> Response | dict[str, Any]:
     """The caller's tenant's token sums (any of its keys)."""
     if "tenant_id" in request.query_params:
@@ -195,7 +204,7 @@ async def tenant_summary(
             param="tenant_id",
             code="invalid_value",
         )
-    query = SummaryQuery(tenant.id, start, end, group_by or [], top)
+    query = SummaryQuery(tenant.id, start, end, group_by or [], top, batch_id)
     return await _summary(request, tenancy, query)
 
 
@@ -258,13 +267,15 @@ organization_router.add_api_route(
 
 @dataclass(frozen=True, slots=True)
 class SummaryQuery:
-    """A summary's query parameters: whose (None: every tenant's), from and to, the groups."""
+    """A summary's query parameters: whose (None: every tenant's), from and to, the groups, and
+    one batch's lines only (None: every row)."""
 
     tenant_id: str | None
     start: datetime | None
     end: datetime | None
     group_by: Sequence[str]
     top: int | None
+    batch_id: str | None = None  # one batch's lines only
 
 
 async def _summary(
@@ -279,8 +290,8 @@ async def _summary(
     except UsageQueryError as exc:
         raise APIError(400, str(exc), param=exc.param, code="invalid_value") from exc
     async with tenancy.db.session() as session:
-        totals = await summarize_usage(
-            session, tenant_id=query.tenant_id, start=first, end=stop, group_by=group_by, top=top
+        totals = await summarize(
+            session, UsageQuery(first, stop, query.tenant_id, query.batch_id, group_by, top)
         )
     # The columns: the day, the other group, `other` with top, then the sums.
     groups = (["day"] if how.by_day else []) + ([how.name] if how.name else [])

@@ -23,6 +23,7 @@ from gateway.tenancy.ratelimit import (
     RateLimiter,
     RateState,
     Reservation,
+    TenantLimits,
 )
 
 logger = logging.getLogger(__name__)
@@ -67,10 +68,20 @@ class Admission:
 
     async def admit(self, tenant: RequestTenant, request_id: str, tokens: int) -> Ticket:
         """Reserve one request and `tokens` tokens for the tenant, or raise APIError 429/503."""
+        return await self._acquire(tenant, request_id, tenant.limits, tokens)
+
+    async def admit_quota(self, tenant: RequestTenant, request_id: str, tokens: int) -> Ticket:
+        """A batch line's admission: only the tenant's monthly token quota is checked and
+        charged (its rpm, tpm and concurrency are its interactive traffic's, which batches
+        never take). Raises APIError 429 `insufficient_quota` (or 503) as `admit` does."""
+        quota = TenantLimits(monthly_tokens=tenant.limits.monthly_tokens)
+        return await self._acquire(tenant, request_id, quota, tokens)
+
+    async def _acquire(
+        self, tenant: RequestTenant, request_id: str, limits: TenantLimits, tokens: int
+    ) -> Ticket:
         try:
-            reservation, state = await self.limiter.acquire(
-                tenant.id, request_id, tenant.limits, tokens
-            )
+            reservation, state = await self.limiter.acquire(tenant.id, request_id, limits, tokens)
         except RateLimited as exc:
             self.metrics.rate_limited(tenant.id, exc.code)
             headers = exc.state.headers() | {"Retry-After": str(_seconds(exc.retry_after))}

@@ -47,6 +47,8 @@ class RequestTenant:
     limits: TenantLimits = TenantLimits()
     # The base models it may use (and their adapters); None: every model.
     allowed_models: frozenset[str] | None = None
+    # Tokens its unfinished batches may hold (tenants.models.Tenant); None: the server's.
+    batch_token_limit: int | None = None
 
 
 def cache_salt(secret_key: bytes, tenant: Tenant) -> str:
@@ -72,6 +74,7 @@ def request_tenant(secret_key: bytes, tenant: Tenant, key_id: str | None = None)
         key_id,
         limits,
         allowed,
+        tenant.batch_token_limit,
     )
 
 

@@ -1,6 +1,6 @@
 """Everything multi-tenant the gateway holds: the database, tenant and admin authentication,
 the adapter catalog, the stored responses (/v1/responses) and conversations
-(/v1/conversations), the files (/v1/files), and how they start.
+(/v1/conversations), the files (/v1/files) and batches (/v1/batches), and how they start.
 
 `open_tenancy` migrates the database (unless told not to), sweeps the adapter store, and on
 an empty database creates the `demo` tenant with one key, which it returns once so the
@@ -17,6 +17,7 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from datetime import datetime
 from pathlib import Path
+from typing import Protocol
 
 from adapters.peft import BaseModelInfo
 from adapters.store import open_adapter_store, store_directory
@@ -25,6 +26,8 @@ from gateway.tenancy.adapter_catalog import AdapterCatalog
 from gateway.tenancy.admin_auth import AdminAuth
 from gateway.tenancy.auth import RequestTenant, TenantAuth, request_tenant
 from gateway.tenancy.ratelimit import LimiterOptions, RateLimiter, make_limiter
+from tenants.batch_lines import LineClaims
+from tenants.batches import BatchStore
 from tenants.conversations import ConversationStore
 from tenants.db import Database, upgrade
 from tenants.files import FileStore
@@ -37,6 +40,15 @@ from tenants.usage import tokens_used
 logger = logging.getLogger(__name__)
 
 DEMO_TENANT = "demo"
+
+
+class Service(Protocol):
+    """Background work of the app's that runs while the tenancy does (the batch runner):
+    started after the usage ledger, stopped before it."""
+
+    async def start(self) -> None: ...
+
+    async def close(self) -> None: ...
 
 
 @dataclass
@@ -65,7 +77,11 @@ class Tenancy:
     files: FileStore | None = None
     batch_file_max_bytes: int = 200 << 20
     batch_file_max_lines: int = 50_000
+    # The Batch API's batches, and the claims on their lines; None: no such routes.
+    batches: BatchStore | None = None
+    batch_lines: LineClaims | None = None
     responses_sweep_interval: float = 600.0
+    services: list[Service] = field(default_factory=list)
     _sweeper: asyncio.Task[None] | None = None
 
     @property
@@ -80,6 +96,8 @@ class Tenancy:
         await self.ledger.start()
         if self.responses is not None:
             self._sweeper = asyncio.create_task(self._sweep_responses(self.responses))
+        for service in self.services:
+            await service.start()
 
     async def _sweep_responses(self, store: ResponseStore) -> None:
         """Background responses whose gateway fell silent fail (every BEAT_INTERVAL); expired
@@ -104,6 +122,8 @@ class Tenancy:
             await asyncio.sleep(BEAT_INTERVAL)
 
     async def close(self) -> None:
+        for service in self.services:
+            await service.close()
         if self._sweeper is not None:
             self._sweeper.cancel()
             with contextlib.suppress(asyncio.CancelledError):
@@ -184,6 +204,8 @@ def open_tenancy(settings: Settings, bases: dict[str, BaseModelInfo]) -> Tenancy
         ),
         batch_file_max_bytes=settings.batch_file_max_bytes,
         batch_file_max_lines=settings.batch_file_max_lines,
+        batches=BatchStore(db),
+        batch_lines=LineClaims(db),
     )
 
 

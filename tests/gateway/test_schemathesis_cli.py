@@ -19,7 +19,7 @@ HOOKS = Path(__file__).with_name("schemathesis_hooks.py")  # valid responses rea
 SCHEMATHESIS = Path(sys.executable).with_name("schemathesis")
 PASSES = {
     "tenant": (
-        r"^/(v1/(chat|completions|conversations|files|models|responses|usage)|health|metrics)"
+        r"^/(v1/(batches|chat|completions|conversations|files|models|responses|usage)|health|metrics)"
     ),
     "admin": r"^/(admin|v1/organization|v1/load_lora_adapter|v1/unload_lora_adapter)",
 }

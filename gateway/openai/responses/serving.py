@@ -15,7 +15,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import AsyncGenerator
+from collections.abc import AsyncGenerator, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -41,7 +41,7 @@ from gateway.openai.responses.objects import (
     usage_body,
 )
 from gateway.openai.responses.protocol import InputTokensRequest, ResponseFields, ResponsesRequest
-from gateway.openai.serving import CLIENT_CLOSED_REQUEST, OpenAIServing
+from gateway.openai.serving import CLIENT_CLOSED_REQUEST, Generation, OpenAIServing
 from gateway.openai.sse import chunk_bodies
 from gateway.openai.streaming import Disconnected, MeteredStream, unless_disconnected
 from gateway.tenancy.auth import RequestTenant
@@ -105,7 +105,7 @@ class ResponsesServing:
             )
         if not await unless_disconnected(collect(answer), disconnected):
             return Response(status_code=CLIENT_CLOSED_REQUEST)
-        response = await self._result(meta, answer)
+        response = await self.result(meta, answer)
         await self._save(meta, tenant, turn.items, response)
         return JSONResponse(response, headers=answer.headers)
 
@@ -147,16 +147,23 @@ class ResponsesServing:
     async def begin(self, body: ResponsesRequest, tenant: RequestTenant) -> Turn:
         """The response admitted and at its engine (HTTP and the WebSocket mode alike): from
         here on it ends with exactly one usage row. Raises APIError."""
+        meta, items, generation = await self.generation(body, tenant)
+        with _input_param():
+            answer = await self.serving.start(generation, tenant)
+        return Turn(meta, answer, tenant, items)
+
+    async def generation(
+        self, body: ResponsesRequest, tenant: RequestTenant
+    ) -> tuple[ResponseMeta, list[dict[str, Any]], Generation]:
+        """The response to be (its id, what it echoes), this turn's input items, and the chat
+        generation that answers it, not yet started (a batch line starts it its own way:
+        gateway.openai.batches). Raises APIError."""
         items, chat = await self.prepare(body, tenant)
         meta = ResponseMeta(new_id("resp"), body)
-        try:
+        with _input_param():
             # The usage row's request id is the response's: billing joins the two.
-            answer = await self.chat.start(chat, tenant, "responses", meta.id)
-        except APIError as exc:
-            if exc.param == "messages":  # this API's name for the conversation
-                exc.param = "input"
-            raise
-        return Turn(meta, answer, tenant, items)
+            generation = await self.chat.generation(chat, tenant, "responses", meta.id)
+        return meta, items, generation
 
     async def input_tokens(self, body: InputTokensRequest, tenant: RequestTenant) -> dict[str, Any]:
         """`POST /v1/responses/input_tokens`: the prompt the same body would run, counted
@@ -166,7 +173,7 @@ class ResponsesServing:
         generation = await self.chat.generation(chat, tenant, "responses")
         return {"object": "response.input_tokens", "input_tokens": len(generation.prompts[0])}
 
-    async def _result(self, meta: ResponseMeta, answer: Answer) -> dict[str, Any]:
+    async def result(self, meta: ResponseMeta, answer: Answer) -> dict[str, Any]:
         """The collected chat answer as the response object."""
         chat = await json_body(answer, self.serving.checks)
         (choice,) = chat["choices"]
@@ -240,7 +247,7 @@ class ResponsesServing:
     ) -> None:
         try:
             await collect(answer)  # writes the usage row however it ends
-            response = await self._result(meta, answer)
+            response = await self.result(meta, answer)
         except asyncio.CancelledError:
             text = answer.choices[0].text
             output = [message_item(new_id("msg"), text, "incomplete")] if text else []
@@ -334,6 +341,17 @@ class ResponsesServing:
                 expires_at=self.store.new_expiry(),
             )
         )
+
+
+@contextlib.contextmanager
+def _input_param() -> Iterator[None]:
+    """A refusal of the chat's `messages` is of this API's `input`."""
+    try:
+        yield
+    except APIError as exc:
+        if exc.param == "messages":
+            exc.param = "input"
+        raise
 
 
 def _fit(
