@@ -43,7 +43,7 @@ class ClaimedLine:
     custom_id: str
     body: dict[str, Any]
     estimated_tokens: int
-    attempts: int  # claims of this line so far, this one included
+    attempts: int  # claims of this line that were not given back, this one included
 
     @property
     def key(self) -> LineKey:
@@ -233,7 +233,9 @@ class LineClaims:
         return True
 
     async def release(self, worker: str, keys: list[LineKey]) -> int:
-        """Give lines this worker runs back (pending, for any gateway to claim now); how many."""
+        """Give lines this worker runs back (pending, for any gateway to claim now); how many.
+        The claim given back does not count as an attempt: only a claim that lapsed does (its
+        gateway died, maybe because of the line)."""
         if not keys:
             return 0
         line = BatchLineRow
@@ -245,7 +247,12 @@ class LineClaims:
                     line.claimed_by == worker,
                     line.status == "running",
                 )
-                .values(status="pending", claimed_by=None, lease_until=None)
+                .values(
+                    status="pending",
+                    claimed_by=None,
+                    lease_until=None,
+                    attempts=line.attempts - 1,
+                )
                 .execution_options(synchronize_session=False)
             )
         return cast(CursorResult[Any], released).rowcount

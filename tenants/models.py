@@ -363,7 +363,8 @@ class BatchLineRow(Base):
     status: Mapped[str] = mapped_column(String(16))  # LINE_STATUSES
     claimed_by: Mapped[str | None] = mapped_column(String(64))
     lease_until: Mapped[datetime | None]
-    attempts: Mapped[int] = mapped_column(BigInteger, default=0)  # claims so far
+    # Claims of it not given back (their gateway stopped with it, or answered it).
+    attempts: Mapped[int] = mapped_column(BigInteger, default=0)
     # The output line ({"id", "custom_id", "response", "error"}), once done or failed.
     result: Mapped[dict[str, Any] | None] = mapped_column(JSON(none_as_null=True))
     prompt_tokens: Mapped[int] = mapped_column(BigInteger, default=0)

@@ -14,8 +14,8 @@ durably and exactly once, and finalizes the batches that are due.
 A gateway stopped in order aborts its lines and gives their claims back at once; one that
 dies leaves them to lapse, and any gateway on the database (itself, restarted) claims them
 after the lease. Nothing is answered or billed twice: a claim that lapsed and was taken over
-writes nothing. A line claimed MAX_ATTEMPTS times without an answer (one that kills its
-gateway, say) fails instead of running again.
+writes nothing. A line whose claim lapsed MAX_ATTEMPTS times without an answer (one that
+kills its gateway, say) fails instead of running again; a claim given back is not counted.
 """
 
 from __future__ import annotations
