@@ -53,7 +53,8 @@ INVALID_JSON_LINE = "invalid_json_line"
 MISSING_PARAMETER = "missing_required_parameter"
 DUPLICATE_CUSTOM_ID = "duplicate_custom_id"
 INVALID_REQUEST = "invalid_request"
-_BODIES: dict[str, type[BaseModel]] = {
+# Each url's request body as its route parses it (the batch runner parses with these too).
+BODIES: dict[str, type[BaseModel]] = {
     "/v1/chat/completions": ChatCompletionRequest,
     "/v1/completions": CompletionRequest,
     "/v1/responses": ResponsesRequest,
@@ -213,7 +214,7 @@ def _parse(
     if not isinstance(body, dict):
         return bad(INVALID_REQUEST, "body must be a JSON object: the request", "body")
     try:
-        request = _BODIES[url].model_validate(body)
+        request = BODIES[url].model_validate(body)
     except ValidationError as exc:
         first = exc.errors()[0]
         param = validation_param(first.get("loc", ()))
@@ -245,13 +246,8 @@ async def _generation(
     assert isinstance(body, ResponsesRequest)
     if responses is None:
         raise APIError(404, "this server does not serve the Responses API", code="not_found")
-    _, chat = await responses.prepare(body, tenant)
-    try:
-        return await ChatServing(core).generation(chat, tenant, "responses")
-    except APIError as exc:
-        if exc.param == "messages":  # this API's name for the conversation, as begin() says
-            exc.param = "input"
-        raise
+    _, _, generation = await responses.generation(body, tenant)
+    return generation
 
 
 def _check_context(g: Generation) -> None:

@@ -22,10 +22,11 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
 
-from pydantic import BaseModel, ValidationError
+from pydantic import ValidationError
 
 from gateway.http.errors import APIError, api_error, validation_param
 from gateway.openai.answer import Answer
+from gateway.openai.batch_lines import BODIES
 from gateway.openai.chat import ChatServing
 from gateway.openai.completions import CompletionServing
 from gateway.openai.json_response import collect, json_body
@@ -40,11 +41,6 @@ from tenants.ledger import UsageRecord
 logger = logging.getLogger(__name__)
 
 ENDPOINT = "batch"  # the usage rows' endpoint
-BODIES: dict[str, type[BaseModel]] = {
-    "/v1/chat/completions": ChatCompletionRequest,
-    "/v1/completions": CompletionRequest,
-    "/v1/responses": ResponsesRequest,
-}
 # Statuses a retry may cure: the server's state, not the request.
 RETRIED_STATUSES = (502, 503, 504)
 
