@@ -278,7 +278,6 @@ class Request:
         eos_token_id: int | None,
         owner: Owner = ANONYMOUS,
         *,
-        arrival_time: float | None = None,
         priority: int = 0,
     ) -> None:
         self.request_id = request_id
@@ -289,7 +288,7 @@ class Request:
         self.lora_slot = -1  # the device slot pinned while running; -1: none
         # Prompt tokens counted as its key's service: recompute after preemption is not.
         self.num_charged_prompt_tokens = 0
-        self.arrival_time = time.monotonic() if arrival_time is None else arrival_time
+        self.arrival_time = time.monotonic()
         self.all_token_ids: list[int] = list(prompt_token_ids)
         self.num_prompt_tokens = len(prompt_token_ids)
         self.num_computed_tokens = 0
