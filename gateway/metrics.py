@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Iterator
+from dataclasses import dataclass
 
 from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
@@ -260,33 +261,37 @@ class Metrics:
             for engine in pool.replicas if isinstance(pool, ReplicaPool) else [pool]:
                 if isinstance(engine, OnDemandEngine):
                     engine.on_cold_start = self.cold_start.labels(model.name).observe
-        self.ttft = Histogram(
-            "loragate:time_to_first_token_seconds",
-            "Time to first token.",
-            buckets=_LATENCY_BUCKETS,
-            registry=r,
-        )
-        self.itl = Histogram(
-            "loragate:inter_token_latency_seconds",
-            "Time between tokens.",
-            buckets=_LATENCY_BUCKETS,
-            registry=r,
-        )
-        self.e2e = Histogram(
-            "loragate:e2e_request_latency_seconds",
-            "Request latency.",
-            buckets=_LATENCY_BUCKETS,
-            registry=r,
-        )
-        self.queue_time = Histogram(
-            "loragate:request_queue_time_seconds",
-            "Time waiting before first scheduled.",
-            buckets=_LATENCY_BUCKETS,
-            registry=r,
-        )
+        # Interactive requests' latencies (what an autoscaler and an SLO read) apart from
+        # batch lines', which wait in a band below them by design.
+        self.latency = Latency.create(r, "loragate:", "")
+        self.batch_latency = Latency.create(r, "loragate:batch_", "Batch lines: ")
 
     def watch_tenancy(self, limiter: RateLimiter, ledger: Ledger) -> None:
         self.registry.register(_TenancyCollector(limiter, ledger))
+
+
+@dataclass(frozen=True, slots=True)
+class Latency:
+    """One kind of traffic's latency histograms (vLLM's names under our prefix)."""
+
+    ttft: Histogram
+    itl: Histogram
+    e2e: Histogram
+    queue_time: Histogram
+
+    @classmethod
+    def create(cls, registry: CollectorRegistry, prefix: str, what: str) -> Latency:
+        def histogram(name: str, doc: str) -> Histogram:
+            return Histogram(
+                f"{prefix}{name}", f"{what}{doc}", buckets=_LATENCY_BUCKETS, registry=registry
+            )
+
+        return cls(
+            histogram("time_to_first_token_seconds", "Time to first token."),
+            histogram("inter_token_latency_seconds", "Time between tokens."),
+            histogram("e2e_request_latency_seconds", "Request latency."),
+            histogram("request_queue_time_seconds", "Time waiting before first scheduled."),
+        )
 
 
 OTHER_TENANTS = "other"

@@ -16,7 +16,7 @@ from typing import Any, Protocol
 from engine.outputs import SequenceUpdate
 from engine.request import SamplingParams
 from gateway.http.errors import APIError
-from gateway.metrics import Metrics
+from gateway.metrics import Latency, Metrics
 from gateway.openai.guided_validation import Violation
 from gateway.openai.streaming import UpdateStream
 from gateway.openai.tools.stream import ToolCallStream
@@ -85,21 +85,22 @@ class Timer:
     """Per-request latency figures, observed into the metrics as updates arrive."""
 
     metrics: Metrics
+    latency: Latency  # the metrics' interactive or batch histograms
     start: float = field(default_factory=time.monotonic)
     last: float | None = None
 
     def update(self, update: SequenceUpdate) -> None:
         now = time.monotonic()
         if self.last is None:
-            self.metrics.ttft.observe(now - self.start)
-            self.metrics.queue_time.observe(update.queue_time)
+            self.latency.ttft.observe(now - self.start)
+            self.latency.queue_time.observe(update.queue_time)
         else:
-            self.metrics.itl.observe(now - self.last)
+            self.latency.itl.observe(now - self.last)
         self.last = now
 
     def finish(self, choices: list[Choice], usage: Usage) -> None:
         m = self.metrics
-        m.e2e.observe(time.monotonic() - self.start)
+        self.latency.e2e.observe(time.monotonic() - self.start)
         m.prompt_tokens.inc(usage.prompt_tokens)
         m.generation_tokens.inc(sum(len(c.token_ids) for c in choices))
         for choice in choices:

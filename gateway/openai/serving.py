@@ -46,6 +46,9 @@ from gateway.tenancy.metering import Meter, UsageSink
 
 logger = logging.getLogger(__name__)
 
+# The usage rows' endpoint of a batch line (gateway.openai.batches); its latencies are the
+# batch histograms, not the interactive ones an autoscaler reads.
+BATCH_ENDPOINT = "batch"
 # What nginx logs for a client that hung up before its answer; no client ever reads it.
 CLIENT_CLOSED_REQUEST = 499
 
@@ -137,7 +140,10 @@ class OpenAIServing:
         tenant's admission and the usage ledger (a batch line is admitted by its quota alone,
         and its row is written with its answer: gateway.openai.batches)."""
         g = generation
-        timer = Timer(self.metrics)  # time to first token includes a grammar's compile
+        latency = (
+            self.metrics.batch_latency if g.endpoint == BATCH_ENDPOINT else self.metrics.latency
+        )
+        timer = Timer(self.metrics, latency)  # time to first token includes a grammar's compile
         if g.params.guided is not None:
             await compile_grammar(g.model, g.params.guided, g.guided_param)
         ticket = await (admit or self.admission.admit)(tenant, g.request_id, reserved_tokens(g))

@@ -22,6 +22,7 @@ from typing import Any
 import httpx
 import openai
 import pytest
+from engine_services import metric_sum
 from live_server import Server, admin_client, demo_server, new_tenant, usage_rows
 from openai.types import Batch
 
@@ -364,3 +365,20 @@ def test_the_queued_token_cap_refuses_a_batch_past_it(server: Server) -> None:
     with admin_client(server) as admin:
         lifted = admin.patch(f"/admin/tenants/{tenant_id}", json={"batch_token_limit": None})
         assert lifted.status_code == 200 and lifted.json()["batch_token_limit"] is None
+
+
+def test_batch_lines_time_into_their_own_histograms(server: Server, client: openai.OpenAI) -> None:
+    """An autoscaler or an SLO reads the interactive latencies: batch lines, which wait below
+    interactive requests by design, are timed apart."""
+
+    def counts() -> tuple[float, float]:
+        text = httpx.get(f"{server.base_url}/metrics").text
+        return (
+            metric_sum(text, "loragate:time_to_first_token_seconds_count"),
+            metric_sum(text, "loragate:batch_time_to_first_token_seconds_count"),
+        )
+
+    interactive, batch = counts()
+    done = wait(client, start(client, [chat(f"m-{i}", f"Count to {i}") for i in range(3)]).id)
+    assert done.status == "completed"
+    assert counts() == (interactive, batch + 3)

@@ -33,14 +33,14 @@ from gateway.openai.json_response import collect, json_body
 from gateway.openai.protocol import ChatCompletionRequest, CompletionRequest
 from gateway.openai.responses.protocol import ResponsesRequest
 from gateway.openai.responses.serving import ResponsesServing
-from gateway.openai.serving import Generation, OpenAIServing
+from gateway.openai.serving import BATCH_ENDPOINT, Generation, OpenAIServing
 from gateway.tenancy.auth import RequestTenant
 from tenants.batch_lines import ClaimedLine, LineAnswer
 from tenants.ledger import UsageRecord
 
 logger = logging.getLogger(__name__)
 
-ENDPOINT = "batch"  # the usage rows' endpoint
+ENDPOINT = BATCH_ENDPOINT  # the usage rows' endpoint
 # Statuses a retry may cure: the server's state, not the request.
 RETRIED_STATUSES = (502, 503, 504)
 
