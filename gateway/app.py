@@ -34,7 +34,7 @@ from gateway.openai.responses.compaction import Compactor, CompactPolicy
 from gateway.openai.responses.serving import ResponsesServing
 from gateway.openai.routes import health_router, router
 from gateway.openai.serving import OpenAIServing
-from gateway.routers import admin, admin_adapters, admin_engines, lora, usage
+from gateway.routers import admin, admin_adapters, admin_batches, admin_engines, lora, usage
 from gateway.settings import Settings
 from gateway.tenancy.admission import Admission
 from gateway.tenancy.state import Tenancy
@@ -170,6 +170,7 @@ def build_app(
         usage.organization_router,
         admin_adapters.router,
         admin_engines.router,
+        admin_batches.router,
         health_router,
     ]
     if options.allow_runtime_lora_updating:

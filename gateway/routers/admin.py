@@ -206,7 +206,8 @@ def _served(tenancy: Tenancy, allowed_models: list[str] | None) -> list[str] | N
     return list(dict.fromkeys(allowed_models))
 
 
-async def _tenant(tenancy: Tenancy, tenant_id: str) -> Tenant:
+async def tenant_or_404(tenancy: Tenancy, tenant_id: str) -> Tenant:
+    """The tenant; 404 `not_found` (param tenant_id) for an id that names none."""
     async with tenancy.db.session() as session:
         tenant = await get_tenant(session, tenant_id=tenant_id)
     if tenant is None:
@@ -286,7 +287,7 @@ async def list_all(
 
 @router.get("/tenants/{tenant_id}", response_model=TenantPublic)
 async def read(tenant_id: str, tenancy: TenancyDep, _: AdminDep) -> Tenant:
-    return await _tenant(tenancy, tenant_id)
+    return await tenant_or_404(tenancy, tenant_id)
 
 
 @router.patch("/tenants/{tenant_id}", response_model=TenantPublic, responses=_TENANT_400)
@@ -333,7 +334,7 @@ async def delete(tenant_id: str, tenancy: TenancyDep, _: AdminDep) -> Response:
 async def create_tenant_key(
     tenant_id: str, body: KeyCreate, tenancy: TenancyDep, _: AdminDep
 ) -> dict[str, Any]:
-    await _tenant(tenancy, tenant_id)
+    await tenant_or_404(tenancy, tenant_id)
     expires = body.expires_at
     if expires is not None and expires.tzinfo is None:
         expires = expires.replace(tzinfo=UTC)  # no offset: UTC, as the store reads it
@@ -351,7 +352,7 @@ async def create_tenant_key(
 
 @router.get("/tenants/{tenant_id}/keys", response_model=KeyList)
 async def list_tenant_keys(tenant_id: str, tenancy: TenancyDep, _: AdminDep) -> dict[str, Any]:
-    await _tenant(tenancy, tenant_id)
+    await tenant_or_404(tenancy, tenant_id)
     async with tenancy.db.session() as session:
         return {"data": await list_keys(session, tenant_id=tenant_id)}
 
