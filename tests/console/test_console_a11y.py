@@ -3,15 +3,18 @@ is reachable with the keyboard, and a page makes few requests on load."""
 
 from __future__ import annotations
 
+import json
+import time
 from pathlib import Path
 from typing import Any
 
 import httpx
+import openai
 import pytest
-from console_server import VIEWPORT, ConsoleServer, screenshot, sign_in
+from console_server import MODEL, VIEWPORT, ConsoleServer, screenshot, sign_in
 
 AXE = Path(__file__).parent / "vendor" / "axe-core" / "axe.min.js"
-PAGES = ["tenants", "tenant", "usage", "adapters", "engines"]
+PAGES = ["tenants", "tenant", "usage", "batches", "tenant-batches", "adapters", "engines"]
 # What the Tab key must reach: every visible control.
 CONTROLS = "a[href], button:not([disabled]), input:not([disabled]), select, textarea"
 
@@ -31,8 +34,32 @@ def tenant_id(console_server: ConsoleServer) -> str:
     return str(made.json()["id"])
 
 
+@pytest.fixture(scope="module")
+def a_batch(console_server: ConsoleServer, tenant_id: str) -> str:
+    """A batch of the tenant's, made through the openai SDK and run to its end: the Batches
+    page shows a row with a badge, a progress bar and a file to download."""
+    key = httpx.post(
+        f"{console_server.url}/admin/tenants/{tenant_id}/keys",
+        json={"name": "batch"},
+        headers=console_server.admin(),
+    ).json()["key"]
+    client = openai.OpenAI(api_key=key, base_url=f"{console_server.url}/v1")
+    body = {"model": MODEL, "prompt": "Hi", "max_tokens": 2}
+    line = {"custom_id": "a", "method": "POST", "url": "/v1/completions", "body": body}
+    file = client.files.create(file=("a.jsonl", json.dumps(line).encode()), purpose="batch")
+    batch = client.batches.create(
+        input_file_id=file.id, endpoint="/v1/completions", completion_window="24h"
+    )
+    for _ in range(600):
+        if (batch := client.batches.retrieve(batch.id)).output_file_id:
+            return batch.id
+        time.sleep(0.1)
+    raise AssertionError(f"the batch never finished: {batch}")
+
+
 def _open(page: Any, server: ConsoleServer, name: str, tenant_id: str) -> None:
-    route = f"#/tenants/{tenant_id}" if name == "tenant" else f"#/{name}"
+    routes = {"tenant": f"#/tenants/{tenant_id}", "tenant-batches": f"#/batches?tenant={tenant_id}"}
+    route = routes.get(name, f"#/{name}")
     page.goto(f"{server.url}/console{route}")
     page.locator("main h1").first.wait_for()
     page.wait_for_load_state("networkidle")
@@ -48,7 +75,7 @@ def axe_page(browser: Any) -> Any:
 
 @pytest.mark.parametrize("name", ["sign-in", *PAGES])
 def test_no_serious_accessibility_violation(
-    axe_page: Any, console_server: ConsoleServer, tenant_id: str, name: str
+    axe_page: Any, console_server: ConsoleServer, tenant_id: str, a_batch: str, name: str
 ) -> None:
     if name == "sign-in":
         axe_page.goto(f"{console_server.url}/console")
@@ -69,7 +96,7 @@ def test_no_serious_accessibility_violation(
 
 @pytest.mark.parametrize("name", ["sign-in", *PAGES])
 def test_every_control_is_reachable_by_keyboard(
-    page: Any, console_server: ConsoleServer, tenant_id: str, name: str
+    page: Any, console_server: ConsoleServer, tenant_id: str, a_batch: str, name: str
 ) -> None:
     if name == "sign-in":
         page.goto(f"{console_server.url}/console")

@@ -1,5 +1,5 @@
 // The console's shell: the session, the sign-in page and the routes (#/tenants, #/tenants/ID,
-// #/usage, #/adapters, #/engines).
+// #/usage, #/batches, #/adapters, #/engines).
 
 import { api, setSession } from "./api.js";
 import { h, replace, showError, field } from "./dom.js";
@@ -7,15 +7,17 @@ import { renderTenants, renderTenant } from "./pages/tenants.js";
 import { renderUsage } from "./pages/usage.js";
 import { renderAdapters } from "./pages/adapters.js";
 import { renderEngines } from "./pages/engines.js";
+import { renderBatches } from "./pages/batches.js";
 
 const main = document.getElementById("main");
 let session = null;
-let leavePage = null; // the current page's clean-up (the engines page's timer)
+let leavePage = null; // the current page's clean-up (the engines and batches pages' timers)
 
 const routes = [
   [/^#\/tenants\/([\w-]+)$/, (m) => renderTenant(main, m[1]), "tenants", "Tenant"],
   [/^#\/tenants$/, () => renderTenants(main), "tenants", "Tenants"],
   [/^#\/usage(?:\?(.*))?$/, (m) => renderUsage(main, new URLSearchParams(m[1] || "")), "usage", "Usage"],
+  [/^#\/batches(?:\?(.*))?$/, (m) => renderBatches(main, new URLSearchParams(m[1] || "")), "batches", "Batches"],
   [/^#\/adapters$/, () => renderAdapters(main), "adapters", "Adapters"],
   [/^#\/engines$/, () => renderEngines(main), "engines", "Engines"],
 ];

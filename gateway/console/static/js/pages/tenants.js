@@ -1,15 +1,17 @@
 // Tenants: a paged, searchable list (the server pages and searches), create, and a tenant's
-// page with its limits, its status and its keys.
+// page with its limits, its status, its keys and a link to its batches.
 
 import { api } from "../api.js";
 import { h, replace, num, when, toast, showError, field } from "../dom.js";
 
 const PAGE = 20;
+// [field, label, its least value, what empty means, a hint]
 const LIMITS = [
-  ["rpm_limit", "Requests per minute"],
-  ["tpm_limit", "Tokens per minute"],
-  ["max_concurrency", "Concurrent requests"],
-  ["monthly_token_quota", "Monthly token quota"],
+  ["rpm_limit", "Requests per minute", 1, "unlimited"],
+  ["tpm_limit", "Tokens per minute", 1, "unlimited"],
+  ["max_concurrency", "Concurrent requests", 1, "unlimited"],
+  ["monthly_token_quota", "Monthly token quota", 0, "unlimited"],
+  ["batch_token_limit", "Queued batch tokens", 0, "server default", "Prompt + max_tokens of its unfinished batches' lines; empty: --batch-token-limit."],
 ];
 
 export async function renderTenants(main) {
@@ -105,7 +107,7 @@ export async function renderTenant(main, tenantId) {
     h("p", {}, h("a", { href: "#/tenants" }, "← Tenants")),
     h("h1", {}, tenant.name, " ", status),
     h("p", { class: "muted mono" }, tenant.id),
-    h("p", {}, toggle),
+    h("p", { class: "actions" }, toggle, h("a", { href: `#/batches?tenant=${encodeURIComponent(tenant.id)}` }, "Its batches")),
     limitsForm(tenant, main),
     keys,
   );
@@ -114,9 +116,9 @@ export async function renderTenant(main, tenantId) {
 
 function limitsForm(tenant, main) {
   const inputs = {};
-  const fields = LIMITS.map(([name, label]) => {
-    inputs[name] = h("input", { name, type: "number", min: name === "monthly_token_quota" ? 0 : 1, step: 1, value: tenant[name] ?? "", "data-param": name, placeholder: "unlimited" });
-    return field(label, inputs[name]);
+  const fields = LIMITS.map(([name, label, min, empty, hint]) => {
+    inputs[name] = h("input", { name, type: "number", min, step: 1, value: tenant[name] ?? "", "data-param": name, placeholder: empty });
+    return field(label, inputs[name], hint);
   });
   inputs.weight = h("input", { name: "weight", type: "number", min: 0.001, max: 1000, step: "any", value: tenant.weight, required: true, "data-param": "weight" });
   inputs.cache_group = h("input", { name: "cache_group", maxlength: 64, value: tenant.cache_group ?? "", "data-param": "cache_group", placeholder: "none" });

@@ -1,6 +1,7 @@
-// Usage (billing): tokens per day for a range, stacked by tenant, model or adapter (the top 10
-// and "other"), with a table of the same numbers and a CSV of exactly what is shown. One
-// request: /admin/usage, the ledger's own sums.
+// Usage (billing): tokens per day for a range, stacked by tenant, model, adapter, endpoint
+// (chat, completions, responses, batch) or batch (the top 10 and "other"), with a table of the
+// same numbers and a CSV of exactly what is shown. One request: /admin/usage, the ledger's own
+// sums.
 
 import uPlot from "../../vendor/uplot/uPlot.esm.js";
 import { api } from "../api.js";
@@ -9,17 +10,20 @@ import { h, replace, num, showError, field } from "../dom.js";
 const TOP = 10;
 const DAY_MS = 86400000;
 const COLORS = ["#2563eb", "#d97706", "#059669", "#dc2626", "#7c3aed", "#0891b2", "#db2777", "#65a30d", "#ea580c", "#4f46e5", "#6b7280"];
-const GROUPS = { tenant: "Tenant", model: "Model", adapter: "Adapter" };
+const GROUPS = { tenant: "Tenant", model: "Model", adapter: "Adapter", endpoint: "Endpoint", batch: "Batch" };
+// What a null group is, by grouping: an adapter's is the base model, a batch's a request that
+// came through the API itself, an endpoint's a row recorded before endpoints were.
+const NULL_LABELS = { adapter: "(base model)", batch: "(interactive)", endpoint: "(unrecorded)" };
 
 function isoDay(date) {
   return date.toISOString().slice(0, 10);
 }
 
-// The groups' labels: the base model for a null adapter, "other" for the rest past the top.
+// The groups' labels: NULL_LABELS for a null group, "other" for the rest past the top.
 function label(row, group) {
   if (row.other) return "other";
   const value = row[group];
-  if (value === null || value === undefined) return group === "adapter" ? "(base model)" : "(none)";
+  if (value === null || value === undefined) return NULL_LABELS[group] || "(none)";
   return value;
 }
 
