@@ -345,8 +345,6 @@ def main(argv: list[str] | None = None) -> None:
         finally:
             stop(proc)
     console.print(table)
-    if table.caption:
-        console.print(str(table.caption))
 
 
 if __name__ == "__main__":
