@@ -203,34 +203,44 @@ class LineClaims:
     async def finish(self, worker: str, key: LineKey, answer: LineAnswer) -> bool:
         """Write the line's answer and its usage row in one transaction, if the worker's claim
         still holds (True); otherwise nothing is written (False)."""
+        return (await self.finish_many(worker, [(key, answer)]))[0]
+
+    async def finish_many(
+        self, worker: str, answers: list[tuple[LineKey, LineAnswer]]
+    ) -> list[bool]:
+        """`finish` for several lines in one transaction (one commit, one fsync): each line's
+        answer written, with its usage row, only if the worker's claim on it still holds."""
         line = BatchLineRow
-        batch_id, number = key
+        written: list[bool] = []
+        usage: list[dict[str, Any]] = []
         async with self.db.session() as session, session.begin():
-            written = await session.execute(
-                update(line)
-                .where(
-                    line.batch_id == batch_id,
-                    line.line == number,
-                    line.claimed_by == worker,
-                    line.status == "running",
+            for (batch_id, number), answer in answers:
+                result = await session.execute(
+                    update(line)
+                    .where(
+                        line.batch_id == batch_id,
+                        line.line == number,
+                        line.claimed_by == worker,
+                        line.status == "running",
+                    )
+                    .values(
+                        status=answer.status,
+                        result=answer.result,
+                        prompt_tokens=answer.prompt_tokens,
+                        cached_tokens=answer.cached_tokens,
+                        completion_tokens=answer.completion_tokens,
+                        lease_until=None,
+                        finished_at=utcnow(),
+                    )
+                    .execution_options(synchronize_session=False)
                 )
-                .values(
-                    status=answer.status,
-                    result=answer.result,
-                    prompt_tokens=answer.prompt_tokens,
-                    cached_tokens=answer.cached_tokens,
-                    completion_tokens=answer.completion_tokens,
-                    lease_until=None,
-                    finished_at=utcnow(),
-                )
-                .execution_options(synchronize_session=False)
-            )
-            if cast(CursorResult[Any], written).rowcount != 1:
-                await session.rollback()
-                return False
-            if answer.usage is not None:
-                await session.execute(self._insert_usage, [answer.usage.row()])
-        return True
+                took = cast(CursorResult[Any], result).rowcount == 1
+                written.append(took)
+                if took and answer.usage is not None:
+                    usage.append(answer.usage.row())
+            if usage:
+                await session.execute(self._insert_usage, usage)
+        return written
 
     async def release(self, worker: str, keys: list[LineKey]) -> int:
         """Give lines this worker runs back (pending, for any gateway to claim now); how many.

@@ -32,6 +32,7 @@ from dataclasses import dataclass
 from gateway.http.errors import APIError
 from gateway.openai.batches.finalize import Finisher
 from gateway.openai.batches.lines import LineRunner, Retry, refused, request_id
+from gateway.openai.batches.writer import LineWriter
 from gateway.tenancy.auth import RequestTenant, request_tenant
 from tenants.batch_lines import ClaimedLine, LineAnswer, LineClaims, LineKey
 from tenants.db import Database
@@ -42,7 +43,6 @@ logger = logging.getLogger(__name__)
 POLL_INTERVAL = 1.0  # seconds between looks for batches made or due elsewhere
 RETRY_PAUSE = 1.0  # seconds without new claims after a line could not run
 MAX_ATTEMPTS = 5
-WRITE_RETRIES = (0.5, 2.0, 5.0)  # seconds between tries of a line's write
 
 
 @dataclass(frozen=True, slots=True)
@@ -105,6 +105,7 @@ class BatchRunner:
         self.tenants = tenants
         self.options = options
         self.worker = finisher.finisher
+        self.writer = LineWriter(claims, self.worker)
         self.num_answered = 0  # lines this runner wrote (done or failed)
         self.num_lost = 0  # answers not written: the claim was gone
         self._running: dict[LineKey, asyncio.Task[None]] = {}
@@ -114,6 +115,10 @@ class BatchRunner:
         self._beat_task: asyncio.Task[None] | None = None
         self._paused_until = 0.0
         self._last_tenant: str | None = None
+        # Batches are finalized once a poll interval, or at once when one is made or
+        # cancelled here, or when no line runs here (a batch may have just finished).
+        self._finalize_now = True
+        self._finalized_at = 0.0
 
     @property
     def num_running(self) -> int:
@@ -130,6 +135,7 @@ class BatchRunner:
 
     def wake(self) -> None:
         """Look for work now (a batch made or cancelled here)."""
+        self._finalize_now = True
         self._wake.set()
 
     async def close(self) -> None:
@@ -147,6 +153,7 @@ class BatchRunner:
             task.cancel()
         if tasks:
             await asyncio.gather(*tasks, return_exceptions=True)
+        await self.writer.close()
         try:
             released = await self.claims.release(self.worker, keys)
         except Exception:  # noqa: BLE001 - their leases lapse instead
@@ -162,9 +169,7 @@ class BatchRunner:
         while True:
             self._wake.clear()
             try:
-                for ended in await self.finisher.finish_due():
-                    if ended.ending != "completed":
-                        self._abort(ended.id)
+                await self._finalize()
                 await self._claim()
                 failing = False
             except asyncio.CancelledError:
@@ -176,9 +181,25 @@ class BatchRunner:
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self._wake.wait(), self.options.poll_interval)
 
+    async def _finalize(self) -> None:
+        now = time.monotonic()
+        if not (
+            self._finalize_now
+            or not self._running
+            or now - self._finalized_at >= self.options.poll_interval
+        ):
+            return
+        self._finalize_now, self._finalized_at = False, now
+        for ended in await self.finisher.finish_due():
+            if ended.ending != "completed":
+                self._abort(ended.id)
+
     async def _claim(self) -> None:
+        """Claim lines to fill the free places, a quarter of them at a time (one transaction
+        for many lines, the engine never short of them) or whatever is free once none runs."""
         free = self.options.max_concurrency - len(self._running)
-        if free <= 0 or time.monotonic() < self._paused_until:
+        refill = max(1, self.options.max_concurrency // 4)
+        if (free < refill and self._running) or time.monotonic() < self._paused_until:
             return
         async with self._lock:
             claimed = await self.claims.claim(
@@ -250,18 +271,10 @@ class BatchRunner:
         return await self.lines.run(line, tenant)
 
     async def _write(self, line: ClaimedLine, answer: LineAnswer) -> None:
-        """The answer and its usage row, once, while the claim holds; a database that fails
-        is tried again a few times (the line's lease is renewed meanwhile)."""
-        for delay in (*WRITE_RETRIES, None):
-            try:
-                written = await self.claims.finish(self.worker, line.key, answer)
-                break
-            except Exception:
-                if delay is None:
-                    raise
-                logger.warning("writing batch line %s failed; again", request_id(*line.key))
-                await asyncio.sleep(delay)
-        if written:
+        """The answer and its usage row, once, while the claim holds, with the lines that
+        finished beside it (batches.writer); a database that fails is tried again a few times
+        (the line's lease is renewed meanwhile)."""
+        if await self.writer.write(line.key, answer):
             self.num_answered += 1
         else:
             self.num_lost += 1
