@@ -167,6 +167,39 @@ def vacuum(url: str) -> None:
         conn.execute("VACUUM ANALYZE tenants")
 
 
+def add_later_tenant_columns(url: str) -> list[str]:
+    """The console's queries are the product's, which read `tenants` as the models have it
+    now: the columns later revisions added to it (none indexed, no usage row touched) are
+    added for the 0004 timing and dropped before the migration adds them for real."""
+    import psycopg
+    from sqlalchemy.dialects import postgresql
+
+    from tenants.models import Tenant
+
+    with psycopg.connect(_libpq(url), autocommit=True) as conn:
+        present = {
+            row[0]
+            for row in conn.execute(
+                "SELECT column_name FROM information_schema.columns WHERE table_name = 'tenants'"
+            )
+        }
+        added = []
+        for column in Tenant.__table__.columns:
+            if column.name not in present:
+                kind = column.type.compile(dialect=postgresql.dialect())
+                conn.execute(f'ALTER TABLE tenants ADD COLUMN "{column.name}" {kind}')
+                added.append(column.name)
+    return added
+
+
+def drop_tenant_columns(url: str, names: list[str]) -> None:
+    import psycopg
+
+    with psycopg.connect(_libpq(url), autocommit=True) as conn:
+        for name in names:
+            conn.execute(f'ALTER TABLE tenants DROP COLUMN "{name}"')
+
+
 def _libpq(url: str) -> str:
     return make_url(url).set(drivername="postgresql").render_as_string(hide_password=False)
 
@@ -280,7 +313,9 @@ def main(argv: list[str] | None = None) -> None:
             vacuum(url)
             runs = NUM_QUERIES * args.repeat
             task = progress.add_task("queries at 0004", total=runs)
+            added = add_later_tenant_columns(url)
             before = asyncio.run(time_queries(url, args.repeat, lambda: progress.advance(task)))
+            drop_tenant_columns(url, added)
             began = time.perf_counter()
             upgrade(url)
             index_s = time.perf_counter() - began

@@ -91,8 +91,7 @@ class FileStore:
         self.db = db
         self.root = Path(root).resolve()
         self.max_per_tenant = max_per_tenant
-        self._incoming = self.root / ".incoming"
-        self._incoming.mkdir(parents=True, exist_ok=True)
+        self._incoming = self.root / ".incoming"  # made by the first upload
 
     def path(self, tenant_id: str, file_id: str) -> Path:
         """Where a file's bytes are; ValueError for a name that could leave `root`."""
@@ -105,6 +104,7 @@ class FileStore:
     def staging(self) -> Path:
         """A new path to write a file's bytes to (not created), for `commit`: on the same
         filesystem as the files, so that committing is a rename."""
+        self._incoming.mkdir(parents=True, exist_ok=True)
         return self._incoming / secrets.token_hex(16)
 
     def discard(self, staged: Path) -> None:
@@ -374,6 +374,8 @@ def _place(staged: Path, final: Path) -> None:
 
 
 def _directories(root: Path) -> list[Path]:
+    if not root.is_dir():
+        return []
     return [p for p in root.iterdir() if p.is_dir() and _SAFE_NAME.fullmatch(p.name)]
 
 
@@ -381,6 +383,8 @@ def _remove_old(directory: Path, cutoff: float, keep: set[str] | None) -> int:
     """Remove the files of `directory` not in `keep` last written before `cutoff`; `keep`
     None: the whole directory once nothing in it is younger. How many files went."""
     removed = 0
+    if not directory.is_dir():
+        return 0
     for entry in list(directory.iterdir()):
         try:
             old = entry.stat().st_mtime < cutoff

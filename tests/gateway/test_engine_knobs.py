@@ -31,6 +31,7 @@ NOT_DEFAULTS: dict[str, Any] = {
     "enable_chunked_prefill": False,
     "scheduling_policy": "fcfs",
     "fair_delay_ratio": 2.0,
+    "priority_max_wait": 7.5,
     "seed": 7,
     "speculative_config": SPECULATIVE,
     "enable_lora": False,
