@@ -37,10 +37,10 @@ import time
 from collections.abc import Callable, Collection, Iterator
 from dataclasses import dataclass, field
 
+from engine.config import SCHEDULING_POLICIES
 from engine.fairness import LINGER, FairQueue
 from engine.request import Request
 
-POLICIES = ("fair", "priority", "fcfs")
 DEFAULT_MAX_WAIT = 30.0  # seconds a waiting band may go without an admission
 
 
@@ -91,8 +91,8 @@ class BandedQueue:
     num_promotions: int = 0  # requests admitted out of band order by the starvation bound
 
     def __post_init__(self) -> None:
-        if self.policy not in POLICIES:
-            raise ValueError(f"scheduling policy must be one of {POLICIES}, got {self.policy!r}")
+        if self.policy not in SCHEDULING_POLICIES:
+            raise ValueError(f"scheduling policy must be one of {SCHEDULING_POLICIES}")
         if not self.max_wait > 0:
             raise ValueError(f"max_wait must be positive, got {self.max_wait}")
 
@@ -202,10 +202,17 @@ class BandedQueue:
             running.append(request)
 
     def charge(self, rows: list[tuple[Request, int]]) -> None:
+        """Each band's rows charged to its own lines (one call per band, not per row)."""
         if not self.use_keys:
             return
-        for request, num_new in rows:
-            self._bands[self.band_of(request)].queue.charge(((request, num_new),))
+        if len(self._bands) == 1:
+            next(iter(self._bands.values())).queue.charge(rows)
+            return
+        by_band: dict[int, list[tuple[Request, int]]] = {}
+        for row in rows:
+            by_band.setdefault(row[0].priority, []).append(row)
+        for priority, band_rows in by_band.items():
+            self._bands[priority].queue.charge(band_rows)
 
     # -- whom the step protects -------------------------------------------------------------
 

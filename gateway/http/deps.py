@@ -8,15 +8,19 @@ HTTPBearer is here only so that the OpenAPI schema names the two security scheme
 
 from __future__ import annotations
 
-from typing import Annotated, Any
+from collections.abc import Callable
+from typing import Annotated, Any, TypeVar, cast
 
 from fastapi import Depends, Request, Security
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 
 from gateway.console.session import cookie_authorization
+from gateway.http.errors import APIError
 from gateway.models.served import ServedModels
 from gateway.tenancy.auth import RequestTenant
 from gateway.tenancy.state import Tenancy
+
+T = TypeVar("T")
 
 tenant_key = HTTPBearer(
     auto_error=False, scheme_name="TenantKey", description="A tenant's API key (lg-...)."
@@ -35,6 +39,20 @@ def get_tenancy(request: Request) -> Tenancy:
 
 def get_models(request: Request) -> ServedModels:
     return request.app.state.models  # type: ignore[no-any-return]
+
+
+def app_service(kind: type[T], attr: str, api: str) -> Callable[[Request], T]:
+    """A dependency: the app's `attr` (what the server made at start-up to serve `api`, a
+    `kind`), or a 404 where this server does not serve that API."""
+
+    def get(request: Request) -> T:
+        found = getattr(request.app.state, attr, None)
+        if found is None:
+            raise APIError(404, f"this server does not serve the {api}", code="not_found")
+        return cast(T, found)
+
+    get.__name__ = f"get_{attr}"
+    return get
 
 
 async def current_tenant(

@@ -4,12 +4,11 @@ from __future__ import annotations
 
 from typing import Annotated, Any
 
-from fastapi import APIRouter, Depends, Path, Query, Request
+from fastapi import APIRouter, Depends, Path, Query
 
 from gateway.http.body import StrictJSONRoute
-from gateway.http.deps import TenantDep
+from gateway.http.deps import TenantDep, app_service
 from gateway.http.error_schemas import OPENAI_ERRORS, error_response
-from gateway.http.errors import APIError
 from gateway.openai.batches.protocol import MAX_ID_CHARS, BatchCreate, BatchList, BatchObject
 from gateway.openai.batches.serving import BatchesServing
 from gateway.openai.files.protocol import InvalidFileBody
@@ -39,11 +38,7 @@ router = APIRouter(
 )
 
 
-def get_batches(request: Request) -> BatchesServing:
-    batches: BatchesServing | None = getattr(request.app.state, "batches", None)
-    if batches is None:
-        raise APIError(404, "this server does not serve the Batch API", code="not_found")
-    return batches
+get_batches = app_service(BatchesServing, "batches", "Batch API")
 
 
 BatchesDep = Annotated[BatchesServing, Depends(get_batches)]

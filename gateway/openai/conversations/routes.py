@@ -4,12 +4,11 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from fastapi import APIRouter, Depends, Path, Query, Request
+from fastapi import APIRouter, Depends, Path, Query
 
 from gateway.http.body import StrictJSONRoute
-from gateway.http.deps import TenantDep
+from gateway.http.deps import TenantDep, app_service
 from gateway.http.error_schemas import OPENAI_ERRORS, error_response
-from gateway.http.errors import APIError
 from gateway.openai.conversations.protocol import (
     ConversationCreate,
     ConversationDeleted,
@@ -44,11 +43,7 @@ router = APIRouter(
 )
 
 
-def get_conversations(request: Request) -> ConversationsServing:
-    conversations: ConversationsServing | None = getattr(request.app.state, "conversations", None)
-    if conversations is None:
-        raise APIError(404, "this server does not serve the Conversations API", code="not_found")
-    return conversations
+get_conversations = app_service(ConversationsServing, "conversations", "Conversations API")
 
 
 ConversationsDep = Annotated[ConversationsServing, Depends(get_conversations)]

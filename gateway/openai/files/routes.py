@@ -8,9 +8,8 @@ from fastapi import APIRouter, Depends, Path, Query, Request
 from fastapi.responses import Response
 
 from gateway.http.body import StrictJSONRoute
-from gateway.http.deps import TenantDep
+from gateway.http.deps import TenantDep, app_service
 from gateway.http.error_schemas import OPENAI_ERRORS, error_response
-from gateway.http.errors import APIError
 from gateway.openai.batch_lines import MAX_REPORTED
 from gateway.openai.files.protocol import (
     UPLOAD_BODY,
@@ -57,11 +56,7 @@ router = APIRouter(
 )
 
 
-def get_files(request: Request) -> FilesServing:
-    files: FilesServing | None = getattr(request.app.state, "files", None)
-    if files is None:
-        raise APIError(404, "this server does not serve the Files API", code="not_found")
-    return files
+get_files = app_service(FilesServing, "files", "Files API")
 
 
 FilesDep = Annotated[FilesServing, Depends(get_files)]

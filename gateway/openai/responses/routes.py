@@ -8,9 +8,8 @@ from fastapi import APIRouter, Depends, Path, Query, Request
 from fastapi.responses import Response
 
 from gateway.http.body import StrictJSONRoute
-from gateway.http.deps import TenantDep
+from gateway.http.deps import TenantDep, app_service
 from gateway.http.error_schemas import OPENAI_ERRORS
-from gateway.http.errors import APIError
 from gateway.openai.responses.compaction import Compactor, CompactRequest
 from gateway.openai.responses.items import MAX_ID_CHARS
 from gateway.openai.responses.protocol import InputTokensRequest, ResponsesRequest
@@ -39,11 +38,7 @@ _CREATED: dict[int | str, dict[str, Any]] = {
 }
 
 
-def get_responses(request: Request) -> ResponsesServing:
-    responses: ResponsesServing | None = getattr(request.app.state, "responses", None)
-    if responses is None:
-        raise APIError(404, "this server does not serve the Responses API", code="not_found")
-    return responses
+get_responses = app_service(ResponsesServing, "responses", "Responses API")
 
 
 ResponsesDep = Annotated[ResponsesServing, Depends(get_responses)]
@@ -61,11 +56,7 @@ async def create_response(
     return await responses.create(body, tenant, hung_up(request))
 
 
-def get_compactor(request: Request) -> Compactor:
-    compactor: Compactor | None = getattr(request.app.state, "compactor", None)
-    if compactor is None:
-        raise APIError(404, "this server does not serve the Responses API", code="not_found")
-    return compactor
+get_compactor = app_service(Compactor, "compactor", "Responses API")
 
 
 @router.post("/compact")
