@@ -94,7 +94,7 @@ class Settings(BaseSettings):
     engine_process: bool = True
     restart_engine: bool = True
     cpu_kernels: bool = True
-    cpu_isa: Literal["native", "avx2"] = "native"
+    cpu_isa: Literal["native", "avx512", "avx2"] = "native"
     weights_cache_dir: str = "auto"
     kernels: Literal["auto", "triton", "native", "torch"] = "auto"
     enable_lora: bool = True

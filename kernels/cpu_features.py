@@ -7,8 +7,9 @@ engine's `--dtype auto` and every benchmark's header read this.
 `LORAGATE_CPU_ISA=avx2` runs an AVX-512 machine as an AVX2-only one: the flags read here lose
 every AVX-512, AMX and AVX-VNNI flag (so `--dtype auto` is float32), the C++ kernels compile
 without them, and torch's own kernels, oneDNN's and MKL's are held to AVX2 (`hold_to_isa`).
-It is how the AVX2 paths are measured and tested on the machines we have, and it pins a fleet
-of mixed processors to one code path.
+`LORAGATE_CPU_ISA=avx512` runs an AMX machine without its tiles in the same way. They are how
+the older paths are measured and tested on the machines we have, and they pin a fleet of mixed
+processors to one code path.
 """
 
 from __future__ import annotations
@@ -39,11 +40,14 @@ def _cpuinfo() -> dict[str, str]:
 
 
 ISA_ENV = "LORAGATE_CPU_ISA"
-ISAS = ("native", "avx2")
+ISAS = ("native", "avx512", "avx2")
 # What an AVX2-only processor (Zen 2 and 3, Haswell to Comet Lake) lacks of the newer ones.
 _ABOVE_AVX2 = ("avx512", "amx", "avx_vnni")
 # GCC's switches for the same: -mno-avx512f turns off every AVX-512 extension with it.
 _NO_ABOVE_AVX2 = ("-mno-avx512f", "-mno-avxvnni", "-mno-amx-tile")
+# What an AVX-512 processor without AMX (Ice Lake, Zen 4 and 5) lacks of Sapphire Rapids and on.
+_ABOVE_AVX512 = ("amx",)
+_NO_ABOVE_AVX512 = ("-mno-amx-tile", "-mno-amx-bf16", "-mno-amx-int8")
 
 
 def isa() -> str:
@@ -58,9 +62,8 @@ def isa() -> str:
 def _flags_of(isa_name: str) -> tuple[str, ...]:
     """The flags line's flags, in its order, less those above AVX2 where `isa_name` is avx2."""
     every = _cpuinfo().get("flags", "").split()
-    return tuple(
-        every if isa_name == "native" else (f for f in every if not f.startswith(_ABOVE_AVX2))
-    )
+    above = {"native": (), "avx512": _ABOVE_AVX512, "avx2": _ABOVE_AVX2}[isa_name]
+    return tuple(f for f in every if not (above and f.startswith(above)))
 
 
 @functools.cache
@@ -79,7 +82,8 @@ def flags_line() -> str:
 
 def compile_flags() -> list[str]:
     """The compiler's target switches for code built for this process's instruction set."""
-    return ["-march=native", *(_NO_ABOVE_AVX2 if isa() == "avx2" else ())]
+    held = {"native": (), "avx512": _NO_ABOVE_AVX512, "avx2": _NO_ABOVE_AVX2}[isa()]
+    return ["-march=native", *held]
 
 
 def use_isa(name: str) -> None:
@@ -98,6 +102,8 @@ def hold_to_isa() -> None:
         os.environ.setdefault("ATEN_CPU_CAPABILITY", "avx2")
         os.environ.setdefault("ONEDNN_MAX_CPU_ISA", "AVX2")
         os.environ.setdefault("MKL_ENABLE_INSTRUCTIONS", "AVX2")  # torch's float32 GEMMs
+    elif isa() == "avx512":  # oneDNN's level below its AMX kernels
+        os.environ.setdefault("ONEDNN_MAX_CPU_ISA", "AVX512_CORE_FP16")
 
 
 def model_name() -> str:
@@ -118,5 +124,7 @@ def describe() -> str:
     """One line for a benchmark header: the model name and which reported flags it has."""
     have = flags()
     marks = " ".join(f"{flag} {'yes' if flag in have else 'no'}" for flag in REPORTED_FLAGS)
-    held = f", held to AVX2 by {ISA_ENV}" if isa() == "avx2" else ""
+    held = {"native": "", "avx512": f", AMX held off by {ISA_ENV}", "avx2": f", held to AVX2 by {ISA_ENV}"}[
+        isa()
+    ]
     return f"{model_name()} ({marks}{held})"

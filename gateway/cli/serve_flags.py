@@ -71,9 +71,9 @@ HELP: dict[str, str] = {
     "engine_process": "Run the engine loop in its own process (no GIL shared with HTTP).",
     "restart_engine": "Restart an engine process that dies, with back-off.",
     "cpu_kernels": "C++ decode attention, RMSNorm, multi-LoRA and prepacked weights on CPU.",
-    "cpu_isa": "The instruction set the process runs: native (all this CPU has) or avx2 (the C++ "
-    "kernels, torch and oneDNN without AVX-512 or AMX, bfloat16 not native: how an AVX2-only "
-    "processor runs, on any).",
+    "cpu_isa": "The instruction set the process runs: native (all this CPU has), avx512 (the C++ "
+    "kernels and oneDNN without AMX tiles) or avx2 (the C++ kernels, torch and oneDNN without "
+    "AVX-512 or AMX, bfloat16 not native: how an AVX2-only processor runs, on any).",
     "weights_cache_dir": "Where each model's weights are written once as the engine runs them "
     "(converted, reordered for oneDNN) and mapped by every later start: auto "
     "(~/.cache/loragate/weights), a directory, or none.",

@@ -30,6 +30,7 @@
 #include <vector>
 
 #include "decode_attention_bf16.h"
+#include "prefill_attention_amx.h"
 #include "simd.h"
 
 namespace {
@@ -87,6 +88,237 @@ void pack_block(const bf16* keys, const bf16* values, int64_t n, int64_t block_s
   std::fill(packed_values, packed_values + (block_size / 2) * (kDim / 16), _mm512_setzero_si512());
   interleave_pairs<kDim>(values, n, packed_values);
 }
+
+// What the tasks of one call share: the rows, the packed blocks, the queries and outputs.
+struct PackedStep {
+  const int64_t* meta;  // [rows, 3]: query_start, query_len, seq_len
+  const int64_t* tables;
+  int64_t width;  // a block table's length
+  int64_t block_size;
+  int64_t per_kv;  // query heads per kv head
+  int64_t kv_heads;
+  int64_t row_tasks;  // tasks per kv head
+  const int64_t* task_row;
+  const int64_t* task_token;
+  const int64_t* slot;  // block id -> its packed slot
+  const __m512i* keys_packed;
+  const __m512i* values_packed;
+  int64_t keys_per_head, values_per_head;  // vectors of a kv head's packed blocks
+  int64_t key_vectors, value_vectors;      // vectors of one packed block
+  const bf16* q_base;
+  int64_t q_row, q_head;
+  bf16* o_base;
+  int64_t o_row, o_head;
+  int64_t line;  // a query's scores, padded to whole key tiles
+  float scale;
+
+  // Task i: kv head g, row `row`, `tokens` of its queries from its token `first`.
+  struct Task {
+    int64_t g, row, first, tokens, query_start, context;
+    const __m512i* keys;  // the kv head's packed blocks
+    const __m512i* values;
+  };
+
+  Task task(int64_t i) const {
+    const int64_t g = i / row_tasks, r = task_row[i % row_tasks], first = task_token[i % row_tasks];
+    const int64_t query_start = meta[3 * r], query_len = meta[3 * r + 1], seq_len = meta[3 * r + 2];
+    return {g,           r,
+            first,       std::min(kTokensPerTask, query_len - first),
+            query_start, seq_len - query_len,
+            keys_packed + g * keys_per_head,
+            values_packed + g * values_per_head};
+  }
+  // The packed slot of the block holding row r's key `pos`.
+  int64_t block(int64_t r, int64_t pos) const { return slot[tables[r * width + pos / block_size]]; }
+  // Query vector q of a task: token first + q / per_kv, head g * per_kv + q % per_kv.
+  const bf16* query(const Task& t, int64_t q) const {
+    return q_base + (t.query_start + t.first + q / per_kv) * q_row + (t.g * per_kv + q % per_kv) * q_head;
+  }
+  bf16* output(const Task& t, int64_t q) const {
+    return o_base + (t.query_start + t.first + q / per_kv) * o_row + (t.g * per_kv + q % per_kv) * o_head;
+  }
+  // Causal: query q sees the keys up to its own position.
+  int64_t limit(const Task& t, int64_t q) const { return t.context + t.first + q / per_kv + 1; }
+};
+
+// The tasks on AVX-512 BF16: vdpbf16ps scores kQueryTile queries against sixteen keys at a
+// time and sums kValueTile queries' weighted values in registers.
+template <int kDim>
+void attend_tasks(const PackedStep& st) {
+  const int64_t line = st.line;
+  constexpr int kValueTile = 256 / kDim;  // query vectors whose sums stay in 16 registers
+
+  at::parallel_for(0, st.kv_heads * st.row_tasks, 1, [&](int64_t begin, int64_t end) {
+    thread_local std::vector<float> scores;
+    thread_local std::vector<bf16> probs;
+    grow(scores, kQueryTile * line);
+    grow(probs, kQueryTile * line);
+    float sums[kQueryTile];
+    alignas(64) float o[kDim];
+    for (int64_t task = begin; task < end; ++task) {
+      const PackedStep::Task t = st.task(task);
+      const int64_t r = t.row;
+      auto packed_block = [&](int64_t pos) { return st.block(r, pos); };
+
+      // Query vector i of the task: token first + i / per_kv, head g * per_kv + i % per_kv.
+      const int64_t num_queries = t.tokens * st.per_kv;
+      for (int64_t q0 = 0; q0 < num_queries; q0 += kQueryTile) {
+        const int tile = static_cast<int>(std::min<int64_t>(kQueryTile, num_queries - q0));
+        const uint32_t* qp[kQueryTile];
+        int64_t limit[kQueryTile];
+        // A short last tile repeats its last query: the loops below keep whole tiles in
+        // registers, and only the tile's own queries are written out.
+        for (int i = 0; i < kQueryTile; ++i) {
+          const int64_t q = q0 + std::min(i, tile - 1);
+          qp[i] = reinterpret_cast<const uint32_t*>(st.query(t, q));
+          limit[i] = st.limit(t, q);
+        }
+        const int64_t most = limit[kQueryTile - 1];
+        for (int64_t pos = 0; pos < most; pos += kKeyTile) {
+          const __m512i* kt = t.keys + packed_block(pos) * st.key_vectors +
+                              ((pos % st.block_size) / kKeyTile) * (kDim / 2);
+          __m512 acc[kQueryTile];
+          for (int i = 0; i < kQueryTile; ++i) acc[i] = _mm512_setzero_ps();
+          for (int p = 0; p < kDim / 2; ++p) {
+            const __m512bh k = (__m512bh)kt[p];
+            for (int i = 0; i < kQueryTile; ++i)
+              acc[i] = _mm512_dpbf16_ps(acc[i], (__m512bh)_mm512_set1_epi32(qp[i][p]), k);
+          }
+          for (int i = 0; i < kQueryTile; ++i)
+            _mm512_storeu_ps(scores.data() + i * line + pos,
+                             _mm512_mul_ps(acc[i], _mm512_set1_ps(st.scale)));
+        }
+        for (int i = 0; i < tile; ++i) {
+          float* s = scores.data() + i * line;
+          sums[i] = exp_shifted(s, limit[i], max_of(s, limit[i]));
+          bf16* p = probs.data() + i * line;
+          narrow(s, p, limit[i]);
+          std::fill(p + limit[i], p + most + 2, bf16(0.f));  // keys it may not see weigh 0
+        }
+        for (int v0 = 0; v0 < tile; v0 += kValueTile) {
+          const int vt = std::min(kValueTile, tile - v0);
+          const int64_t pairs = (limit[v0 + vt - 1] + 1) / 2;
+          __m512 acc[kValueTile][kDim / 16];
+          for (int i = 0; i < kValueTile; ++i)
+            for (int c = 0; c < kDim / 16; ++c) acc[i][c] = _mm512_setzero_ps();
+          for (int64_t u = 0; u < pairs; ++u) {
+            const int64_t pos = 2 * u;
+            const __m512i* vp = t.values + packed_block(pos) * st.value_vectors +
+                                ((pos % st.block_size) / 2) * (kDim / 16);
+            __m512bh w[kValueTile];
+            for (int i = 0; i < kValueTile; ++i) {
+              uint32_t pair;
+              const int64_t q = v0 + std::min(i, vt - 1);
+              __builtin_memcpy(&pair, probs.data() + q * line + pos, sizeof(pair));
+              w[i] = (__m512bh)_mm512_set1_epi32(static_cast<int>(pair));
+            }
+            for (int c = 0; c < kDim / 16; ++c) {
+              const __m512bh v = (__m512bh)vp[c];
+              for (int i = 0; i < kValueTile; ++i) acc[i][c] = _mm512_dpbf16_ps(acc[i][c], w[i], v);
+            }
+          }
+          for (int i = 0; i < vt; ++i) {
+            unpermute<kDim>(acc[i], o);
+            narrow(o, st.output(t, q0 + v0 + i), kDim, sums[v0 + i]);
+          }
+        }
+      }
+    }
+  });
+}
+#ifdef LORAGATE_HAVE_AMX_BF16
+// The tasks on AMX tiles (prefill_attention_amx.h): 16 queries at a time, their scores over
+// 16 keys a tile, their weighted sums over 16 keys a tile, 64 dimensions a pass.
+template <int kDim>
+void attend_tasks_amx(const PackedStep& st) {
+  static_assert(kDim == 64 || kDim == 128, "query pieces live in tmm0-3");
+  constexpr int kRows = 16;  // queries per tile
+  const int64_t line = st.line;
+  at::parallel_for(0, st.kv_heads * st.row_tasks, 1, [&](int64_t begin, int64_t end) {
+    configure_prefill_tiles();
+    thread_local std::vector<float> scores;
+    thread_local std::vector<bf16> probs;
+    grow(scores, kRows * line);
+    grow(probs, kRows * line);
+    alignas(64) bf16 queries[kRows * kDim];
+    alignas(64) float weighted[kRows * kDim];
+    alignas(64) float o[kDim];
+    float sums[kRows];
+    int64_t limit[kRows];
+    for (int64_t task = begin; task < end; ++task) {
+      const PackedStep::Task t = st.task(task);
+      const int64_t num_queries = t.tokens * st.per_kv;
+      for (int64_t q0 = 0; q0 < num_queries; q0 += kRows) {
+        const int tile = static_cast<int>(std::min<int64_t>(kRows, num_queries - q0));
+        // A short last tile repeats its last query; only the tile's own are written out.
+        for (int i = 0; i < kRows; ++i) {
+          const int64_t q = q0 + std::min(i, tile - 1);
+          std::memcpy(queries + i * kDim, st.query(t, q), kDim * sizeof(bf16));
+          limit[i] = st.limit(t, q);
+        }
+        const int64_t most = limit[tile - 1];
+        const int64_t padded = (most + kKeyTile - 1) / kKeyTile * kKeyTile;
+
+        _tile_loadd(0, queries, kDim * sizeof(bf16));
+        _tile_loadd(1, queries + 32, kDim * sizeof(bf16));
+        if constexpr (kDim == 128) {
+          _tile_loadd(2, queries + 64, kDim * sizeof(bf16));
+          _tile_loadd(3, queries + 96, kDim * sizeof(bf16));
+        }
+        for (int64_t pos = 0; pos < most; pos += kKeyTile) {
+          const __m512i* kt = t.keys + st.block(t.row, pos) * st.key_vectors +
+                              ((pos % st.block_size) / kKeyTile) * (kDim / 2);
+          _tile_zero(5);
+          LORAGATE_SCORE_PIECE(0, kt);
+          LORAGATE_SCORE_PIECE(1, kt + 16);
+          if constexpr (kDim == 128) {
+            LORAGATE_SCORE_PIECE(2, kt + 32);
+            LORAGATE_SCORE_PIECE(3, kt + 48);
+          }
+          _tile_stored(5, scores.data() + pos, line * sizeof(float));
+        }
+
+        for (int i = 0; i < kRows; ++i) {
+          bf16* p = probs.data() + i * line;
+          if (i >= tile) {  // a repeated query weighs nothing into the tile's sums
+            std::fill(p, p + padded, bf16(0.f));
+            continue;
+          }
+          // Keys it may not see weigh 0.
+          sums[i] = softmax_weights(scores.data() + i * line, p, limit[i], padded, st.scale);
+        }
+
+        const int64_t value_stride = (kDim / 16) * sizeof(__m512i);  // one key pair to the next
+        for (int half = 0; half < kDim / 64; ++half) {
+          _tile_zero(0);
+          _tile_zero(1);
+          _tile_zero(2);
+          _tile_zero(3);
+          for (int64_t pos = 0; pos < most; pos += kKeyTile) {
+            _tile_loadd(6, probs.data() + pos, line * sizeof(bf16));
+            const __m512i* vp = t.values + st.block(t.row, pos) * st.value_vectors +
+                                ((pos % st.block_size) / 2) * (kDim / 16) + 4 * half;
+            LORAGATE_VALUE_PIECE(0, vp, value_stride);
+            LORAGATE_VALUE_PIECE(1, vp + 1, value_stride);
+            LORAGATE_VALUE_PIECE(2, vp + 2, value_stride);
+            LORAGATE_VALUE_PIECE(3, vp + 3, value_stride);
+          }
+          float* w = weighted + 64 * half;
+          _tile_stored(0, w, kDim * sizeof(float));
+          _tile_stored(1, w + 16, kDim * sizeof(float));
+          _tile_stored(2, w + 32, kDim * sizeof(float));
+          _tile_stored(3, w + 48, kDim * sizeof(float));
+        }
+        for (int i = 0; i < tile; ++i) {
+          unpermute<kDim>(reinterpret_cast<const __m512*>(weighted + i * kDim), o);
+          narrow(o, st.output(t, q0 + i), kDim, sums[i]);
+        }
+      }
+    }
+    _tile_release();
+  });
+}
+#endif  // LORAGATE_HAVE_AMX_BF16
 
 template <int kDim>
 void attend(const at::Tensor& query, const at::Tensor& key_cache, const at::Tensor& value_cache,
@@ -150,100 +382,41 @@ void attend(const at::Tensor& query, const at::Tensor& key_cache, const at::Tens
       task_row.push_back(r);
       task_token.push_back(t);
     }
-  const int64_t row_tasks = static_cast<int64_t>(task_row.size());
-  const bf16* q_base = query.data_ptr<bf16>();
-  bf16* o_base = out.data_ptr<bf16>();
-  const int64_t q_row = query.stride(0), q_head = query.stride(1);
-  const int64_t o_row = out.stride(0), o_head = out.stride(1);
-  const int64_t line = max_len + kKeyTile;  // a query's scores, padded to whole key tiles
-  constexpr int kValueTile = 256 / kDim;  // query vectors whose sums stay in 16 registers
-
-  at::parallel_for(0, kv_heads * row_tasks, 1, [&](int64_t begin, int64_t end) {
-    thread_local std::vector<float> scores;
-    thread_local std::vector<bf16> probs;
-    grow(scores, kQueryTile * line);
-    grow(probs, kQueryTile * line);
-    float sums[kQueryTile];
-    alignas(64) float o[kDim];
-    for (int64_t task = begin; task < end; ++task) {
-      const int64_t g = task / row_tasks, r = task_row[task % row_tasks];
-      const int64_t first = task_token[task % row_tasks];
-      const int64_t query_start = m[3 * r], query_len = m[3 * r + 1], seq_len = m[3 * r + 2];
-      const int64_t context = seq_len - query_len;
-      const int64_t tokens = std::min(kTokensPerTask, query_len - first);
-      const __m512i* keys_of_head = keys_packed + g * num_packed * key_vectors;
-      const __m512i* values_of_head = values_packed + g * num_packed * value_vectors;
-      auto packed_block = [&](int64_t pos) { return slot[tables[r * width + pos / block_size]]; };
-
-      // Query vector i of the task: token first + i / per_kv, head g * per_kv + i % per_kv.
-      const int64_t num_queries = tokens * per_kv;
-      for (int64_t q0 = 0; q0 < num_queries; q0 += kQueryTile) {
-        const int tile = static_cast<int>(std::min<int64_t>(kQueryTile, num_queries - q0));
-        const uint32_t* qp[kQueryTile];
-        int64_t limit[kQueryTile];
-        // A short last tile repeats its last query: the loops below keep whole tiles in
-        // registers, and only the tile's own queries are written out.
-        for (int i = 0; i < kQueryTile; ++i) {
-          const int64_t q = q0 + std::min(i, tile - 1);
-          const int64_t token = first + q / per_kv, head = g * per_kv + q % per_kv;
-          qp[i] = reinterpret_cast<const uint32_t*>(q_base + (query_start + token) * q_row +
-                                                    head * q_head);
-          limit[i] = context + token + 1;  // causal: the keys up to its own position
-        }
-        const int64_t most = limit[kQueryTile - 1];
-        for (int64_t pos = 0; pos < most; pos += kKeyTile) {
-          const __m512i* kt = keys_of_head + packed_block(pos) * key_vectors +
-                              ((pos % block_size) / kKeyTile) * (kDim / 2);
-          __m512 acc[kQueryTile];
-          for (int i = 0; i < kQueryTile; ++i) acc[i] = _mm512_setzero_ps();
-          for (int p = 0; p < kDim / 2; ++p) {
-            const __m512bh k = (__m512bh)kt[p];
-            for (int i = 0; i < kQueryTile; ++i)
-              acc[i] = _mm512_dpbf16_ps(acc[i], (__m512bh)_mm512_set1_epi32(qp[i][p]), k);
-          }
-          for (int i = 0; i < kQueryTile; ++i)
-            _mm512_storeu_ps(scores.data() + i * line + pos, _mm512_mul_ps(acc[i], _mm512_set1_ps(scale)));
-        }
-        for (int i = 0; i < tile; ++i) {
-          float* s = scores.data() + i * line;
-          sums[i] = exp_shifted(s, limit[i], max_of(s, limit[i]));
-          bf16* p = probs.data() + i * line;
-          narrow(s, p, limit[i]);
-          std::fill(p + limit[i], p + most + 2, bf16(0.f));  // keys it may not see weigh 0
-        }
-        for (int v0 = 0; v0 < tile; v0 += kValueTile) {
-          const int vt = std::min(kValueTile, tile - v0);
-          const int64_t pairs = (limit[v0 + vt - 1] + 1) / 2;
-          __m512 acc[kValueTile][kDim / 16];
-          for (int i = 0; i < kValueTile; ++i)
-            for (int c = 0; c < kDim / 16; ++c) acc[i][c] = _mm512_setzero_ps();
-          for (int64_t t = 0; t < pairs; ++t) {
-            const int64_t pos = 2 * t;
-            const __m512i* vp = values_of_head + packed_block(pos) * value_vectors +
-                                ((pos % block_size) / 2) * (kDim / 16);
-            __m512bh w[kValueTile];
-            for (int i = 0; i < kValueTile; ++i) {
-              uint32_t pair;
-              const int64_t q = v0 + std::min(i, vt - 1);
-              __builtin_memcpy(&pair, probs.data() + q * line + pos, sizeof(pair));
-              w[i] = (__m512bh)_mm512_set1_epi32(static_cast<int>(pair));
-            }
-            for (int c = 0; c < kDim / 16; ++c) {
-              const __m512bh v = (__m512bh)vp[c];
-              for (int i = 0; i < kValueTile; ++i) acc[i][c] = _mm512_dpbf16_ps(acc[i][c], w[i], v);
-            }
-          }
-          for (int i = 0; i < vt; ++i) {
-            const int64_t q = q0 + v0 + i;
-            const int64_t token = first + q / per_kv, head = g * per_kv + q % per_kv;
-            unpermute<kDim>(acc[i], o);
-            narrow(o, o_base + (query_start + token) * o_row + head * o_head, kDim, sums[v0 + i]);
-          }
-        }
-      }
-    }
-  });
+  PackedStep step{
+      m,
+      tables,
+      width,
+      block_size,
+      per_kv,
+      kv_heads,
+      static_cast<int64_t>(task_row.size()),
+      task_row.data(),
+      task_token.data(),
+      slot,
+      keys_packed,
+      values_packed,
+      num_packed * key_vectors,
+      num_packed * value_vectors,
+      key_vectors,
+      value_vectors,
+      query.data_ptr<bf16>(),
+      query.stride(0),
+      query.stride(1),
+      out.data_ptr<bf16>(),
+      out.stride(0),
+      out.stride(1),
+      max_len + kKeyTile,  // a query's scores, padded to whole key tiles
+      scale,
+  };
+#ifdef LORAGATE_HAVE_AMX_BF16
+  if (amx_permitted()) {
+    attend_tasks_amx<kDim>(step);
+    return;
+  }
+#endif
+  attend_tasks<kDim>(step);
 }
+
 #endif  // LORAGATE_HAVE_AVX512_BF16
 
 // Whether this build runs caches like `key_cache` ([kv_heads, blocks, block_size, head_dim]).

@@ -1,5 +1,6 @@
-"""LORAGATE_CPU_ISA=avx2: an AVX-512 machine runs as an AVX2-only one (issue 43), so CI covers
-the kernels' AVX2 paths on whichever processor it draws."""
+"""LORAGATE_CPU_ISA=avx2: an AVX-512 machine runs as an AVX2-only one (issue 43); =avx512: an
+AMX machine runs without its tiles. CI covers the kernels' older paths on whichever processor
+it draws."""
 
 from __future__ import annotations
 
@@ -77,16 +78,45 @@ def test_torch_onednn_and_our_build_are_held_to_avx2() -> None:
     assert "%zmm" not in code, "an AVX-512 instruction in the AVX2 build"
 
 
-def test_the_avx2_build_passes_the_kernel_tests() -> None:
-    """The kernel tests again, in a process held to AVX2; on an AVX2-only machine they are the
-    same build the suite already ran."""
-    if cpu_features.isa() == "avx2":
-        pytest.skip("this process is held to AVX2 already")
-    if not any(f.startswith("avx512") for f in cpu_features.flags()):
-        pytest.skip("this processor is AVX2-only: the suite's own kernel tests are these")
+def test_avx512_drops_only_amx(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv(cpu_features.ISA_ENV, "avx512")
+    native_flags = cpu_features._flag_set("native")
+    assert cpu_features.flags() == {f for f in native_flags if not f.startswith("amx")}
+    assert "-mno-amx-tile" in cpu_features.compile_flags()
+    assert "-mno-avx512f" not in cpu_features.compile_flags()
+    assert "AMX held off" in cpu_features.describe()
+
+
+def _disassembly() -> str:
     if not native.load():
         pytest.skip("the CPU kernels do not build here")
-    env = os.environ | {cpu_features.ISA_ENV: "avx2", "LORAGATE_CPU_KERNELS_REQUIRED": "1"}
+    objdump = shutil.which("objdump")
+    if objdump is None:
+        pytest.skip("no objdump to read the build with")
+    (library,) = native._build_dir().glob("*.so")
+    return subprocess.run([objdump, "-d", str(library)], capture_output=True, text=True).stdout
+
+
+def test_tiles_are_in_the_build_exactly_where_the_process_has_amx() -> None:
+    """Prefill attention's AMX path (kernels/csrc/prefill_attention_amx.h) is compiled in
+    where the process runs with amx_bf16, and left out under LORAGATE_CPU_ISA=avx512."""
+    if "avx512_bf16" not in cpu_features.flags():
+        pytest.skip("the tile path builds beside the AVX-512 BF16 one only")
+    has_tiles = "tdpbf16ps" in _disassembly()
+    assert has_tiles == ("amx_bf16" in cpu_features.flags())
+
+
+@pytest.mark.parametrize(("isa", "above"), [("avx2", "avx512"), ("avx512", "amx")])
+def test_the_older_builds_pass_the_kernel_tests(isa: str, above: str) -> None:
+    """The kernel tests again, in a process held to `isa`, where this processor has more (an
+    `above` flag); where it has not, they are the build the suite already ran."""
+    if cpu_features.isa() != "native":
+        pytest.skip("held already: the variables it holds torch by would pass on")
+    if not any(f.startswith(above) for f in cpu_features.flags()):
+        pytest.skip(f"this processor has no {above}: the suite's own kernel tests are these")
+    if not native.load():
+        pytest.skip("the CPU kernels do not build here")
+    env = os.environ | {cpu_features.ISA_ENV: isa, "LORAGATE_CPU_KERNELS_REQUIRED": "1"}
     tests = [str(ROOT / "tests" / "kernels" / name) for name in [*KERNEL_TESTS, __file__]]
     done = subprocess.run(
         [sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", *tests],
