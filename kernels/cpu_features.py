@@ -124,7 +124,9 @@ def describe() -> str:
     """One line for a benchmark header: the model name and which reported flags it has."""
     have = flags()
     marks = " ".join(f"{flag} {'yes' if flag in have else 'no'}" for flag in REPORTED_FLAGS)
-    held = {"native": "", "avx512": f", AMX held off by {ISA_ENV}", "avx2": f", held to AVX2 by {ISA_ENV}"}[
-        isa()
-    ]
+    held = {
+        "native": "",
+        "avx512": f", AMX held off by {ISA_ENV}",
+        "avx2": f", held to AVX2 by {ISA_ENV}",
+    }[isa()]
     return f"{model_name()} ({marks}{held})"
