@@ -1,6 +1,6 @@
 """tenants/usage.py alone, on SQLite and PostgreSQL: sums over half-open ranges, groups in
 their order, OpenAI's buckets (empty ones listed, pages and their cursors), and refusals that
-name their parameter. Through HTTP: tests/gateway/test_usage_api.py."""
+name their parameter. Through HTTP: tests/gateway/routers/test_usage_api.py."""
 
 from __future__ import annotations
 

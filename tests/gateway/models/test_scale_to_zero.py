@@ -2,7 +2,7 @@
 min_replicas 0 has no engine until its first request, holds the requests that arrive while it
 starts, answers them all, stops after idle_timeout, and starts again when called; the pending
 bound and the cold-start timeout are 503s with Retry-After. The engines here are loops in
-threads of this process; tests/gateway/test_serve_models_cli.py checks engine processes."""
+threads of this process; tests/gateway/cli/test_serve_models_cli.py checks engine processes."""
 
 from __future__ import annotations
 

@@ -8,7 +8,6 @@ answered by its own adapter."""
 from __future__ import annotations
 
 import random
-import sys
 import threading
 from collections.abc import Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -19,6 +18,7 @@ import httpx
 import openai
 import pytest
 from engine_services import metric_sum
+from hf_reference import peft_greedy  # tests/engine (pyproject.toml: pytest pythonpath)
 from live_server import ServeProcess, admin_client, new_tenant, serve_process
 from test_admin_adapters import upload
 from transformers import AutoTokenizer
@@ -28,9 +28,6 @@ from adapters.peft import describe_base
 from adapters.registry import AdapterRegistry
 from engine import LLM, SamplingParams
 from engine.detokenizer import IncrementalDetokenizer
-
-sys.path.insert(0, str(Path(__file__).parents[1] / "engine"))  # hf_reference lives there
-from hf_reference import peft_greedy  # noqa: E402
 
 STREAMS = 16
 STREAM_TOKENS = 128

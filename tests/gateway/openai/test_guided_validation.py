@@ -264,7 +264,7 @@ def server(demo_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> It
         model=str(demo_model_dir),
         kv_cache_memory=64 << 20,
         max_model_len=512,
-        num_threads=1,  # see tests/engine/test_guided.py, dtype="float32"
+        num_threads=1,  # see tests/engine/guided/test_guided.py, dtype="float32"
     )
     engine = AsyncEngine(LLMEngine(config), max_waiting=64)
     engine.start()

@@ -21,7 +21,7 @@ from engine.errors import GuidedSpecError
 from engine.guided import CompiledSpec, GrammarCache
 from engine.request import GuidedSpec
 
-SCHEMA_DIR = Path(__file__).resolve().parents[1] / "data" / "schemas"
+SCHEMA_DIR = Path(__file__).resolve().parents[2] / "data" / "schemas"
 SCHEMA_FILES = sorted(SCHEMA_DIR.glob("*.json"))
 # A compile may finish a little after the engine's timeout fires; past this it hung.
 TIMEOUT_MARGIN_S = 5.0
@@ -109,7 +109,7 @@ def test_corpus_patterns_mean_on_xgrammar_what_they_mean_in_json_schema(pattern:
     try:
         normalized = normalize_schema({"type": "string", "pattern": pattern}).schema
     except UnsupportedSchema:
-        pytest.skip("refused by name (tests/engine/test_json_schema.py)")
+        pytest.skip("refused by name (tests/engine/guided/test_json_schema.py)")
     compiler = xgr.GrammarCompiler(xgr.TokenizerInfo([]), cache_enabled=False)
     grammar = compiler.compile_json_schema(json.dumps(normalized), any_whitespace=False)
     searched = re.compile(python_regex(pattern))

@@ -41,7 +41,7 @@ def server(demo_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> It
         model=str(demo_model_dir),
         kv_cache_memory=64 << 20,
         max_model_len=512,
-        num_threads=1,  # see tests/engine/test_guided.py
+        num_threads=1,  # see tests/engine/guided/test_guided.py
         guided_max_schema_bytes=MAX_SCHEMA_BYTES,
         guided_max_schema_depth=MAX_SCHEMA_DEPTH,
         dtype="float32",
