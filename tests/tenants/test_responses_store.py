@@ -11,8 +11,10 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from sqlalchemy import update
 
 from tenants.db import Database, upgrade
+from tenants.models import StoredResponseRow
 from tenants.responses import ResponseStore, StoredResponse
 from tenants.tenants import create_tenant
 
@@ -211,9 +213,14 @@ def test_fail_unfinished_fails_only_background_responses_whose_gateway_fell_sile
             await store.save(r)
         # Nothing is silent yet: a gateway starting beside running ones fails none of them.
         assert await store.fail_unfinished(silent_for=60) == 0
-        await asyncio.sleep(0.3)
+        # An hour without a beat, as if their gateways had died then (set, not slept for: a
+        # beat a moment ago must read as fresh however slow this machine is), and one gateway
+        # beats for its own again.
+        async with store.db.session() as session, session.begin():
+            hour_ago = datetime.now(UTC) - timedelta(hours=1)
+            await session.execute(update(StoredResponseRow).values(heartbeat_at=hour_ago))
         await store.beat([beating.id])
-        assert await store.fail_unfinished(silent_for=0.2) == 2
+        assert await store.fail_unfinished(silent_for=60) == 2
         for tenant, left in ((a, queued), (b, running)):
             got = await store.get(tenant, left.id)
             assert got is not None and got.status == "failed"
@@ -222,6 +229,6 @@ def test_fail_unfinished_fails_only_background_responses_whose_gateway_fell_sile
         assert (await store.get(b, beating.id)) == beating
         assert (await store.get(a, finished.id)) == finished
         assert (await store.get(a, foreground.id)) == foreground
-        assert await store.fail_unfinished(silent_for=0.2) == 0
+        assert await store.fail_unfinished(silent_for=60) == 0
 
     run(database_url, body)
