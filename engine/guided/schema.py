@@ -1,7 +1,7 @@
 """Rewrite a JSON schema into one xgrammar 0.2.9 enforces in full, or refuse it by pointer.
 
 xgrammar silently ignores much of JSON Schema (found by experiment, pinned in
-tests/engine/test_json_schema.py): `allOf` of several schemas, keywords beside `anyOf` or
+tests/engine/guided/test_json_schema.py): `allOf` of several schemas, keywords beside `anyOf` or
 `$ref`, `enum`/`const` beside other keywords, `required` names missing from `properties`,
 keywords of one type on a schema without `type`, `uniqueItems`, `contains`, `not`,
 `if/then/else`, `dependent*`, `unevaluatedProperties`, `multipleOf` on numbers, and

@@ -21,13 +21,13 @@ import logging
 import time
 from collections import OrderedDict
 from dataclasses import dataclass
-from datetime import datetime, timedelta
+from datetime import UTC, datetime, timedelta
 
 from gateway.http.errors import APIError
 from gateway.tenancy.ratelimit import TenantLimits
 from tenants.db import Database
 from tenants.keys import find_key, hash_key, touch_keys
-from tenants.models import TENANT_ACTIVE, ApiKey, Tenant, utcnow
+from tenants.models import TENANT_ACTIVE, ApiKey, Tenant
 
 logger = logging.getLogger(__name__)
 
@@ -142,7 +142,7 @@ class TenantAuth:
             return APIError(
                 403, "This API key has been revoked.", type="permission_error", code="key_revoked"
             )
-        if key.expires_at is not None and key.expires_at <= utcnow():
+        if key.expires_at is not None and key.expires_at <= datetime.now(UTC):
             return _unauthorized("This API key has expired.")
         if tenant.status != TENANT_ACTIVE:
             return APIError(
@@ -160,7 +160,7 @@ class TenantAuth:
             await asyncio.gather(*self._writes, return_exceptions=True)
 
     def _note_use(self, key: ApiKey) -> None:
-        now = utcnow()
+        now = datetime.now(UTC)
         # The newer of this process's last write (maybe not landed yet) and the row's (maybe
         # another replica's).
         known = [t for t in (self._last_used.get(key.id), key.last_used_at) if t is not None]

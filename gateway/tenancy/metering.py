@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from datetime import datetime
+from datetime import UTC, datetime
 from typing import Protocol
 
 from engine.lora_types import LoRARequest
@@ -19,7 +19,6 @@ from gateway.metrics import TenantMetrics
 from gateway.tenancy.admission import Ticket
 from gateway.tenancy.auth import RequestTenant
 from tenants.ledger import UsageRecord
-from tenants.models import utcnow
 
 STATUS_OK, STATUS_ABORTED, STATUS_ERROR = "ok", "aborted", "error"
 
@@ -60,7 +59,7 @@ class Meter:
     adapter_name: str | None
     lora: LoRARequest | None
     start: float  # time.monotonic() when the request arrived
-    created_at: datetime = field(default_factory=utcnow)
+    created_at: datetime = field(default_factory=lambda: datetime.now(UTC))
     ttft: float | None = None
     ended: bool = False
     # The API the request came through, on its usage row (last: the fields before it are
