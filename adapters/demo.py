@@ -36,7 +36,7 @@ from safetensors.torch import save_file
 
 from adapters.peft import WEIGHTS_FILE
 from adapters.peft_config import CONFIG_FILE, lora_scaling
-from engine.lora_types import LORA_TARGETS
+from engine.lora.types import LORA_TARGETS
 
 # |scaling * B A x| / |W x|. At 0.5 the demo model's greedy output changes on most prompts;
 # see tests/adapters/test_demo.py.

@@ -1,4 +1,4 @@
-"""PEFT LoRA adapters: a directory on disk -> validated `engine.lora_types.LoRAWeights`.
+"""PEFT LoRA adapters: a directory on disk -> validated `engine.lora.types.LoRAWeights`.
 
 An adapter is the two files peft's `save_pretrained` writes:
 
@@ -36,8 +36,8 @@ import torch
 from adapters.peft_config import CONFIG_FILE as CONFIG_FILE
 from adapters.peft_config import AdapterError as AdapterError
 from adapters.peft_config import LoraConfig, parse_config, short
-from engine.lora_types import LORA_TARGETS, LoRAWeights
-from engine.safetensors_view import SafetensorsError, load_views
+from engine.checkpoints.safetensors_view import SafetensorsError, load_views
+from engine.lora.types import LORA_TARGETS, LoRAWeights
 
 WEIGHTS_FILE = "adapter_model.safetensors"
 PICKLE_FILE = "adapter_model.bin"

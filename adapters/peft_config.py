@@ -11,7 +11,7 @@ import re
 from dataclasses import dataclass
 from typing import Any, TypeGuard
 
-from engine.lora_types import LORA_TARGETS
+from engine.lora.types import LORA_TARGETS
 
 CONFIG_FILE = "adapter_config.json"
 

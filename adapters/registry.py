@@ -16,7 +16,7 @@ from pathlib import Path
 
 from adapters.peft import WEIGHTS_FILE, BaseModelInfo, load_peft_adapter
 from adapters.peft_config import CONFIG_FILE, AdapterError
-from engine.lora_types import LoRARequest, LoRAWeights
+from engine.lora.types import LoRARequest, LoRAWeights
 
 
 @dataclass(frozen=True, slots=True)

@@ -5,16 +5,16 @@
     loragate-bench coldstart --gateway ...   (bench/coldstart_gateway.py: through the gateway)
 
 Each round does what the gateway does for a model that scales to zero (min_replicas 0,
-gateway/models/on_demand.py): spawn the engine process (engine/engine_process.py), wait until
-it reports ready, send one request and wait for its first token, stop it. One untimed round
-first puts the weights in the page cache, as they are on a machine that served the model
-before. With `--adapter`, the first request names that adapter, not yet loaded: its load is
-part of the first token. With `--spare`, each round is run twice: as above, then in a warm
-spare (engine/warm_spare.py) the gateway started ahead, ready before the round begins, as in
-a gateway that has run a while; the pool starts its next spare during the timed part, as
-the gateway's does. With `--zygote`, each round is also run forked from a zygote
-(engine/zygote.py) started before the rounds, as the gateway's is; the report adds the
-zygote's memory (RSS, and PSS: its share of pages its children also map).
+gateway/models/on_demand.py): spawn the engine process (engine/frontend/engine_process.py), wait
+until it reports ready, send one request and wait for its first token, stop it. One untimed round
+first puts the weights in the page cache, as they are on a machine that served the model before.
+With `--adapter`, the first request names that adapter, not yet loaded: its load is part of the
+first token. With `--spare`, each round is run twice: as above, then in a warm spare
+(engine/frontend/warm_spare.py) the gateway started ahead, ready before the round begins, as in a
+gateway that has run a while; the pool starts its next spare during the timed part, as the gateway's
+does. With `--zygote`, each round is also run forked from a zygote (engine/frontend/zygote.py)
+started before the rounds, as the gateway's is; the report adds the zygote's memory (RSS, and PSS:
+its share of pages its children also map).
 
 Phases, median over the rounds:
   process    spawn, the interpreter, the imports (torch, transformers, the engine); in a
@@ -24,9 +24,9 @@ Phases, median over the rounds:
   setup      device, dtype, the checkpoint's tensor names
   kernels    the C++ kernels loaded (built once per machine, then cached on disk)
   model      the module tree allocated
-  weights    mapped from the weights cache (engine/weights_cache.py; the untimed round wrote
-             it), or with --weights-cache-dir none, the safetensors read and copied in (and
-             cast to the compute dtype)
+  weights    mapped from the weights cache (engine/checkpoints/weights_cache.py; the untimed
+             round wrote it), or with --weights-cache-dir none, the safetensors read and
+             copied in (and cast to the compute dtype)
   prepack    without the cache: the weights reordered for oneDNN's linear
   cache      the cache file written (a round whose file was missing or stale)
   kv         the KV pool allocated
@@ -57,14 +57,14 @@ from transformers import AutoTokenizer
 from adapters.peft import describe_base
 from adapters.registry import RegisteredLoader, inspect_adapter
 from bench import coldstart_gateway
+from engine.checkpoints.weights_cache import weights_cache_at
 from engine.config import EngineConfig
-from engine.engine_process import EngineProcess, ProcessStart
-from engine.lora_types import LoRARequest
+from engine.frontend.engine_process import EngineProcess, ProcessStart
+from engine.frontend.warm_spare import SparePool, start_heap_bytes
+from engine.frontend.zygote import Zygote
+from engine.lora.types import LoRARequest
 from engine.messages import EngineRequest
 from engine.request import SamplingParams
-from engine.warm_spare import SparePool, start_heap_bytes
-from engine.weights_cache import weights_cache_at
-from engine.zygote import Zygote
 from gateway.settings import parse_bytes
 
 PHASES = (

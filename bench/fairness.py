@@ -50,8 +50,8 @@ from rich.table import Table
 
 from bench.workloads import allowed_token_ids, new_progress
 from engine import EngineConfig, LLMEngine, SamplingParams
-from engine.async_engine import AsyncEngine
 from engine.fairness import LINGER
+from engine.frontend.async_engine import AsyncEngine
 from engine.messages import EngineRequest
 
 SHARE_TOLERANCE = 0.10  # the weighted share's goal: the weights' ratio within 10 %

@@ -230,7 +230,7 @@ def run_guided_bench(
 ) -> dict[str, Any]:
     from transformers import AutoConfig, AutoTokenizer
 
-    from engine.offline import LLM
+    from engine.frontend.offline import LLM
     from engine.request import GuidedSpec, SamplingParams
 
     hf_config = AutoConfig.from_pretrained(model_dir)

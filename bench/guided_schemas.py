@@ -211,7 +211,7 @@ def run_schema_bench(
     num_threads: int | None,
     console: Console,
 ) -> dict[str, Any]:
-    from engine.offline import LLM
+    from engine.frontend.offline import LLM
     from engine.request import SamplingParams
 
     schemas = load_schemas(schema_dir, limit)

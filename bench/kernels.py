@@ -36,8 +36,8 @@ from rich.console import Console
 from rich.table import Table
 from transformers import LlamaConfig
 
-from engine.lora import LoRAConfig, LoRAManager
-from engine.lora_types import LoRARequest, LoRAWeights, llama_fused_targets
+from engine.lora.manager import LoRAConfig, LoRAManager
+from engine.lora.types import LoRARequest, LoRAWeights, llama_fused_targets
 from engine.models.llama import LlamaForCausalLM
 from kernels import dispatch
 from kernels.attention import StepMetadata, build_triton_plan

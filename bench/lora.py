@@ -184,7 +184,7 @@ def measure_throughput(
     --skip-peft). Our engine lives only in here, so its KV cache is gone once this returns."""
     from adapters.peft import describe_base
     from adapters.registry import AdapterRegistry
-    from engine.offline import LLM
+    from engine.frontend.offline import LLM
 
     registry = AdapterRegistry(describe_base(args.model), max_lora_rank=max(16, args.rank))
     names = [d.name for d in adapter_dirs]

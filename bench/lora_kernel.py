@@ -29,8 +29,8 @@ from rich.console import Console
 from rich.table import Table
 
 from bench.workloads import new_progress
-from engine.lora import LoRAConfig, LoRAManager
-from engine.lora_types import LORA_TARGETS, LoRARequest, LoRAWeights, llama_fused_targets
+from engine.lora.manager import LoRAConfig, LoRAManager
+from engine.lora.types import LORA_TARGETS, LoRARequest, LoRAWeights, llama_fused_targets
 from kernels import native
 from kernels.backend import Kernels, LoRAStep
 from kernels.native_backend import NativeKernels

@@ -13,8 +13,8 @@ probability ~ (k + 1)^-alpha (5 % the base model), prompt of random token ids, l
 uniform in [8, 512] in and [8, 256] out, Poisson arrivals at --rate (0: all at once).
 Only the K adapters the trace touches get files (bfloat16, PEFT layout).
 
-One engine (engine.offline.LLM, in process) runs, side by side, the same prompts and lengths,
-greedy with ignore_eos: (a) the trace, each request on its adapter; (b) the same trace with
+One engine (engine.frontend.offline.LLM, in process) runs, side by side, the same prompts and
+lengths, greedy with ignore_eos: (a) the trace, each request on its adapter; (b) the same trace with
 every adapted request on one rank-16 adapter; (c) every request on the base model. Before
 each run every adapter is unloaded (the run starts with all of them on disk) and the prefix
 cache is emptied. Requests join the engine between steps once the wall clock passes their
@@ -285,7 +285,7 @@ def lora_requests(
     here (bfloat16 files in this layout must load); the rest are only hashed, and the engine's
     loader validates each as it loads it."""
     from adapters.peft import adapter_identity
-    from engine.lora_types import LoRARequest
+    from engine.lora.types import LoRARequest
 
     task = progress.add_task("hash adapters", total=len(catalog.paths) + 1)
     single = registry.register(catalog.single.name, catalog.single)
@@ -535,7 +535,7 @@ def main(argv: list[str] | None = None) -> None:
     console = Console() if Console().is_terminal else Console(width=150)
     from adapters.peft import describe_base
     from adapters.registry import AdapterRegistry
-    from engine.offline import LLM
+    from engine.frontend.offline import LLM
 
     base = describe_base(args.model)
     registry = AdapterRegistry(base, max_lora_rank=args.max_lora_rank)

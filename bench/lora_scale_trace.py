@@ -32,7 +32,7 @@ from safetensors.torch import save_file
 
 from adapters.peft import CONFIG_FILE, WEIGHTS_FILE, BaseModelInfo
 from bench.workloads import allowed_token_ids
-from engine.lora_types import LORA_TARGETS
+from engine.lora.types import LORA_TARGETS
 
 # |scaling * B A x| / |x|: small, so that a real model's outputs stay sane under any adapter,
 # yet B is nonzero and every adapter costs its full arithmetic.

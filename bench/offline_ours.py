@@ -32,7 +32,7 @@ def build_ours(
     label: str,
     dtype: str = "float32",
 ) -> Any:
-    from engine.offline import LLM
+    from engine.frontend.offline import LLM
 
     task = progress.add_task(f"load {label}", total=None)
 

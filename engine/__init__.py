@@ -5,8 +5,8 @@ parameters, an adapter id, a cache salt and a fairness key.
 """
 
 from engine.config import EngineConfig
+from engine.frontend.offline import LLM
 from engine.llm_engine import LLMEngine
-from engine.offline import LLM
 from engine.outputs import CompletionOutput, RequestOutput, SequenceUpdate
 from engine.request import SamplingParams
 

@@ -48,7 +48,7 @@ class EngineConfig:
     max_loras: int = 4  # adapters resident at once (and so per step), at most
     max_lora_rank: int = 16
     max_cpu_loras: int = 16  # adapters kept in CPU memory (LRU) beyond the resident ones
-    # Bytes of the pool resident adapters live in (engine/lora_pool.py), each at its own rank;
+    # Bytes of the pool resident adapters live in (engine/lora/pool.py), each at its own rank;
     # None: max_loras adapters of max_lora_rank.
     lora_memory: int | None = None
     num_threads: int | None = None  # torch intra-op threads; None: torch's default
@@ -57,7 +57,7 @@ class EngineConfig:
     # GEMMs large enough to pay for the cores the HTTP side keeps. None: num_threads.
     prefill_threads: int | None = None
     # Where the weights are kept as the engine runs them, converted and reordered, to be mapped
-    # by the next load of the checkpoint (engine/weights_cache.py): auto
+    # by the next load of the checkpoint (engine/checkpoints/weights_cache.py): auto
     # (~/.cache/loragate/weights), a directory, or none.
     weights_cache_dir: str = "auto"
     cpu_kernels: bool = True  # C++ decode attention, RMSNorm, LoRA on CPU (kernels.native)

@@ -1,6 +1,6 @@
 """LLMEngine: add / step / abort, the n > 1 fan-out and admission checks. A step that
 raises goes to engine/step_failure.py, the offline front end (`LLM.generate`) is
-engine/offline.py."""
+engine/frontend/offline.py."""
 
 from __future__ import annotations
 
@@ -20,8 +20,8 @@ from engine.errors import ContextLengthExceeded, GuidedSpecError, RequestRefused
 from engine.guided import GrammarCache, GuidedLimits, grammar_ready
 from engine.kv_cache.manager import KVCacheManager, cdiv
 from engine.load_timings import LoadTimings
-from engine.lora import LoRAConfig, LoRAManager
-from engine.lora_types import LoRALoader, LoRARequest, llama_fused_targets
+from engine.lora.manager import LoRAConfig, LoRAManager
+from engine.lora.types import LoRALoader, LoRARequest, llama_fused_targets
 from engine.messages import EngineRequest
 from engine.model_runner import ModelRunner, ProgressFn
 from engine.models.llama import eos_token_ids

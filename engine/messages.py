@@ -19,8 +19,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from engine.config import EngineConfig
-from engine.engine_facts import EngineFacts
-from engine.lora_types import LoRALoader, LoRARequest
+from engine.frontend.facts import EngineFacts
+from engine.lora.types import LoRALoader, LoRARequest
 from engine.outputs import SequenceUpdate
 from engine.request import GuidedSpec, SamplingParams
 
@@ -85,7 +85,7 @@ class CompileGrammar:
 ProcessInbound = Inbound | CompileGrammar
 
 
-# -- to a warm spare (engine/warm_spare.py) --------------------------------------------------
+# -- to a warm spare (engine/frontend/warm_spare.py) -----------------------------------------
 
 
 @dataclass(frozen=True, slots=True)

@@ -17,11 +17,13 @@ import numpy as np
 import torch
 from transformers import PretrainedConfig
 
-from engine import checkpoint_map, heap
+from engine import heap
+from engine.checkpoints import checkpoint_map
+from engine.checkpoints.weights_cache import WeightsCache, cache_for
 from engine.config import EngineConfig
 from engine.kv_cache.manager import KVCacheManager
 from engine.load_timings import LoadTimings
-from engine.lora import LoRAManager
+from engine.lora.manager import LoRAManager
 from engine.models.llama import (
     SUPPORTED_ARCHITECTURES,
     LlamaForCausalLM,
@@ -34,7 +36,6 @@ from engine.request import Request
 from engine.sampler import Sampler, SamplerOutput
 from engine.scheduler import SchedulerOutput
 from engine.spec_decode import verify
-from engine.weights_cache import WeightsCache, cache_for
 from kernels import dispatch, linear, native, quant
 from kernels.attention import AttentionPlan, StepMetadata
 
@@ -164,7 +165,7 @@ class ModelRunner:
                 timings.mark("cache")
 
     def _weights_cache(self, config: EngineConfig, reordered: bool) -> WeightsCache | None:
-        """The weights cache, where it applies (engine.weights_cache.cache_for) and, for
+        """The weights cache, where it applies (engine.checkpoints.weights_cache.cache_for) and, for
         reordered weights, where the kernel that maps them back is built."""
         if reordered and not native.load():
             return None

@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 if TYPE_CHECKING:
     import torch
 
-    from engine.lora_types import LoRARequest
+    from engine.lora.types import LoRARequest
 
 
 class Grammar(Protocol):

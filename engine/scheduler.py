@@ -39,8 +39,8 @@ from dataclasses import dataclass, field
 from engine.config import SCHEDULING_POLICIES
 from engine.kv_cache.block_pool import KVCacheBlock
 from engine.kv_cache.manager import KVCacheManager
-from engine.lora import LoRAManager
-from engine.lora_types import LoRALoadError
+from engine.lora.manager import LoRAManager
+from engine.lora.types import LoRALoadError
 from engine.priority import DEFAULT_MAX_WAIT, NOBODY, BandedQueue, Favour
 from engine.request import Request, RequestStatus
 from engine.step_cost import StepCost

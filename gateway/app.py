@@ -10,7 +10,7 @@ from dataclasses import dataclass
 
 from fastapi import FastAPI
 
-from engine.engine_client import EngineClient
+from engine.frontend.client import EngineClient
 from gateway.console.headers import ConsoleHeaders
 from gateway.console.oauth import ConsoleOAuth
 from gateway.console.routes import install_console

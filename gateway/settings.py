@@ -54,9 +54,11 @@ class Settings(BaseSettings):
     # Models that scale to zero (min_replicas 0): requests held while their engine starts.
     max_pending_per_model: int = Field(default=256, ge=1)
     cold_start_timeout: float = Field(default=60.0, gt=0.0)
-    # Engine processes forked from one process that has imported the engine (engine/zygote.py).
+    # Engine processes forked from one process that has imported the engine
+    # (engine/frontend/zygote.py).
     zygote: bool = True
-    # Engine processes started ahead, torch imported, for those models (engine/warm_spare.py).
+    # Engine processes started ahead, torch imported, for those models
+    # (engine/frontend/warm_spare.py).
     spare_engines: int = Field(default=1, ge=0)
     # Heap a spare faults in while it waits, so the model it becomes loads into memory already
     # there (engine/heap.py): "auto" (what the largest of those models writes at its start,

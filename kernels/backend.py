@@ -44,7 +44,7 @@ class LoRAStep(Protocol):
 
 
 class LoRAPoolView(Protocol):
-    """What the LoRA kernels read of engine/lora_pool.py's `LoRAPool`, per fused target."""
+    """What the LoRA kernels read of engine/lora/pool.py's `LoRAPool`, per fused target."""
 
     @property
     def layer_a(self) -> Sequence[Sequence[torch.Tensor]]: ...  # [target][layer] -> [rows, in]

@@ -48,7 +48,7 @@ class PrepackedLinear(nn.Module):
         self, packed: torch.Tensor, bias: torch.Tensor | None, keep: torch.Tensor | None = None
     ) -> None:
         """`packed`: the weight in oneDNN's layout; `keep`: what holds its bytes where it does
-        not own them (a mapped file, engine/weights_cache.py)."""
+        not own them (a mapped file, engine/checkpoints/weights_cache.py)."""
         super().__init__()
         self.out_features, self.in_features = packed.shape
         self.packed, self.bias, self.keep = packed, bias, keep

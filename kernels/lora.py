@@ -1,6 +1,6 @@
 """Multi-LoRA for one batch: each token group adds its own adapter's low-rank update.
 
-The adapters of one LoRA-targeted linear live in a pool of rows (engine/lora_pool.py):
+The adapters of one LoRA-targeted linear live in a pool of rows (engine/lora/pool.py):
 
     pool_a [rows, in]    A's rows of every resident adapter, each adapter's rows contiguous
     pool_b [rows, out]   B transposed, the scaling folded in, zero outside a module's columns
@@ -34,7 +34,7 @@ class LoRAGroup:
 @dataclass(frozen=True, slots=True)
 class SlotRows:
     """Where each slot's rows lie in one LoRA-targeted linear's pool: slot s owns rows
-    [offsets[s], offsets[s] + widths[s]) (engine/lora_pool.py's `offsets[target]` and
+    [offsets[s], offsets[s] + widths[s]) (engine/lora/pool.py's `offsets[target]` and
     `widths[target]`, read as they are)."""
 
     offsets: Sequence[int]

@@ -1,5 +1,5 @@
 """A server's engine processes, found from outside through /proc: those it spawned, and those
-its zygote (engine/zygote.py, multiprocessing's forkserver) forked for it."""
+its zygote (engine/frontend/zygote.py, multiprocessing's forkserver) forked for it."""
 
 from __future__ import annotations
 

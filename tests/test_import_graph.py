@@ -112,10 +112,30 @@ def test_each_side_of_the_engine_loop_imports_only_its_own() -> None:
     """The engine process runs the loop's body and serves no client; the gateway's clients
     share the client's side; the thread backend is one more client, used by neither."""
     graph = _graph()
-    assert "engine.async_engine" not in graph["engine.engine_main"]
-    assert "engine.async_engine" not in graph["engine.engine_process"]
-    assert "engine.engine_client" not in graph["engine.engine_main"]
-    assert "engine.engine_loop" in graph["engine.engine_main"]
+    assert "engine.frontend.async_engine" not in graph["engine.frontend.engine_main"]
+    assert "engine.frontend.async_engine" not in graph["engine.frontend.engine_process"]
+    assert "engine.frontend.client" not in graph["engine.frontend.engine_main"]
+    assert "engine.frontend.loop" in graph["engine.frontend.engine_main"]
+
+
+def test_the_engine_core_never_imports_its_front_ends() -> None:
+    """engine/frontend/ (the clients, the loop in a thread or a process, warm spares, the zygote,
+    offline) drives the engine core; the core (LLMEngine, scheduler, model runner, KV cache,
+    models, LoRA, checkpoints, ...) never imports it. Outside the front ends only the package's
+    re-export (`engine.LLM`) and engine.messages (the engine process's Ready carries the
+    `EngineFacts`) name a module of it. engine/lora/ and engine/checkpoints/ sit below the core:
+    they import none of LLMEngine, the scheduler or the model runner."""
+    graph = _graph()
+    allowed = {"engine": {"engine.frontend.offline"}, "engine.messages": {"engine.frontend.facts"}}
+    for name, targets in graph.items():
+        if name.startswith("engine") and not name.startswith("engine.frontend"):
+            front = {t for t in targets if t.split(".")[:2] == ["engine", "frontend"]}
+            assert front <= allowed.get(name, set()), (name, front)
+        if name.startswith(("engine.lora", "engine.checkpoints")):
+            core = {"engine.llm_engine", "engine.scheduler", "engine.model_runner"}
+            assert not targets & core, name
+    assert "engine.llm_engine" in graph["engine.frontend.async_engine"]
+    assert "engine.llm_engine" in graph["engine.frontend.engine_main"]
 
 
 def test_the_gateways_packages_point_one_way() -> None:

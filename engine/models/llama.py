@@ -22,9 +22,9 @@ from transformers import PretrainedConfig
 from transformers.activations import ACT2FN
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
-from engine import checkpoint_map
-from engine.checkpoint_map import safetensors_files
-from engine.lora_types import DOWN, GATE_UP, O_PROJ, QKV
+from engine.checkpoints import checkpoint_map
+from engine.checkpoints.checkpoint_map import safetensors_files
+from engine.lora.types import DOWN, GATE_UP, O_PROJ, QKV
 from kernels.attention import AttentionPlan
 from kernels.backend import Kernels, LoRAStep, Rope
 from kernels.quant import Int8Linear
@@ -349,7 +349,7 @@ def parameter_count(model_dir: Path) -> int:
 
 def iter_safetensors(model_dir: Path) -> Iterator[tuple[str, torch.Tensor]]:
     """Yield every tensor of a single-file or sharded safetensors checkpoint: from its mapping
-    made ahead (engine.checkpoint_map), else read now."""
+    made ahead (engine.checkpoints.checkpoint_map), else read now."""
     mapped = checkpoint_map.take(model_dir)
     if mapped is not None:
         for tensors in mapped:

@@ -13,8 +13,8 @@ import typer
 
 from adapters.peft import describe_base
 from adapters.peft_config import AdapterError
-from engine.engine_client import EngineClient
-from engine.lora_types import LoRARequest
+from engine.frontend.client import EngineClient
+from engine.lora.types import LoRARequest
 from gateway.console.oauth import ConsoleOAuth
 from gateway.models.engines import EngineStart, engine_zygote, model_engine, spare_pool
 from gateway.models.models_file import served_models

@@ -35,7 +35,7 @@ def run_engine_server(settings: Settings, with_progress: Callable[[Any], Any]) -
     from adapters.peft import describe_base
     from adapters.registry import RegisteredLoader
     from adapters.store import open_adapter_store
-    from engine.zygote import Zygote
+    from engine.frontend.zygote import Zygote
     from gateway.engine_service.app import build_engine_app
     from gateway.engine_service.server import EngineService
     from gateway.models.engines import EngineStart, start_engine

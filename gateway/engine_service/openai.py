@@ -24,7 +24,7 @@ from contextvars import ContextVar
 
 from fastapi import FastAPI, Request
 
-from engine.lora_types import LoRARequest
+from engine.lora.types import LoRARequest
 from gateway.engine_service.server import EngineService
 from gateway.http.deps import current_tenant
 from gateway.http.errors import APIError

@@ -34,10 +34,10 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from adapters.store import AdapterStorage
-from engine.engine_client import EngineClient
 from engine.errors import RequestRefused
-from engine.loop_client import LoopClient
-from engine.lora_types import LoRARequest
+from engine.frontend.client import EngineClient
+from engine.frontend.loop_client import LoopClient
+from engine.lora.types import LoRARequest
 from engine.messages import EngineRequest
 from engine.outputs import SequenceUpdate
 from gateway.remote.picker_wire import (

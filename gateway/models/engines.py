@@ -12,12 +12,12 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from adapters.registry import RegisteredLoader
-from engine.engine_client import EngineClient
-from engine.engine_facts import EngineFacts
-from engine.loop_client import LoopClient
-from engine.lora_types import LoRARequest
-from engine.warm_spare import SparePool, start_heap_bytes
-from engine.zygote import Zygote
+from engine.frontend.client import EngineClient
+from engine.frontend.facts import EngineFacts
+from engine.frontend.loop_client import LoopClient
+from engine.frontend.warm_spare import SparePool, start_heap_bytes
+from engine.frontend.zygote import Zygote
+from engine.lora.types import LoRARequest
 from gateway.models.engine_knobs import engine_config
 from gateway.models.models_file import ServedModelSpec
 from gateway.models.on_demand import OnDemandEngine, ScalePolicy
@@ -32,7 +32,8 @@ from gateway.settings import Settings, parse_bytes
 class EngineStart:
     """What a model's local engines start with besides its settings: the adapters' loader, the
     adapters that fill the LoRA slots before the first request, and where an engine process
-    comes from (warm spares, engine.warm_spare; the zygote it forks from, engine.zygote)."""
+    comes from (warm spares, engine.frontend.warm_spare; the zygote it forks from,
+    engine.frontend.zygote)."""
 
     loader: RegisteredLoader
     preload: list[LoRARequest] = field(default_factory=list)
@@ -50,8 +51,8 @@ def start_engine(
     in this one. `tokenizer`: the model's, loaded already (the engine process's side need not
     again)."""
     from engine import LLMEngine
-    from engine.async_engine import AsyncEngine
-    from engine.engine_process import RESTART, EngineProcess, ProcessStart
+    from engine.frontend.async_engine import AsyncEngine
+    from engine.frontend.engine_process import RESTART, EngineProcess, ProcessStart
     from engine.heap import retain_freed_memory
 
     config, loader = engine_config(settings), start.loader

@@ -19,11 +19,11 @@ import time
 from collections.abc import AsyncGenerator, Callable
 from dataclasses import dataclass
 
-from engine.engine_client import EngineClient, Scaling
-from engine.engine_facts import EngineFacts
 from engine.errors import EngineDead, EngineOverloaded
+from engine.frontend.client import EngineClient, Scaling
+from engine.frontend.facts import EngineFacts
+from engine.frontend.loop_client import LoopClient
 from engine.load_timings import describe
-from engine.loop_client import LoopClient
 from engine.messages import EngineRequest, EngineStats
 from engine.outputs import SequenceUpdate
 from engine.request import GuidedSpec

@@ -25,10 +25,10 @@ import time
 from collections.abc import AsyncGenerator, Sequence
 from dataclasses import dataclass
 
-from engine.engine_client import EngineClient, Scaling
-from engine.engine_facts import EngineFacts
 from engine.errors import EngineDead, EngineOverloaded
-from engine.loop_client import LoopClient
+from engine.frontend.client import EngineClient, Scaling
+from engine.frontend.facts import EngineFacts
+from engine.frontend.loop_client import LoopClient
 from engine.messages import EngineRequest, EngineStats
 from engine.outputs import SequenceUpdate
 from engine.request import GuidedSpec

@@ -11,7 +11,7 @@ from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from engine.engine_client import EngineClient
+from engine.frontend.client import EngineClient
 from gateway.http.request_limits import RequestLimits, ServerBounds
 
 # How a server's health reads when its models' engines disagree: the worst one speaks.

@@ -27,7 +27,7 @@ import time
 from dataclasses import dataclass
 from typing import Literal
 
-from engine.engine_client import EngineClient
+from engine.frontend.client import EngineClient
 from engine.messages import EngineStats
 from gateway.models.on_demand import OnDemandEngine
 from gateway.models.replica_pool import ReplicaPool
@@ -77,7 +77,7 @@ def model_statuses(models: ServedModels, now: float | None = None) -> list[Model
 
 def residency(statuses: list[ModelStatus]) -> dict[tuple[str, str], list[str]]:
     """(model, adapter weights' sha256) -> the ids of its replicas that hold them in a LoRA
-    slot now. The engine keys adapters by that sha256 (engine.lora_types.LoRARequest)."""
+    slot now. The engine keys adapters by that sha256 (engine.lora.types.LoRARequest)."""
     where: dict[tuple[str, str], list[str]] = {}
     for model in statuses:
         for replica in model.replicas:

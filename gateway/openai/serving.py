@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from fastapi.responses import JSONResponse, Response
 
 from engine.errors import ContextLengthExceeded, GuidedSpecError, RequestRefused
-from engine.lora_types import LoRARequest
+from engine.lora.types import LoRARequest
 from engine.messages import EngineRequest
 from engine.request import GuidedSpec, SamplingParams
 from gateway.http.errors import APIError, api_error

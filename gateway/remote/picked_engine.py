@@ -25,9 +25,9 @@ from typing import Any
 
 import httpx
 
-from engine.engine_client import EngineClient, Scaling
-from engine.engine_facts import EngineFacts
 from engine.errors import EngineDead, EngineOverloaded, RequestRefused, StepFailed
+from engine.frontend.client import EngineClient, Scaling
+from engine.frontend.facts import EngineFacts
 from engine.messages import EngineRequest, EngineStats
 from engine.outputs import SequenceUpdate
 from engine.request import GuidedSpec

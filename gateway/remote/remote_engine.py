@@ -1,5 +1,5 @@
 """A `loragate engine` elsewhere, as the gateway's EngineClient: the same loop client as the
-engine process beside it (engine.loop_client), over one WebSocket instead of a pipe.
+engine process beside it (engine.frontend.loop_client), over one WebSocket instead of a pipe.
 
 A reader thread holds the connection, as the engine process's supervisor holds its pipe: it
 hands each step's updates to asyncio (`EngineClient._deliver`), keeps the engine's last state
@@ -21,10 +21,10 @@ from websockets.exceptions import ConnectionClosed, InvalidHandshake, InvalidURI
 from websockets.sync.client import ClientConnection, connect
 
 from engine.config import EngineConfig
-from engine.engine_facts import EngineFacts
 from engine.errors import EngineDead
-from engine.grammar_asks import GrammarAsks
-from engine.loop_client import LoopClient
+from engine.frontend.facts import EngineFacts
+from engine.frontend.grammar_asks import GrammarAsks
+from engine.frontend.loop_client import LoopClient
 from engine.messages import Abort, EngineRequest, EngineStats, Inbound, LoadLoRA, UnloadLoRA
 from engine.request import GuidedSpec
 from gateway.engine_service.server import ENGINE_ROUTE

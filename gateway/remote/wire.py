@@ -29,7 +29,7 @@ from engine.errors import (
     RequestRefused,
     StepFailed,
 )
-from engine.lora_types import LoRARequest
+from engine.lora.types import LoRARequest
 from engine.messages import EngineRequest, EngineStats
 from engine.outputs import SequenceUpdate
 from engine.request import GuidedSpec, SamplingParams

@@ -28,7 +28,7 @@ from adapters.peft import BaseModelInfo
 from adapters.peft_config import AdapterError
 from adapters.registry import AdapterInfo, RegisteredLoader, inspect_adapter
 from adapters.store import AdapterStorage
-from engine.lora_types import LoRARequest
+from engine.lora.types import LoRARequest
 from tenants.adapter_rows import (
     AdapterExists,
     adapter_exists,

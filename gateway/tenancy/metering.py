@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from typing import Protocol
 
-from engine.lora_types import LoRARequest
+from engine.lora.types import LoRARequest
 from gateway.metrics import TenantMetrics
 from gateway.tenancy.admission import Ticket
 from gateway.tenancy.auth import RequestTenant

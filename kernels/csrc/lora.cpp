@@ -3,7 +3,7 @@
 //     y[start:end] += (x[start:end] @ A[slot].T) @ B[slot]
 // at that adapter's own rank. kernels/lora.py's add_lora is the specification.
 //
-// The adapters live in one pool of rows per linear (engine/lora_pool.py), not in slots padded
+// The adapters live in one pool of rows per linear (engine/lora/pool.py), not in slots padded
 // to the largest rank: slot s owns rows [offset, offset + width) of pool_a [rows, in] and
 // pool_b [rows, out], and its modules' blocks of B are listed as segments: B is zero outside
 // them (a q/k/v adapter's module i touches only its columns), and the loops read only them.
@@ -136,7 +136,7 @@ void run_loop(at::Tensor& y, const at::Tensor& x, const T* pool_a, const T* pool
 }
 
 // A prompt run: two GEMMs. The expand covers every column of y: B is zero outside each
-// module's columns (engine/lora_pool.py keeps it so), and one contiguous GEMM beats one per
+// module's columns (engine/lora/pool.py keeps it so), and one contiguous GEMM beats one per
 // module's column block on strided views (3.4x in bfloat16 at 512 rows of q/k/v).
 void run_gemm(at::Tensor& y, const at::Tensor& x, const at::Tensor& pool_a,
               const at::Tensor& pool_b, const SlotView& v, int64_t start, int64_t rows) {

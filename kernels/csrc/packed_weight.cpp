@@ -1,4 +1,4 @@
-// A oneDNN-reordered linear weight rebuilt over bytes already in memory (engine/weights_cache.py
+// A oneDNN-reordered linear weight rebuilt over bytes already in memory (engine/checkpoints/weights_cache.py
 // maps them from a file): no copy and no reorder. oneDNN's blocked layout is described by a
 // serialized memory descriptor, which torch hands out for a reordered weight
 // (torch.ops.mkldnn._get_mkldnn_serialized_md) and takes back here; AOTInductor loads its

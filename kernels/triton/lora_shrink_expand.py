@@ -1,6 +1,6 @@
 """Multi-LoRA over a mixed batch: shrink (x @ A[slot].T) then expand (@ B[slot]) per token.
 
-    lora_a[rows, in], lora_b[rows, out]   the pool (engine/lora_pool.py; B transposed, scaled)
+    lora_a[rows, in], lora_b[rows, out]   the pool (engine/lora/pool.py; B transposed, scaled)
     offsets[slots], widths[slots]: each slot's rows [offset, offset + width) (0: not adapted)
 
 The step's adapted tokens are handed over grouped by slot (`LoRABatch`): `order` lists

@@ -31,7 +31,7 @@ from adapters.peft import (
     describe_base,
     load_peft_adapter,
 )
-from engine.lora_types import LORA_TARGETS, LoRAWeights
+from engine.lora.types import LORA_TARGETS, LoRAWeights
 
 DemoAdapter = Callable[..., Path]  # the demo_adapter fixture (tests/conftest.py)
 BLOCK = {"q_proj": "self_attn", "k_proj": "self_attn", "v_proj": "self_attn"}

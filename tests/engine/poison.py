@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from engine.engine_client import EngineClient
+from engine.frontend.client import EngineClient
 from engine.messages import EngineRequest
 from engine.request import SamplingParams
 

@@ -9,8 +9,8 @@ import pytest
 from poison import poisoned, tokens_or_error, victims
 
 from engine import LLM, EngineConfig, LLMEngine, SamplingParams
-from engine.async_engine import AsyncEngine
 from engine.errors import EngineDead, EngineOverloaded
+from engine.frontend.async_engine import AsyncEngine
 from engine.messages import EngineRequest
 
 LONG = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)

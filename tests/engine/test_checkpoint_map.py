@@ -1,5 +1,5 @@
-"""Checkpoints mapped ahead (engine/checkpoint_map.py): the engine's loader reads the same
-tensors from the mapping as from the file, once; a model not mapped is read as before."""
+"""Checkpoints mapped ahead (engine/checkpoints/checkpoint_map.py): the engine's loader reads the
+same tensors from the mapping as from the file, once; a model not mapped is read as before."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from engine import checkpoint_map
+from engine.checkpoints import checkpoint_map
 from engine.models.llama import iter_safetensors
 
 

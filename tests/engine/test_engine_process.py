@@ -19,8 +19,8 @@ from poison import poisoned, tokens_or_error, victims
 from adapters.peft import describe_base
 from adapters.registry import AdapterRegistry
 from engine import LLM, EngineConfig, SamplingParams
-from engine.engine_process import EngineProcess, ProcessStart
 from engine.errors import EngineDead, EngineOverloaded, GuidedSpecError
+from engine.frontend.engine_process import EngineProcess, ProcessStart
 from engine.messages import EngineRequest
 from engine.request import GuidedSpec
 

@@ -14,10 +14,10 @@ import pytest
 from fair_scheduling import add, finish_done, make_scheduler, run_step
 
 from engine import EngineConfig, LLMEngine, SamplingParams
-from engine.async_engine import AsyncEngine
-from engine.engine_client import EngineClient
-from engine.engine_process import EngineProcess
 from engine.fairness import LINGER, FairQueue
+from engine.frontend.async_engine import AsyncEngine
+from engine.frontend.client import EngineClient
+from engine.frontend.engine_process import EngineProcess
 from engine.messages import EngineRequest
 from engine.request import Request
 from engine.scheduler import Scheduler, SchedulerOutput

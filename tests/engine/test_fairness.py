@@ -12,8 +12,8 @@ import pytest
 from fair_scheduling import add, admitted, finish_done, ids, make_scheduler, run_step
 
 from engine import EngineConfig, LLMEngine, SamplingParams
-from engine.async_engine import AsyncEngine
 from engine.fairness import DECODE_TOKEN_COST, PREFILL_TOKEN_COST
+from engine.frontend.async_engine import AsyncEngine
 from engine.messages import EngineRequest
 from engine.request import Request, RequestStatus
 from engine.scheduler import Scheduler, SchedulerOutput

@@ -1,5 +1,5 @@
 """GrammarAsks: a grammar compile asked across a pipe or a socket, answered from the thread that
-reads the engine's messages (engine/grammar_asks.py)."""
+reads the engine's messages (engine/frontend/grammar_asks.py)."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import threading
 import pytest
 
 from engine.errors import EngineDead, GuidedSpecError
-from engine.grammar_asks import GrammarAsks
+from engine.frontend.grammar_asks import GrammarAsks
 
 
 async def test_an_answer_from_another_thread_ends_the_wait() -> None:

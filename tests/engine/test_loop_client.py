@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import asyncio
 
-from engine.loop_client import _Stream
+from engine.frontend.loop_client import _Stream
 from engine.outputs import SequenceUpdate
 
 

@@ -10,9 +10,9 @@ import weakref
 import pytest
 import torch
 
-from engine.lora import LoRAConfig, LoRAManager
-from engine.lora_pool import LoRAPool
-from engine.lora_types import LoRALoadError, LoRARequest, LoRAWeights, llama_fused_targets
+from engine.lora.manager import LoRAConfig, LoRAManager
+from engine.lora.pool import LoRAPool
+from engine.lora.types import LoRALoadError, LoRARequest, LoRAWeights, llama_fused_targets
 from kernels.lora import LoRAGroup, SlotRows, add_lora
 from kernels.torch_backend import TorchKernels
 

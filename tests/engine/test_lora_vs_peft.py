@@ -18,8 +18,8 @@ from hf_reference import hf_greedy, peft_greedy
 from adapters.demo import clone_adapter
 from adapters.peft import describe_base
 from adapters.registry import AdapterRegistry
-from engine.lora_types import LoRARequest
-from engine.offline import LLM
+from engine.frontend.offline import LLM
+from engine.lora.types import LoRARequest
 from engine.request import SamplingParams
 
 MAX_NEW = 16

@@ -9,7 +9,6 @@ from pathlib import Path
 import pytest
 
 from engine import LLM, EngineConfig, SamplingParams
-from engine.engine_facts import EngineFacts
 from engine.errors import (
     ContextLengthExceeded,
     EngineDead,
@@ -17,7 +16,8 @@ from engine.errors import (
     RequestRefused,
     StepFailed,
 )
-from engine.lora_types import LoRARequest
+from engine.frontend.facts import EngineFacts
+from engine.lora.types import LoRARequest
 from engine.messages import (
     Abort,
     EngineRequest,

@@ -1,6 +1,6 @@
-"""engine.safetensors_view against the reference implementation (the safetensors package):
-the same tensors from the same files, views rather than copies, and a refusal wherever the
-reference refuses."""
+"""engine.checkpoints.safetensors_view against the reference implementation (the safetensors
+package): the same tensors from the same files, views rather than copies, and a refusal wherever
+the reference refuses."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ import pytest
 import safetensors.torch
 import torch
 
-from engine.safetensors_view import SafetensorsError, load_views
+from engine.checkpoints.safetensors_view import SafetensorsError, load_views
 
 
 def _buffer(data: bytes) -> torch.Tensor:

@@ -1,6 +1,6 @@
-"""Warm spares (engine/warm_spare.py): an engine started in a spare serves what one started in
-a fresh process does; the pool starts another after a take; a spare stops when its pipe
-closes, and close() leaves no process behind, ready or still importing.
+"""Warm spares (engine/frontend/warm_spare.py): an engine started in a spare serves what one
+started in a fresh process does; the pool starts another after a take; a spare stops when its
+pipe closes, and close() leaves no process behind, ready or still importing.
 
 One pool serves the module: a spare takes seconds to import torch.
 """
@@ -20,9 +20,9 @@ import pytest
 from adapters.peft import describe_base
 from adapters.registry import AdapterRegistry
 from engine import EngineConfig, SamplingParams
-from engine.engine_process import EngineProcess, ProcessStart
+from engine.frontend.engine_process import EngineProcess, ProcessStart
+from engine.frontend.warm_spare import SparePool
 from engine.messages import EngineRequest
-from engine.warm_spare import SparePool
 
 GREEDY = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
 PROMPTS = [[5, 77, 301, 1200, 42], [9, 640, 18]]

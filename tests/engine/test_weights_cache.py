@@ -1,8 +1,8 @@
-"""The weights cache (engine/weights_cache.py): the first load writes the weights as the engine
-runs them and maps them back, later loads map the file; either way the engine answers as
-Hugging Face does. A checkpoint that changed, a file that does not parse, a directory that
-cannot be written: each is a load from the checkpoint, never a failed start. A file whose
-checkpoint is gone is removed by the next write; a quantized engine writes none."""
+"""The weights cache (engine/checkpoints/weights_cache.py): the first load writes the weights as the
+engine runs them and maps them back, later loads map the file; either way the engine answers as
+Hugging Face does. A checkpoint that changed, a file that does not parse, a directory that cannot be
+written: each is a load from the checkpoint, never a failed start. A file whose checkpoint is gone
+is removed by the next write; a quantized engine writes none."""
 
 from __future__ import annotations
 
@@ -13,10 +13,10 @@ from pathlib import Path
 import pytest
 
 from engine import LLMEngine
+from engine.checkpoints.weights_cache import weights_cache_at
 from engine.config import EngineConfig
-from engine.offline import LLM
+from engine.frontend.offline import LLM
 from engine.request import SamplingParams
-from engine.weights_cache import weights_cache_at
 from tests.engine.hf_reference import hf_greedy
 
 PROMPTS = [[5, 77, 301, 1200, 42], [9, 8, 7, 6, 5, 4, 3, 2, 1, 0, 11, 12, 13]]
@@ -123,7 +123,7 @@ def test_a_directory_that_cannot_be_written_still_serves(
     # Directly on the module's logger, enabled at WARNING: an earlier test's logging set-up
     # (a console, a dictConfig) may have stopped it propagating, raised its level or
     # disabled it.
-    logger = logging.getLogger("engine.weights_cache")
+    logger = logging.getLogger("engine.checkpoints.weights_cache")
     saved = logger.disabled, logger.level
     logger.disabled = False
     logger.setLevel(logging.WARNING)

@@ -1,7 +1,7 @@
-"""The zygote (engine/zygote.py): an engine forked from it serves what one spawned fresh does,
-with the tokenizer the zygote loaded; several start at once; a zygote killed with SIGKILL is
-started again, the engines it forked keep serving, and the next start is served; an engine
-that fails to start reports it and leaves the zygote alive.
+"""The zygote (engine/frontend/zygote.py): an engine forked from it serves what one spawned fresh
+does, with the tokenizer the zygote loaded; several start at once; a zygote killed with SIGKILL is
+started again, the engines it forked keep serving, and the next start is served; an engine that
+fails to start reports it and leaves the zygote alive.
 
 One zygote serves the module: it takes seconds to import torch.
 """
@@ -17,9 +17,9 @@ from pathlib import Path
 import pytest
 
 from engine import EngineConfig, SamplingParams
-from engine.engine_process import EngineProcess, ProcessStart
+from engine.frontend.engine_process import EngineProcess, ProcessStart
+from engine.frontend.zygote import Zygote
 from engine.messages import EngineRequest
-from engine.zygote import Zygote
 
 GREEDY = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
 PROMPT = [5, 77, 301, 1200, 42]

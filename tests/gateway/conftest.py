@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 from live_server import Server, build_test_app, live_server, lora_engine
 
-from engine.async_engine import AsyncEngine
+from engine.frontend.async_engine import AsyncEngine
 
 MODEL = "demo"
 MAX_ADAPTER_BYTES = 4 << 20

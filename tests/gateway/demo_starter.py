@@ -7,7 +7,7 @@ import threading
 from pathlib import Path
 
 from engine import EngineConfig, LLMEngine
-from engine.async_engine import AsyncEngine
+from engine.frontend.async_engine import AsyncEngine
 
 CONFIG = {"kv_cache_memory": 32 << 20, "max_model_len": 512, "dtype": "float32", "num_threads": 1}
 

@@ -26,8 +26,8 @@ from response_events import SpecWatch
 
 from adapters.peft import BaseModelInfo, describe_base
 from bench.servers import wait_ready
-from engine.async_engine import AsyncEngine
-from engine.engine_client import EngineClient
+from engine.frontend.async_engine import AsyncEngine
+from engine.frontend.client import EngineClient
 from gateway.settings import Settings
 from gateway.tenancy.admin_auth import mint_admin_token
 from gateway.tenancy.state import Tenancy, open_tenancy, prepare

@@ -14,7 +14,7 @@ from live_server import Server, build_test_app, live_server
 
 from adapters.demo import build_demo_adapter
 from adapters.peft import CONFIG_FILE, BaseModelInfo, describe_base
-from engine.async_engine import AsyncEngine
+from engine.frontend.async_engine import AsyncEngine
 from engine.models.demo import DEMO_CONFIG
 
 WIDE = "wide"

@@ -27,7 +27,7 @@ from hypothesis import strategies as st
 from live_server import Server, build_test_app, live_server
 
 from engine import EngineConfig
-from engine.engine_process import EngineProcess
+from engine.frontend.engine_process import EngineProcess
 from gateway.openai.protocol import ChatCompletionRequest, CompletionRequest
 
 MODEL = "demo"

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine.lora_pool import SEGMENTS, TABLE_COLUMNS
+from engine.lora.pool import SEGMENTS, TABLE_COLUMNS
 from kernels import native
 from kernels.lora import LoRAGroup, SlotRows, add_lora
 
@@ -22,7 +22,7 @@ IN, OUT = 96, 200
 def pool(
     ranks: list[int], modules: list[list[int]], dtype: torch.dtype, gap: int = 5
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, list[int], list[int]]:
-    """A pool as engine/lora_pool.py lays it out (slots at scattered offsets, B zero outside
+    """A pool as engine/lora/pool.py lays it out (slots at scattered offsets, B zero outside
     each module's columns, NaN in every row no slot owns), its C++ table, offsets, widths."""
     g = torch.Generator().manual_seed(0)
     rows = sum(3 * r + gap for r in ranks) + gap

@@ -11,8 +11,8 @@ import pytest
 import torch
 from triton_cases import DEVICE, TOLERANCE
 
-from engine.lora import LoRAConfig, LoRAManager
-from engine.lora_types import (
+from engine.lora.manager import LoRAConfig, LoRAManager
+from engine.lora.types import (
     DOWN,
     GATE_UP,
     O_PROJ,

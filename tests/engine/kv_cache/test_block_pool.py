@@ -7,7 +7,7 @@ import pytest
 from engine.kv_cache.block_pool import BlockPool
 from engine.kv_cache.hashing import extend_block_hashes, hash_block
 from engine.kv_cache.manager import KVCacheManager
-from engine.lora_types import LoRARequest
+from engine.lora.types import LoRARequest
 from engine.request import Owner, Request, SamplingParams
 
 

@@ -18,7 +18,7 @@ import pytest
 from live_server import Server, build_test_app, live_server
 
 from engine import EngineConfig
-from engine.engine_process import EngineProcess
+from engine.frontend.engine_process import EngineProcess
 from gateway.http.request_limits import RequestLimits
 
 MODEL = "demo"

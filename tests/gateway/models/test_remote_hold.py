@@ -21,8 +21,8 @@ import pytest
 from live_server import Server, build_test_app, free_port, live_server
 
 from engine import SamplingParams
-from engine.engine_facts import EngineFacts
 from engine.errors import EngineOverloaded
+from engine.frontend.facts import EngineFacts
 from engine.messages import EngineRequest
 from gateway.models.engine_knobs import engine_config
 from gateway.models.replica_pool import HoldPolicy, PoolRouting, ReplicaPool

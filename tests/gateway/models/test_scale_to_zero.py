@@ -19,8 +19,8 @@ from demo_starter import CONFIG, Starter
 from live_server import Server, build_test_app, live_server
 
 from engine import EngineConfig, LLMEngine
-from engine.async_engine import AsyncEngine
-from engine.engine_facts import EngineFacts
+from engine.frontend.async_engine import AsyncEngine
+from engine.frontend.facts import EngineFacts
 from gateway.models.on_demand import OnDemandEngine, ScalePolicy
 
 IDLE_TIMEOUT = 1.0

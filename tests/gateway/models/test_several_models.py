@@ -15,8 +15,8 @@ import pytest
 from live_server import Server, build_test_app, live_server, usage_rows
 
 from engine import EngineConfig, LLMEngine, SamplingParams
-from engine.async_engine import AsyncEngine
-from engine.offline import LLM
+from engine.frontend.async_engine import AsyncEngine
+from engine.frontend.offline import LLM
 
 pytestmark = pytest.mark.smollm2
 

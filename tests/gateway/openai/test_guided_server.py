@@ -17,7 +17,7 @@ from live_server import Server, build_test_app, live_server, register_public
 from adapters.peft import describe_base
 from adapters.registry import AdapterRegistry
 from engine import LLM, EngineConfig, LLMEngine, SamplingParams
-from engine.async_engine import AsyncEngine
+from engine.frontend.async_engine import AsyncEngine
 from engine.request import GuidedSpec
 
 MODEL = "demo"

@@ -22,7 +22,7 @@ import pytest
 from live_server import Server, build_test_app, live_server, wait_for_usage
 
 from engine import EngineConfig, LLMEngine
-from engine.async_engine import AsyncEngine
+from engine.frontend.async_engine import AsyncEngine
 from engine.messages import EngineRequest
 from engine.request import GuidedSpec
 from gateway.openai import guided_validation

@@ -16,9 +16,9 @@ from live_server import Server, build_test_app, live_server, register_public
 from adapters.peft import describe_base
 from adapters.registry import AdapterRegistry
 from engine import LLM, EngineConfig, LLMEngine, SamplingParams
-from engine.async_engine import AsyncEngine
-from engine.engine_client import EngineClient
-from engine.engine_process import EngineProcess, ProcessStart
+from engine.frontend.async_engine import AsyncEngine
+from engine.frontend.client import EngineClient
+from engine.frontend.engine_process import EngineProcess, ProcessStart
 
 MODEL = "demo"
 ADAPTERS = ("r4-attn", "r8-all", "r16-all", "r8-attn", "r16-attn")

@@ -13,9 +13,9 @@ import pytest
 from live_server import Server, build_test_app, live_server
 
 from engine import LLM, EngineConfig, LLMEngine, SamplingParams
-from engine.async_engine import AsyncEngine
-from engine.engine_client import EngineClient
-from engine.engine_process import EngineProcess
+from engine.frontend.async_engine import AsyncEngine
+from engine.frontend.client import EngineClient
+from engine.frontend.engine_process import EngineProcess
 
 MODEL = "demo"
 

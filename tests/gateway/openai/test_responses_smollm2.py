@@ -13,7 +13,7 @@ import jsonschema
 import pytest
 from live_server import Server, build_test_app, live_server
 
-from engine.async_engine import AsyncEngine
+from engine.frontend.async_engine import AsyncEngine
 from gateway.openai.responses.compaction_item import summary_of
 
 pytestmark = pytest.mark.smollm2

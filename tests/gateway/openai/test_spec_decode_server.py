@@ -12,7 +12,7 @@ import pytest
 from live_server import build_test_app, live_server
 
 from engine import EngineConfig, LLMEngine
-from engine.async_engine import AsyncEngine
+from engine.frontend.async_engine import AsyncEngine
 from engine.spec_decode import SpeculativeConfig
 
 pytestmark = pytest.mark.smollm2

@@ -19,7 +19,7 @@ from transformers import AutoTokenizer
 from adapters.peft import describe_base
 from adapters.registry import AdapterRegistry
 from engine import EngineConfig, LLMEngine
-from engine.async_engine import AsyncEngine
+from engine.frontend.async_engine import AsyncEngine
 from gateway.openai.protocol import ChatCompletionRequest
 from gateway.openai.tools.calls import tool_plan
 from gateway.openai.tools.parsers import FORMATS

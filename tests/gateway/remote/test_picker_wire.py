@@ -12,7 +12,7 @@ import pytest
 
 from adapters.store import LocalAdapterStore
 from engine.errors import RequestRefused
-from engine.lora_types import LoRARequest
+from engine.lora.types import LoRARequest
 from engine.messages import EngineRequest
 from engine.outputs import SequenceUpdate
 from engine.request import SamplingParams

@@ -33,8 +33,8 @@ from websockets.exceptions import InvalidStatus
 from websockets.sync.client import connect
 
 from engine import LLM, SamplingParams
-from engine.engine_facts import EngineFacts
 from engine.errors import GuidedSpecError
+from engine.frontend.facts import EngineFacts
 from engine.messages import EngineRequest
 from engine.request import GuidedSpec
 from gateway.models.engine_knobs import engine_config

@@ -11,7 +11,7 @@ import pytest
 
 from adapters.store import LocalAdapterStore
 from engine.errors import ContextLengthExceeded, EngineOverloaded, RequestRefused, StepFailed
-from engine.lora_types import LoRARequest
+from engine.lora.types import LoRARequest
 from engine.messages import EngineRequest, EngineStats
 from engine.outputs import SequenceUpdate
 from engine.request import GuidedSpec, SamplingParams

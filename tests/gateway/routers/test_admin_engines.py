@@ -20,8 +20,8 @@ from joserfc.jwk import OctKey
 from live_server import Server, admin_client, build_test_app, live_server, new_tenant
 
 from adapters.peft import CONFIG_FILE, WEIGHTS_FILE, adapter_identity
-from engine.async_engine import AsyncEngine
-from engine.engine_facts import EngineFacts
+from engine.frontend.async_engine import AsyncEngine
+from engine.frontend.facts import EngineFacts
 from engine.messages import EngineStats
 from gateway.http.request_limits import RequestLimits
 from gateway.models.on_demand import OnDemandEngine, ScalePolicy

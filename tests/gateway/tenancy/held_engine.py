@@ -8,7 +8,7 @@ import asyncio
 from collections.abc import AsyncIterator
 from typing import Any
 
-from engine.async_engine import AsyncEngine
+from engine.frontend.async_engine import AsyncEngine
 from engine.messages import EngineRequest
 
 # A request asking for this many tokens is held until its client hangs up.

@@ -18,7 +18,7 @@ import redis
 from held_engine import HELD_MAX_TOKENS, HoldingEngine
 from live_server import Server, build_test_app, live_server, new_tenant, wait_for_usage
 
-from engine.async_engine import AsyncEngine
+from engine.frontend.async_engine import AsyncEngine
 from engine.messages import EngineRequest
 from engine.request import SamplingParams
 from tests.conftest import fresh_database

@@ -12,7 +12,7 @@ from pathlib import Path
 from prometheus_client import CollectorRegistry
 from sqlalchemy import select
 
-from engine.lora_types import LoRARequest
+from engine.lora.types import LoRARequest
 from gateway.metrics import TenantMetrics
 from gateway.tenancy.admission import Ticket
 from gateway.tenancy.auth import RequestTenant

@@ -13,7 +13,7 @@ import pytest
 from live_server import Server, ServerTenancy, admin_client, live_server, new_tenant
 
 from adapters.peft import describe_base
-from engine.async_engine import AsyncEngine
+from engine.frontend.async_engine import AsyncEngine
 from gateway.app import build_app
 from gateway.tenancy.state import open_tenancy, prepare
 

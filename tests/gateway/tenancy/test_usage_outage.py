@@ -18,7 +18,7 @@ import pytest
 from held_engine import HELD_MAX_TOKENS, HoldingEngine
 from live_server import Server, build_test_app, live_server, usage_rows, wait_for_usage
 
-from engine.async_engine import AsyncEngine
+from engine.frontend.async_engine import AsyncEngine
 from tenants.db import upgrade
 
 MODEL = "demo"

@@ -13,7 +13,7 @@ from typing import Any
 @dataclass(frozen=True, slots=True)
 class EngineFacts:
     # None only inside the engine process's Ready message: a tokenizer is dear to pickle, and
-    # the gateway's side loads its own (engine.engine_process).
+    # the gateway's side loads its own (engine.frontend.engine_process).
     tokenizer: Any
     vocab_size: int
     max_model_len: int

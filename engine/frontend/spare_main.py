@@ -1,5 +1,5 @@
-"""A warm spare's main (engine/warm_spare.py): import what an engine needs, at idle priority,
-say so, then wait on the pipe to become an engine.
+"""A warm spare's main (engine/frontend/warm_spare.py): import what an engine needs, at idle
+priority, say so, then wait on the pipe to become an engine.
 
 This module imports nothing heavy at its top: a spawned process imports its target's module
 before the target runs, and here the imports are the work to do in the background. They run
@@ -44,7 +44,7 @@ def run_spare(
     # On this thread, the engine's: glibc gives each thread its own heap.
     heap.prefault(heap_bytes)
 
-    from engine.engine_main import run_engine
+    from engine.frontend.engine_main import run_engine
     from engine.messages import SpareReady, StartEngine
 
     try:
@@ -67,7 +67,7 @@ def _warm_up(tokenizers: Sequence[str], checkpoints: Sequence[str], loaded: dict
     import transformers.models.llama.configuration_llama  # noqa: F401
     import transformers.tokenization_utils_fast  # noqa: F401
 
-    import engine.engine_main  # noqa: F401 - the engine: torch, transformers, the model
+    import engine.frontend.engine_main  # noqa: F401 - the engine: torch, transformers, the model
     from kernels import native
 
     # The C++ kernels depend on the machine, not the model, and run on the CPU only.
@@ -75,12 +75,12 @@ def _warm_up(tokenizers: Sequence[str], checkpoints: Sequence[str], loaded: dict
         native.load()
     # A model's tokenizer takes a fifth of a second to load (transformers parses its JSON in
     # Python), as long as the rest of a spare's cold start, and a checkpoint's first read a
-    # fault per few pages: the candidates' ahead, by path (engine.checkpoint_map).
+    # fault per few pages: the candidates' ahead, by path (engine.checkpoints.checkpoint_map).
     from transformers import AutoTokenizer
 
-    from engine import checkpoint_map
+    from engine.checkpoints import checkpoint_map
 
-    zygote = sys.modules.get("engine.zygote_warm")  # forked from a zygote: loaded there
+    zygote = sys.modules.get("engine.frontend.zygote_warm")  # forked from a zygote: loaded there
     for path in tokenizers:
         with contextlib.suppress(Exception):  # the engine loads it, or says what is wrong
             preloaded = None if zygote is None else zygote.preloaded_tokenizer(path)

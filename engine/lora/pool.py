@@ -26,7 +26,7 @@ from dataclasses import dataclass
 import torch
 
 from engine import heap
-from engine.lora_types import FusedTarget, PackedLoRA
+from engine.lora.types import FusedTarget, PackedLoRA
 
 SEGMENTS = 3  # modules in one fused target at most (q, k, v)
 TABLE_COLUMNS = 2 + 4 * SEGMENTS

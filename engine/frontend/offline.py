@@ -8,7 +8,7 @@ from typing import Any
 
 from engine.config import EngineConfig
 from engine.llm_engine import LLMEngine
-from engine.lora_types import LoRALoader, LoRARequest
+from engine.lora.types import LoRALoader, LoRARequest
 from engine.messages import EngineRequest
 from engine.model_runner import ProgressFn
 from engine.outputs import CompletionOutput, RequestOutput

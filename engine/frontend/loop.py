@@ -1,7 +1,7 @@
 """The engine loop's body, the same in both places it runs: a thread of the gateway's process
-(engine/async_engine.py) and an engine process of its own (engine/engine_main.py). One message
-applied, one step run with its failure contained, the requests a step finished, the facts and
-stats the gateway reads.
+(engine/frontend/async_engine.py) and an engine process of its own
+(engine/frontend/engine_main.py). One message applied, one step run with its failure contained,
+the requests a step finished, the facts and stats the gateway reads.
 
 Failure containment: an exception inside a forward pass fails only the requests that cause it
 (LLMEngine.step pins it on them); anything else a step raises fails the requests that were
@@ -13,7 +13,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable
 
-from engine.engine_facts import EngineFacts
+from engine.frontend.facts import EngineFacts
 from engine.llm_engine import LLMEngine
 from engine.messages import EngineRequest, EngineStats, Inbound, LoadLoRA, UnloadLoRA
 from engine.outputs import SequenceUpdate

@@ -1,8 +1,8 @@
 """`AsyncEngine`: the engine loop in one dedicated thread of this process, owning the
 LLMEngine and running `step()` back to back while there is work (torch releases the GIL inside
 its ops, so the event loop keeps serving HTTP). Messages reach it through a thread-safe queue
-that the loop drains between steps. The loop's body is engine/engine_loop.py's, as in an
-engine process; the gateway's side is engine/loop_client.py's.
+that the loop drains between steps. The loop's body is engine/frontend/loop.py's, as in an
+engine process; the gateway's side is engine/frontend/loop_client.py's.
 """
 
 from __future__ import annotations
@@ -12,17 +12,17 @@ import logging
 import queue
 import threading
 
-from engine.engine_loop import (
+from engine.errors import EngineDead, StepFailed
+from engine.frontend.loop import (
     apply_message,
     contained_step,
     engine_facts,
     engine_stats,
     finished_parents,
 )
-from engine.errors import EngineDead, StepFailed
+from engine.frontend.loop_client import LoopClient
 from engine.guided import GuidedSpec
 from engine.llm_engine import LLMEngine
-from engine.loop_client import LoopClient
 from engine.messages import EngineStats, Inbound
 
 logger = logging.getLogger(__name__)

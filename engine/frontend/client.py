@@ -1,5 +1,5 @@
 """`EngineClient`: what the gateway asks of a model's engine, whatever runs it: a loop in this
-process or an engine process of its own (engine/loop_client.py's clients), one started on
+process or an engine process of its own (engine/frontend/loop_client.py's clients), one started on
 demand, several behind a routing pool, or engines elsewhere (gateway/models, gateway/remote).
 
 Requests go in whole (`EngineRequest`) and their updates come out as an async iterator; what the
@@ -13,7 +13,7 @@ from collections.abc import AsyncGenerator
 from dataclasses import dataclass
 from typing import Protocol
 
-from engine.engine_facts import EngineFacts
+from engine.frontend.facts import EngineFacts
 from engine.messages import EngineRequest, EngineStats
 from engine.outputs import SequenceUpdate
 from engine.request import GuidedSpec

@@ -4,7 +4,7 @@ Most of a cold start is the new process's own: the interpreter importing torch, 
 and the engine (docs: Several models, Cold start). A spare pays that ahead: it is spawned as
 an engine process is (the "spawn" context, the same environment), imports what an engine
 needs at idle priority, loads the C++ kernels (they depend on the machine, not the model),
-says `SpareReady` and blocks on its pipe (engine/spare_main.py). `EngineProcess` takes a
+says `SpareReady` and blocks on its pipe (engine/frontend/spare_main.py). `EngineProcess` takes a
 ready one from the pool and sends it a `StartEngine`; the spare then runs `run_engine` with
 those arguments, and its pipe carries what a fresh engine's does. The pool starts another
 in the background for the next cold start.
@@ -34,10 +34,10 @@ import torch
 
 from engine import heap
 from engine.config import EngineConfig
-from engine.engine_main import start_process
+from engine.frontend.engine_main import start_process
+from engine.frontend.spare_main import run_spare
+from engine.frontend.zygote import ForkedProcess, Zygote
 from engine.messages import SpareReady
-from engine.spare_main import run_spare
-from engine.zygote import ForkedProcess, Zygote
 
 logger = logging.getLogger(__name__)
 
@@ -71,7 +71,7 @@ class SparePool:
         """`heap_bytes`: memory each spare faults in while it waits (engine.heap.prefault;
         start_heap_bytes() says what a model's start writes); `models`: the engines a spare
         may become, whose tokenizers each loads and whose checkpoints each maps ahead;
-        `zygote`: where spares are forked from (engine.zygote), else each is spawned."""
+        `zygote`: where spares are forked from (engine.frontend.zygote), else each is spawned."""
         self.size = size
         self.heap_bytes = heap_bytes
         self.tokenizers = tuple(dict.fromkeys(m.tokenizer or m.model for m in models))
@@ -219,13 +219,13 @@ def start_heap_bytes(config: EngineConfig) -> int:
     it fills): its weights in the compute dtype, then as many again for their packed copies
     (kernels.linear.prepack; the plain ones are freed after); at most what a heap keeps freed
     (engine.heap.TRIM_THRESHOLD). None where the weights will be mapped from the weights cache
-    (engine.weights_cache), which writes no heap. An estimate from the checkpoint's header and
-    config: nothing is loaded."""
+    (engine.checkpoints.weights_cache), which writes no heap. An estimate from the checkpoint's
+    header and config: nothing is loaded."""
     from transformers import AutoConfig
 
+    from engine.checkpoints.weights_cache import cache_for
     from engine.model_runner import resolve_device, resolve_dtype
     from engine.models.llama import parameter_count
-    from engine.weights_cache import cache_for
 
     hf_config = AutoConfig.from_pretrained(config.model)
     device = resolve_device(config.device)

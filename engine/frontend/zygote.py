@@ -3,9 +3,9 @@ transformers and the engine once, and forks a child for each engine start.
 
 Most of a cold start was the new process's own: an interpreter importing torch and the
 engine, 5-9 s on a small machine (docs: Several models, Cold start). The zygote pays that once.
-It is multiprocessing's forkserver, preloaded with engine/zygote_warm.py: a fork of a process
-with torch imported takes milliseconds, and the child then loads the model's weights, which
-it alone holds. Chosen over a hand-made `os.fork` server because the forkserver already passes
+It is multiprocessing's forkserver, preloaded with engine/frontend/zygote_warm.py: a fork of a
+process with torch imported takes milliseconds, and the child then loads the model's weights,
+which it alone holds. Chosen over a hand-made `os.fork` server because the forkserver already passes
 the child's pipes (SCM_RIGHTS), reports its exit code, and restarts itself when found dead;
 and over warm spares because a spare is one process for one start, while the zygote serves any
 number of starts at once.
@@ -34,11 +34,11 @@ from multiprocessing import forkserver
 from multiprocessing.process import BaseProcess
 from typing import Any
 
-from engine.engine_main import environ, environ_lock, omp_wait_settings
+from engine.frontend.engine_main import environ, environ_lock, omp_wait_settings
 
 logger = logging.getLogger(__name__)
 
-WARM_MODULE = "engine.zygote_warm"
+WARM_MODULE = "engine.frontend.zygote_warm"
 # The models a zygote may start, os.pathsep-separated: set for the zygote as it starts.
 MODELS_ENV = "LORAGATE_ZYGOTE_MODELS"
 WATCH_INTERVAL = 1.0  # seconds between looks at whether the zygote is alive

@@ -38,9 +38,9 @@ from typing import Any, NamedTuple
 import torch
 from torch import nn
 
-from engine.checkpoint_map import safetensors_files
+from engine.checkpoints.checkpoint_map import safetensors_files
+from engine.checkpoints.safetensors_view import DTYPES
 from engine.config import EngineConfig
-from engine.safetensors_view import DTYPES
 from kernels import cpu_features, linear
 
 logger = logging.getLogger(__name__)

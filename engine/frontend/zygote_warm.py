@@ -1,12 +1,12 @@
-"""What the zygote (engine/zygote.py) does before it forks its first engine: importing this
-module is that work, as multiprocessing's forkserver preloads the modules it is given.
+"""What the zygote (engine/frontend/zygote.py) does before it forks its first engine: importing
+this module is that work, as multiprocessing's forkserver preloads the modules it is given.
 
 It imports torch, transformers and the engine, loads the C++ kernels (they depend on the
 machine, not the model), loads the tokenizers of the models this zygote may start and maps
 their checkpoints. It starts no thread and touches no model's weights, so a fork of it is
 safe and holds nothing of a model's. A forked engine finds the tokenizers here
-(`preloaded_tokenizer`) and the mapped checkpoints in engine.checkpoint_map, both copies of
-the zygote's memory, shared until written.
+(`preloaded_tokenizer`) and the mapped checkpoints in engine.checkpoints.checkpoint_map, both
+copies of the zygote's memory, shared until written.
 """
 
 from __future__ import annotations
@@ -23,9 +23,9 @@ import transformers.models.llama.configuration_llama  # noqa: F401
 import transformers.tokenization_utils_fast  # noqa: F401
 from transformers import AutoTokenizer
 
-import engine.engine_main  # noqa: F401 - the engine: torch, transformers, the model
-from engine import checkpoint_map
-from engine.zygote import MODELS_ENV
+import engine.frontend.engine_main  # noqa: F401 - the engine: torch, transformers, the model
+from engine.checkpoints import checkpoint_map
+from engine.frontend.zygote import MODELS_ENV
 from kernels import native
 
 _tokenizers: dict[str, Any] = {}

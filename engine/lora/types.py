@@ -1,7 +1,7 @@
 """What the engine knows of a LoRA adapter apart from where it lives: its identity (the
 request's `LoRARequest`), its weights as a loader hands them over (`LoRAWeights`) and in slot
 layout (`PackedLoRA`), the loader's signature and failure, and the model's fused linears that
-adapters target. engine/lora.py's `LoRAManager` places them in device slots and a CPU cache.
+adapters target. engine/lora/manager.py's `LoRAManager` places them in device slots and a CPU cache.
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
-"""The engine process's side of engine/engine_process.py: its main (`run_engine`: load, report
-ready, then the step loop over the pipe) and the environment it is started with. A fresh
-process runs it as its target; a warm spare (engine/warm_spare.py) runs it when handed its
-start arguments.
+"""The engine process's side of engine/frontend/engine_process.py: its main (`run_engine`:
+load, report ready, then the step loop over the pipe) and the environment it is started with. A
+fresh process runs it as its target; a warm spare (engine/frontend/warm_spare.py) runs it when
+handed its start arguments.
 """
 
 from __future__ import annotations
@@ -22,17 +22,17 @@ from multiprocessing.process import BaseProcess
 from typing import Any
 
 from engine.config import EngineConfig
-from engine.engine_loop import (
+from engine.errors import GuidedSpecError, RequestRefused
+from engine.frontend.loop import (
     apply_message,
     contained_step,
     engine_facts,
     engine_stats,
     finished_parents,
 )
-from engine.errors import GuidedSpecError, RequestRefused
 from engine.heap import retain_freed_memory
 from engine.llm_engine import LLMEngine
-from engine.lora_types import LoRALoader, LoRARequest
+from engine.lora.types import LoRALoader, LoRARequest
 from engine.messages import (
     CompileGrammar,
     Failed,
@@ -132,7 +132,7 @@ def run_engine(
 
 def _zygote_tokenizer(config: EngineConfig) -> Any:
     """The model's tokenizer as the zygote loaded it, where this process is its fork."""
-    warm = sys.modules.get("engine.zygote_warm")  # never imported here: importing it warms
+    warm = sys.modules.get("engine.frontend.zygote_warm")  # never imported here: importing it warms
     return None if warm is None else warm.preloaded_tokenizer(config.tokenizer or config.model)
 
 

@@ -1,6 +1,6 @@
-"""`LoopClient`: the gateway's `EngineClient` (engine/engine_client.py) on a running engine loop,
-whichever runs it (a thread of this process, engine/async_engine.py; a process of its own,
-engine/engine_process.py; a `loragate engine` elsewhere, gateway/remote/remote_engine.py).
+"""`LoopClient`: the gateway's `EngineClient` (engine/frontend/client.py) on a running engine loop,
+whichever runs it (a thread of this process, engine/frontend/async_engine.py; a process of its own,
+engine/frontend/engine_process.py; a `loragate engine` elsewhere, gateway/remote/remote_engine.py).
 
 Requests go in as messages; each request's updates reach its own asyncio queue through
 `loop.call_soon_threadsafe`, one wake-up per event loop per step, so no coroutine ever waits
@@ -18,10 +18,10 @@ from abc import abstractmethod
 from collections import deque
 from collections.abc import AsyncGenerator
 
-from engine.engine_client import EngineClient, Scaling
-from engine.engine_facts import EngineFacts
 from engine.errors import EngineDead, EngineOverloaded
-from engine.lora_types import LoRARequest
+from engine.frontend.client import EngineClient, Scaling
+from engine.frontend.facts import EngineFacts
+from engine.lora.types import LoRARequest
 from engine.messages import Abort, EngineRequest, Inbound, LoadLoRA, UnloadLoRA
 from engine.outputs import SequenceUpdate
 

@@ -6,7 +6,7 @@ per few pages: for SmolLM2's 513 MiB, 0.04-0.05 s, as long as `cat` takes to rea
 Mapped ahead, the load copies from memory already mapped. A mapping of the page cache holds no
 memory of its own (the pages are the cache's, shared), only its page tables; the engine drops
 the views once it has copied them, and the mapping with them. Tensors come out as views,
-checked as strictly as the reference reader (engine.safetensors_view).
+checked as strictly as the reference reader (engine.checkpoints.safetensors_view).
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from pathlib import Path
 
 import torch
 
-from engine.safetensors_view import load_views
+from engine.checkpoints.safetensors_view import load_views
 
 # One process, one engine: the spare maps, then the engine it becomes takes.
 _mapped: dict[str, list[dict[str, torch.Tensor]]] = {}

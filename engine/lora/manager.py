@@ -1,7 +1,7 @@
 """LoRA adapters inside the engine: which adapter holds which slot, the CPU cache and
 the loader thread (`LoRAManager`), and each step's adapters (a `LoRAStep`, built by the
-engine's kernels). Their weights live in engine/lora_pool.py's pool; what an adapter is
-(engine/lora_types.py) is kept apart, for the many modules that only name one.
+engine's kernels). Their weights live in engine/lora/pool.py's pool; what an adapter is
+(engine/lora/types.py) is kept apart, for the many modules that only name one.
 
 The engine never reads adapter files itself: it is handed a loader (the
 gateway wires `adapters.peft`) that turns a `LoRARequest` into `LoRAWeights`.
@@ -17,8 +17,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from engine.lora_pool import LoRAPool
-from engine.lora_types import (
+from engine.lora.pool import LoRAPool
+from engine.lora.types import (
     FusedTarget,
     LoRALoader,
     LoRALoadError,

@@ -21,9 +21,10 @@ says "restarting", and the supervisor starts a new engine process with back-off
 a signal to the whole process group (Ctrl-C, a container stop) reaches the gateway,
 which drains and stops it in order.
 
-The engine process's side is engine/engine_main.py. With a `SparePool` (engine/warm_spare.py)
-an engine starts in a spare spawned ahead, torch already imported, handed its arguments
-over its pipe (`StartEngine`); with none ready, in a process spawned then.
+The engine process's side is engine/frontend/engine_main.py. With a `SparePool`
+(engine/frontend/warm_spare.py) an engine starts in a spare spawned ahead, torch already
+imported, handed its arguments over its pipe (`StartEngine`); with none ready, in a process
+spawned then.
 """
 
 from __future__ import annotations
@@ -43,12 +44,14 @@ from typing import Any
 from transformers import AutoTokenizer
 
 from engine.config import EngineConfig
-from engine.engine_facts import EngineFacts
-from engine.engine_main import run_engine, start_process
 from engine.errors import EngineDead, GuidedSpecError, StepFailed
-from engine.grammar_asks import GrammarAsks
-from engine.loop_client import LoopClient
-from engine.lora_types import LoRALoader, LoRARequest
+from engine.frontend.engine_main import run_engine, start_process
+from engine.frontend.facts import EngineFacts
+from engine.frontend.grammar_asks import GrammarAsks
+from engine.frontend.loop_client import LoopClient
+from engine.frontend.warm_spare import SparePool
+from engine.frontend.zygote import ForkedProcess, Zygote
+from engine.lora.types import LoRALoader, LoRARequest
 from engine.messages import (
     CompileGrammar,
     EngineRequest,
@@ -67,8 +70,6 @@ from engine.messages import (
     Stopped,
 )
 from engine.request import GuidedSpec
-from engine.warm_spare import SparePool
-from engine.zygote import ForkedProcess, Zygote
 
 logger = logging.getLogger(__name__)
 
