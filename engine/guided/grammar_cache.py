@@ -40,7 +40,8 @@ logger = logging.getLogger(__name__)
 JSON_SEPARATORS = (",", ":")
 
 # What xgrammar 0.2.9 would accept without enforcing is rewritten or refused by
-# engine/guided/schema.py (REFUSED_KEYWORDS there; tests/engine/guided/test_json_schema.py pins each).
+# engine/guided/schema.py (REFUSED_KEYWORDS there; tests/engine/guided/test_json_schema.py
+# pins each).
 
 # xgrammar's C++ errors start with "[12:00:00] /project/cpp/file.cc:123: " and sometimes
 # "Check failed: (...) is false: "; the client needs neither.
