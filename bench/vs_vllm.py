@@ -10,8 +10,9 @@ vLLM comes from `../shared/peers/` (setup_vllm.sh installs it, serve_vllm.sh ser
 directory); ours is `loragate serve --no-auth` at its defaults. `--against-tree DIR` puts
 loragate from another checkout (an older commit's worktree) in vLLM's place: a change measured
 against the tree before it, the same way. `--dtype` goes to both
-servers (`auto`: each resolves it as it does for its users; vLLM picks bfloat16 on a CPU
-with AVX-512 BF16, as ours does). `--cpu-isa avx2` runs both as on an AVX2-only processor:
+servers, `auto` resolved once as the processor the run is held to resolves it (bfloat16
+where it has native bf16, as both servers pick for their users; float32 otherwise).
+`--cpu-isa avx2` runs both as on an AVX2-only processor:
 ours with `--cpu-isa avx2`, vLLM with torch, oneDNN and MKL held to AVX2 and its AVX2 build
 (`_C_AVX2`, which it loads where torch reports no AVX-512). Every run uses its own prompt
 seed, so no run finds its prompts in a prefix cache; both servers of a round get the same
@@ -48,7 +49,7 @@ def _start(side: str, args: argparse.Namespace, name: str, log: Path) -> subproc
         cmd = [
             str(Path(sys.executable).parent / "loragate"), "serve",
             "--model", str(Path(args.model).resolve()), "--served-model-name", name,
-            "--port", str(args.port), "--no-auth", "--dtype", args.dtype,
+            "--port", str(args.port), "--no-auth", "--dtype", args.peak_dtype,
             "--database-url", f"sqlite+aiosqlite:///{workdir}/db.sqlite",
             "--adapter-store", str(workdir / "adapters"),
             *(args.loragate_args if side == "loragate" else args.against_args).split(),
@@ -63,7 +64,7 @@ def _start(side: str, args: argparse.Namespace, name: str, log: Path) -> subproc
             f"{args.vllm_venv}/bin/python", "-m", "vllm.entrypoints.openai.api_server",
             "--model", str(Path(args.model).resolve()), "--served-model-name", name,
             "--host", "127.0.0.1", "--port", str(args.port), "--max-model-len", "2048",
-            "--dtype", args.dtype,
+            "--dtype", args.peak_dtype,
         ]  # fmt: skip
     out = log.open("wb")
     cwd = args.against_tree if side != "loragate" else None
@@ -221,6 +222,9 @@ def main(argv: list[str] | None = None) -> None:
         p.error(f"no vLLM at {args.vllm_venv}: run {PEERS / 'setup_vllm.sh'} first")
     cpu_features.use_isa(args.cpu_isa)  # the header's flags and dtype, and both servers'
     bf16 = cpu_features.native_bf16()
+    # `auto` resolved here, as on the processor the run is held to, and given to both servers:
+    # vLLM's own `auto` looks past --cpu-isa avx2 and picks bfloat16 on an AVX-512 BF16 CPU,
+    # which it then runs emulated on AVX2 (3x slower than float32).
     args.peak_dtype = args.dtype if args.dtype != "auto" else ("bfloat16" if bf16 else "float32")
     console = Console(width=max(Console().width, 130))
     console.print(f"{Path(args.model).name}, --dtype {args.dtype} ({args.peak_dtype} here) "
