@@ -5,11 +5,16 @@ the engine's first update to the last byte, whether it answers in one JSON body 
 
 An `AnswerForm` is the shape of one endpoint's answer (chat's in gateway.openai.chat,
 completions' in gateway.openai.completions): the JSON and SSE responders ask it, never which
-endpoint they answer for."""
+endpoint they answer for.
+
+The updates themselves arrive as one `UpdateStream`: several prompts' engine streams merged,
+opened on the first update, and their one owner (closing it aborts the engine's requests)."""
 
 from __future__ import annotations
 
+import asyncio
 import time
+from collections.abc import AsyncGenerator
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -18,9 +23,89 @@ from engine.request import SamplingParams
 from gateway.http.errors import APIError
 from gateway.metrics import Latency, Metrics
 from gateway.openai.guided_validation import Violation
-from gateway.openai.streaming import UpdateStream
 from gateway.openai.tools.stream import ToolCallStream
 from gateway.tenancy.metering import STATUS_ABORTED, STATUS_OK, Meter, UsageFigures
+
+
+class UpdateStream:
+    """A response's engine updates as (prompt index, update), in prompt order, and their one
+    owner: `open` waits for the first (so that the engine's refusals, a context too long or a
+    grammar, are HTTP errors before anything is answered); closing it aborts the engine's
+    requests that still run, and closing it again does nothing."""
+
+    __slots__ = ("_first", "_rest")
+
+    def __init__(
+        self,
+        first: tuple[int, SequenceUpdate] | None,
+        rest: AsyncGenerator[tuple[int, SequenceUpdate]],
+    ) -> None:
+        self._first = first
+        self._rest = rest
+
+    @classmethod
+    async def open(cls, streams: list[AsyncGenerator[SequenceUpdate]]) -> UpdateStream:
+        """The streams merged, their first update received; a failure closes every stream."""
+        rest = merge(streams)
+        try:
+            first = await anext(rest)
+        except StopAsyncIteration:
+            return cls(None, rest)
+        except BaseException:
+            await rest.aclose()  # the other prompts' requests end too
+            raise
+        return cls(first, rest)
+
+    def __aiter__(self) -> UpdateStream:
+        return self
+
+    async def __anext__(self) -> tuple[int, SequenceUpdate]:
+        first, self._first = self._first, None
+        if first is not None:
+            return first
+        return await anext(self._rest)
+
+    async def aclose(self) -> None:
+        self._first = None
+        await self._rest.aclose()  # a closed generator closes as nothing
+
+
+async def merge(
+    streams: list[AsyncGenerator[SequenceUpdate]],
+) -> AsyncGenerator[tuple[int, SequenceUpdate]]:
+    """Interleave several requests' updates, tagged with their prompt index."""
+    if len(streams) == 1:
+        # Closing explicitly aborts the request now, not when the generator is collected.
+        try:
+            async for update in streams[0]:
+                yield 0, update
+        finally:
+            await streams[0].aclose()
+        return
+    queue: asyncio.Queue[tuple[int, SequenceUpdate | BaseException | None]] = asyncio.Queue()
+
+    async def pump(index: int, stream: AsyncGenerator[SequenceUpdate]) -> None:
+        try:
+            async for update in stream:
+                await queue.put((index, update))
+            await queue.put((index, None))
+        except BaseException as exc:  # noqa: BLE001 - forwarded to the consumer
+            await queue.put((index, exc))
+
+    tasks = [asyncio.create_task(pump(i, s)) for i, s in enumerate(streams)]
+    try:
+        remaining = len(tasks)
+        while remaining:
+            index, item = await queue.get()
+            if item is None:
+                remaining -= 1
+            elif isinstance(item, BaseException):
+                raise item
+            else:
+                yield index, item
+    finally:
+        for task in tasks:
+            task.cancel()
 
 
 @dataclass(slots=True)

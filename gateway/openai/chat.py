@@ -19,6 +19,7 @@ from gateway.http.errors import APIError
 from gateway.http.request_limits import INVALID_VALUE
 from gateway.models.served import ServedModel
 from gateway.openai.answer import Answer, Choice, violation_body
+from gateway.openai.json_response import Disconnected
 from gateway.openai.protocol import ChatCompletionRequest, ChatMessage, FieldError
 from gateway.openai.serving import (
     Generation,
@@ -27,7 +28,6 @@ from gateway.openai.serving import (
     compile_grammar,
     sampling_params,
 )
-from gateway.openai.streaming import Disconnected
 from gateway.openai.tools.calls import ToolPlan, tool_plan
 from gateway.openai.tools.parsers import FORMATS, ToolFormat
 from gateway.openai.tools.prompt import Rendered, render_messages

@@ -15,9 +15,9 @@ from engine.outputs import SequenceUpdate
 from gateway.http.errors import APIError
 from gateway.http.request_limits import EMPTY_PROMPT
 from gateway.openai.answer import Choice, violation_body
+from gateway.openai.json_response import Disconnected
 from gateway.openai.protocol import CompletionRequest
 from gateway.openai.serving import Generation, OpenAIServing, check_bounds, sampling_params
-from gateway.openai.streaming import Disconnected
 from gateway.tenancy.auth import RequestTenant
 
 

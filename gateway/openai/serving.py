@@ -25,17 +25,11 @@ from gateway.http.errors import APIError, api_error
 from gateway.http.request_limits import INVALID_GRAMMAR, INVALID_VALUE
 from gateway.metrics import Metrics
 from gateway.models.served import ServedModel, ServedModels
-from gateway.openai.answer import Answer, AnswerForm, Choice, Timer, Usage
-from gateway.openai.json_response import collect, json_body
+from gateway.openai.answer import Answer, AnswerForm, Choice, Timer, UpdateStream, Usage
+from gateway.openai.json_response import Disconnected, collect, json_body, unless_disconnected
 from gateway.openai.output_checks import OutputChecks
 from gateway.openai.protocol import ChatCompletionRequest, CompletionRequest, FieldError
-from gateway.openai.sse import sse_chunks
-from gateway.openai.streaming import (
-    Disconnected,
-    MeteredStream,
-    UpdateStream,
-    unless_disconnected,
-)
+from gateway.openai.sse import MeteredStream, sse_chunks
 from gateway.openai.tools.calls import ToolPlan
 from gateway.openai.tools.parsers import FORMATS, ToolFormat
 from gateway.openai.tools.stream import ToolCallStream

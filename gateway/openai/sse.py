@@ -1,15 +1,18 @@
 """A streamed response: SSE chunks in its endpoint's form as the engine's updates arrive (deltas
 of text, tool calls and log probabilities), an error chunk for a failure once the stream has
 begun, the usage chunk when asked for, and `[DONE]`. The usage row is durable before the last
-bytes: a client that saw `[DONE]` is billed."""
+bytes: a client that saw `[DONE]` is billed. `MeteredStream`, the response that carries the
+chunks (and the Responses API's events), meters a stream however it ends."""
 
 from __future__ import annotations
 
 import contextlib
 import json
 import logging
-from collections.abc import AsyncGenerator
+from collections.abc import AsyncGenerator, Awaitable, Callable
 from typing import Any
+
+from fastapi.responses import StreamingResponse
 
 from gateway.http.errors import APIError, api_error
 from gateway.openai.answer import Answer, status_of, violation_body
@@ -80,3 +83,29 @@ def _chunk(answer: Answer, choices: list[dict[str, Any]], usage: Any = None) -> 
     if answer.include_usage:
         data["usage"] = usage
     return data
+
+
+class MeteredStream(StreamingResponse):
+    """A stream whose request is metered however the response ends. The chunks' generator
+    records the row itself when it runs to the end; `on_close` covers the rest (a client gone
+    mid-stream, or before the first chunk, when the generator never ran at all) and ends what
+    the response was streaming."""
+
+    def __init__(
+        self,
+        content: AsyncGenerator[str],
+        on_close: Callable[[], Awaitable[None]],
+        **kwargs: Any,
+    ) -> None:
+        super().__init__(content, **kwargs)
+        self._content = content
+        self._on_close = on_close
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            try:
+                await self._on_close()
+            finally:
+                await self._content.aclose()

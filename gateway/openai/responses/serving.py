@@ -28,7 +28,7 @@ from gateway.openai.answer import Answer
 from gateway.openai.chat import ChatServing
 from gateway.openai.conversations.serving import ConversationsServing
 from gateway.openai.conversations.serving import not_found as conversation_not_found
-from gateway.openai.json_response import collect, json_body
+from gateway.openai.json_response import Disconnected, collect, json_body, unless_disconnected
 from gateway.openai.protocol import ChatCompletionRequest, FieldError
 from gateway.openai.responses.events import EventStream, sse
 from gateway.openai.responses.items import chat_messages, new_id
@@ -42,8 +42,7 @@ from gateway.openai.responses.objects import (
 )
 from gateway.openai.responses.protocol import InputTokensRequest, ResponseFields, ResponsesRequest
 from gateway.openai.serving import CLIENT_CLOSED_REQUEST, Generation, OpenAIServing
-from gateway.openai.sse import chunk_bodies
-from gateway.openai.streaming import Disconnected, MeteredStream, unless_disconnected
+from gateway.openai.sse import MeteredStream, chunk_bodies
 from gateway.tenancy.auth import RequestTenant
 from tenants.responses import BEAT_INTERVAL, ResponseStore, StoredResponse
 

@@ -1,4 +1,5 @@
-"""gateway/openai/streaming.py alone: several prompts' engine streams merged and tagged, an
+"""A response's update plumbing alone (gateway/openai/answer.py's UpdateStream and merge,
+json_response.py's unless_disconnected): several prompts' engine streams merged and tagged, an
 update stream that receives its first update on opening and owns the streams, a failure that
 ends every sibling stream, and a whole response cancelled when its client hangs up first."""
 
@@ -10,7 +11,8 @@ from collections.abc import AsyncIterator
 import pytest
 
 from engine.outputs import SequenceUpdate
-from gateway.openai.streaming import UpdateStream, merge, unless_disconnected
+from gateway.openai.answer import UpdateStream, merge
+from gateway.openai.json_response import unless_disconnected
 
 
 def _update(request: str, text: str) -> SequenceUpdate:
