@@ -280,7 +280,7 @@ def test_two_hundred_adapters_of_twenty_tenants_cycle_through_sixteen_slots(
         prefixes[k // PER_TENANT] + [rng.randrange(3, 8000) for _ in range(4)] for k in range(count)
     ]
 
-    # The reference: the offline engine (tests/engine/test_lora_vs_peft.py holds it to peft),
+    # The reference: the offline engine (tests/engine/lora/test_lora_vs_peft.py holds it to peft),
     # and peft itself for one adapter of each configuration and the replacement.
     registry = AdapterRegistry(describe_base(demo_model_dir), max_lora_rank=16)
     loras = [registry.register(f"a{k}", path) for k, path in enumerate([*paths, replacement])]
