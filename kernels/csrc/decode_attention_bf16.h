@@ -6,13 +6,14 @@
 // a key's scores come from bf16 pairs multiplied into float32 (exact products, float32
 // sums, as widening would give), sixteen keys at a time, and the sixteen accumulators are
 // folded into one vector of sixteen scores by a transposing reduction (three operations a
-// key instead of a horizontal sum each). Values are widened once per block, for all the
-// query heads of their kv head. The shared prefix of a group is read through each row's
-// own block list (no copy into a GEMM operand): at head_dim 64 the cache blocks stay in
-// L2 across the rows of a step.
+// key instead of a horizontal sum each). Values are interleaved in pairs once per sixteen
+// keys, for all the query heads of their kv head. The shared prefix of a group is read
+// through each row's own block list (no copy into a GEMM operand): at head_dim 64 the cache
+// blocks stay in L2 across the rows of a step.
 //
-// Each task is one (kv head, row): its query heads' scores over the row's keys in float32,
-// the softmax in float32, the weighted sum of values in float32, rounded once into `out`.
+// Each task is one (kv head, row), in one pass over its blocks (online softmax): scores in
+// float32, probabilities rounded to bf16 for the weighted sum (as flash attention rounds
+// them), sums in float32, rounded once into `out`.
 #pragma once
 
 #if defined(__AVX512F__) && defined(__AVX512BF16__)
@@ -53,10 +54,9 @@ inline __m512bh load_bf16x32(const c10::BFloat16* p) {
   return (__m512bh)_mm512_loadu_si512(reinterpret_cast<const void*>(p));
 }
 
-// s[j] = scale * (q . keys[j]) for the n <= 16 keys of [n, kDim] `keys`.
+// Lane j: scale * (q . keys[j]) for the n <= 16 keys of [n, kDim] `keys` (0 past n).
 template <int kDim>
-inline void scores16(const __m512bh* q, const c10::BFloat16* keys, int64_t n, float scale,
-                     float* s) {
+inline __m512 scores16(const __m512bh* q, const c10::BFloat16* keys, int64_t n, float scale) {
   __m512 acc[16];
   for (int j = 0; j < 16; ++j) {
     __m512 a = _mm512_setzero_ps();
@@ -65,8 +65,7 @@ inline void scores16(const __m512bh* q, const c10::BFloat16* keys, int64_t n, fl
         a = _mm512_dpbf16_ps(a, q[i], load_bf16x32(keys + j * kDim + 32 * i));
     acc[j] = a;
   }
-  const __m512 r = _mm512_mul_ps(transpose_sum16(acc), _mm512_set1_ps(scale));
-  _mm512_mask_storeu_ps(s, static_cast<__mmask16>((1u << n) - 1), r);
+  return _mm512_mul_ps(transpose_sum16(acc), _mm512_set1_ps(scale));
 }
 
 // Keys j and j+1 of a block's values interleaved per dimension, (v[j][d], v[j+1][d]), as
@@ -100,12 +99,31 @@ inline void unpermute(const __m512* acc, float* o) {
       }
 }
 
+// Blocks are read this many tokens ahead into L2. A row's blocks lie anywhere in the pool
+// (sequences that grow together interleave their blocks), so the hardware's stream
+// prefetcher sees one 2-4 KiB run at a time and the kernel waited on each block's first
+// lines from L3 or DRAM. With the keys and the values each streamed once (no row-long copy
+// of the values), two blocks of 16 ahead took 16 rows of 1,000 keys from 0.9 to 0.5 ms a
+// layer on Zen 4 (demo model's heads; into L1, or further ahead, gained less).
+constexpr int64_t kPrefetchTokens = 32;
+
+inline void prefetch_to_l2(const c10::BFloat16* p, int64_t elems) {
+  const char* bytes = reinterpret_cast<const char*>(p);
+  for (int64_t off = 0; off < elems * int64_t{sizeof(c10::BFloat16)}; off += 64)
+    _mm_prefetch(bytes + off, _MM_HINT_T1);
+}
+
+// Each task is one (kv head, row), in two streaming passes over the row's blocks: the keys
+// (scores of all its query heads into a row-long line each, then the softmax over the
+// line), then the values (interleaved in pairs sixteen keys at a time, in registers, and
+// weighed by the bf16 probabilities). Neither pass writes anything row-long but the scores.
 template <int kDim>
 void attend_bf16(const at::Tensor& query, const at::Tensor& key_cache,
                  const at::Tensor& value_cache, const int64_t* shared_ids, int64_t num_shared,
                  const at::Tensor& tail_tables, const at::Tensor& seq_lens, float scale,
                  at::Tensor& out) {
   using bf16 = c10::BFloat16;
+  constexpr int kVecs = kDim / 16, kChunks = kDim / 32;
   const int64_t rows = query.size(0), heads = query.size(1);
   const int64_t kv_heads = key_cache.size(0), num_blocks = key_cache.size(1);
   const int64_t block_size = key_cache.size(2);
@@ -115,9 +133,9 @@ void attend_bf16(const at::Tensor& query, const at::Tensor& key_cache,
   const int64_t* lens = seq_lens.data_ptr<int64_t>();
   int64_t max_len = 0;
   for (int64_t r = 0; r < rows; ++r) max_len = std::max(max_len, lens[r]);
-  // A row's scores, then its probabilities rounded to bf16 (as flash attention rounds them
-  // for the P @ V product), one padded line per query head: pairs read one past the end.
-  const int64_t line = max_len + 2;
+  // A query head's scores, then its probabilities rounded to bf16, on one line with room
+  // for the odd last key's partner (read as a zero weight).
+  const int64_t line = max_len / 16 * 16 + 16;
 
   const bf16* q_base = query.data_ptr<bf16>();
   bf16* o_base = out.data_ptr<bf16>();
@@ -126,43 +144,50 @@ void attend_bf16(const at::Tensor& query, const at::Tensor& key_cache,
   const int64_t block_elems = block_size * kDim, head_elems = num_blocks * block_elems;
   const bf16* k_base = key_cache.data_ptr<bf16>();
   const bf16* v_base = value_cache.data_ptr<bf16>();
+  const int64_t ahead = std::max<int64_t>(1, kPrefetchTokens / block_size);
 
   at::parallel_for(0, kv_heads * rows, 1, [&](int64_t begin, int64_t end) {
     // Each thread's scratch, kept between calls (a decode step calls this once per layer):
     // grown as rows get longer, never freed.
     thread_local std::vector<float> scores, sums;
     thread_local std::vector<bf16> probs;
-    thread_local std::vector<__m512i> pairs;
     thread_local std::vector<__m512bh> q;
     grow(scores, per_kv * line);
     grow(probs, per_kv * line);
     grow(sums, per_kv);
-    grow(pairs, (max_len / 2 + 1) * (kDim / 16));
-    grow(q, per_kv * (kDim / 32));
+    grow(q, per_kv * kChunks);
+    __m512i pairs[8 * kVecs];  // sixteen keys' values, interleaved in pairs
     alignas(64) float o[kDim];
     for (int64_t task = begin; task < end; ++task) {
       const int64_t g = task / rows, r = task % rows, len = lens[r];
-      const bf16* K = k_base + g * head_elems;
-      const bf16* V = v_base + g * head_elems;
-      auto block_offset = [&](int64_t b) {
+      const int64_t num_row_blocks = (len + block_size - 1) / block_size;
+      auto block = [&](const bf16* cache, int64_t b) {
         const int64_t id = b < num_shared ? shared_ids[b] : tails[r * tail_width + b - num_shared];
-        return id * block_elems;
+        return cache + g * head_elems + id * block_elems;
+      };
+      // fn(the block's first key or value, its first position, its tokens in use), with the
+      // block `ahead` of it on its way into L2.
+      auto stream = [&](const bf16* cache, auto&& fn) {
+        for (int64_t b = 0; b < std::min(ahead, num_row_blocks); ++b)
+          prefetch_to_l2(block(cache, b), block_elems);
+        for (int64_t b = 0; b < num_row_blocks; ++b) {
+          if (b + ahead < num_row_blocks) prefetch_to_l2(block(cache, b + ahead), block_elems);
+          fn(block(cache, b), b * block_size, std::min(block_size, len - b * block_size));
+        }
       };
       for (int64_t h = 0; h < per_kv; ++h)
-        for (int i = 0; i < kDim / 32; ++i)
-          q[h * (kDim / 32) + i] =
+        for (int i = 0; i < kChunks; ++i)
+          q[h * kChunks + i] =
               load_bf16x32(q_base + r * q_row + (g * per_kv + h) * q_head + 32 * i);
-      for (int64_t pos = 0; pos < len; pos += block_size) {
-        const bf16* keys = K + block_offset(pos / block_size);
-        const bf16* values = V + block_offset(pos / block_size);
-        const int64_t n = std::min(block_size, len - pos);
+      stream(k_base, [&](const bf16* keys, int64_t pos, int64_t n) {
         for (int64_t h = 0; h < per_kv; ++h)
-          for (int64_t j = 0; j < n; j += 16)
-            scores16<kDim>(q.data() + h * (kDim / 32), keys + j * kDim,
-                           std::min<int64_t>(16, n - j), scale, scores.data() + h * line + pos + j);
-        // block_size is even: a block's pairs are the row's pairs (2t, 2t + 1)
-        interleave_pairs<kDim>(values, n, pairs.data() + (pos / 2) * (kDim / 16));
-      }
+          for (int64_t j = 0; j < n; j += 16) {
+            const int64_t m = std::min<int64_t>(16, n - j);
+            _mm512_mask_storeu_ps(scores.data() + h * line + pos + j,
+                                  static_cast<__mmask16>((1u << m) - 1),
+                                  scores16<kDim>(q.data() + h * kChunks, keys + j * kDim, m, scale));
+          }
+      });
       for (int64_t h = 0; h < per_kv; ++h) {
         float* s = scores.data() + h * line;
         sums[h] = exp_shifted(s, len, max_of(s, len));
@@ -170,21 +195,31 @@ void attend_bf16(const at::Tensor& query, const at::Tensor& key_cache,
         narrow(s, p, len);
         p[len] = bf16(0.f);  // the odd last key's partner (its values are zero too)
       }
-      const int64_t num_pairs = (len + 1) / 2;
-      for (int64_t h = 0; h < per_kv; ++h) {
-        const bf16* p = probs.data() + h * line;
-        __m512 acc[kDim / 16];
-        for (int i = 0; i < kDim / 16; ++i) acc[i] = _mm512_setzero_ps();
-        for (int64_t t = 0; t < num_pairs; ++t) {
-          uint32_t w;
-          __builtin_memcpy(&w, p + 2 * t, sizeof(w));
-          const __m512bh weights = (__m512bh)_mm512_set1_epi32(static_cast<int>(w));
-          const __m512i* v = pairs.data() + t * (kDim / 16);
-          for (int i = 0; i < kDim / 16; ++i)
-            acc[i] = _mm512_dpbf16_ps(acc[i], weights, (__m512bh)v[i]);
+      __m512 acc[kVecs * 4];  // per_kv <= 4 query heads a kv head in registers, else in turns
+      for (int64_t h0 = 0; h0 < per_kv; h0 += 4) {
+        const int64_t hn = std::min<int64_t>(4, per_kv - h0);
+        for (int i = 0; i < kVecs * 4; ++i) acc[i] = _mm512_setzero_ps();
+        stream(v_base, [&](const bf16* values, int64_t pos, int64_t n) {
+          for (int64_t j = 0; j < n; j += 16) {
+            const int64_t m = std::min<int64_t>(16, n - j);
+            interleave_pairs<kDim>(values + j * kDim, m, pairs);
+            for (int64_t h = 0; h < hn; ++h) {
+              const bf16* p = probs.data() + (h0 + h) * line + pos + j;
+              for (int64_t t = 0; t < (m + 1) / 2; ++t) {
+                uint32_t w;
+                __builtin_memcpy(&w, p + 2 * t, sizeof(w));
+                const __m512bh weights = (__m512bh)_mm512_set1_epi32(static_cast<int>(w));
+                for (int i = 0; i < kVecs; ++i)
+                  acc[h * kVecs + i] =
+                      _mm512_dpbf16_ps(acc[h * kVecs + i], weights, (__m512bh)pairs[t * kVecs + i]);
+              }
+            }
+          }
+        });
+        for (int64_t h = 0; h < hn; ++h) {
+          unpermute<kDim>(acc + h * kVecs, o);
+          narrow(o, o_base + r * o_row + (g * per_kv + h0 + h) * o_head, kDim, sums[h0 + h]);
         }
-        unpermute<kDim>(acc, o);
-        narrow(o, o_base + r * o_row + (g * per_kv + h) * o_head, kDim, sums[h]);
       }
     }
   });
