@@ -26,7 +26,9 @@ class EngineConfig:
     memory_utilization: float = 0.9  # CUDA: fraction of device memory for weights + KV
     num_kv_blocks: int | None = None  # override the computed pool size (tests, benchmarks)
     max_num_seqs: int = 256
-    max_num_batched_tokens: int = 2048
+    # Tokens a step takes (the chunked-prefill budget). None: model_runner's
+    # default_step_tokens, which is smaller on CPUs without AVX-512.
+    max_num_batched_tokens: int | None = None
     enable_prefix_caching: bool = True
     enable_chunked_prefill: bool = True
     # Admission order of waiting requests: "fair": priority bands (lower first), each
@@ -76,7 +78,7 @@ class EngineConfig:
             raise ValueError(f"block_size must be positive, got {self.block_size}")
         if self.max_num_seqs < 1:
             raise ValueError(f"max_num_seqs must be positive, got {self.max_num_seqs}")
-        if self.max_num_batched_tokens < 1:
+        if self.max_num_batched_tokens is not None and self.max_num_batched_tokens < 1:
             raise ValueError("max_num_batched_tokens must be positive")
         if self.max_model_len is not None and self.max_model_len < 2:
             raise ValueError(f"max_model_len must be at least 2, got {self.max_model_len}")
@@ -123,6 +125,7 @@ class EngineConfig:
         if (
             not self.enable_chunked_prefill
             and self.max_model_len is not None
+            and self.max_num_batched_tokens is not None
             and self.max_num_batched_tokens < self.max_model_len
         ):
             raise ValueError(

@@ -111,7 +111,7 @@ class LLMEngine:
             )
         scheduling = SchedulerConfig(
             config.max_num_seqs,
-            config.max_num_batched_tokens,
+            self.runner.max_num_batched_tokens,
             config.enable_chunked_prefill,
             config.scheduling_policy,
             config.fair_delay_ratio,

@@ -75,7 +75,7 @@ class Settings(BaseSettings):
     kv_cache_memory: str | None = None
     memory_utilization: float = 0.9
     max_num_seqs: int = 256
-    max_num_batched_tokens: int = 2048
+    max_num_batched_tokens: int | None = None
     enable_prefix_caching: bool = True
     enable_chunked_prefill: bool = True
     max_waiting: int = 1024

@@ -43,7 +43,8 @@ HELP: dict[str, str] = {
     "kv_cache_memory": "KV pool size (512MiB, 4GiB). Default: 2GiB on CPU, profiled on CUDA.",
     "memory_utilization": "CUDA memory fraction for weights and KV.",
     "max_num_seqs": "Sequences per step.",
-    "max_num_batched_tokens": "Tokens per step (the chunked-prefill budget).",
+    "max_num_batched_tokens": "Tokens per step (the chunked-prefill budget). Default: 2048, "
+    "or 512 on a CPU without AVX-512 (shorter steps: an earlier first token there).",
     "enable_prefix_caching": "Reuse KV blocks of identical prefixes (same adapter and salt).",
     "enable_chunked_prefill": "Split long prompts across steps.",
     "max_waiting": "Queued requests before 503.",
