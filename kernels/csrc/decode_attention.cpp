@@ -106,13 +106,22 @@ void attend(const at::Tensor& query, const at::Tensor& key_cache, const at::Tens
 
   const int64_t shared_len = num_shared * block_size;
   // Each row's own blocks after the shared ones: fn(row, the block's offset in a head's
-  // cache, its first position in the row, its tokens in use).
-  auto for_each_tail_block = [&](auto&& fn) {
-    for (int64_t r = 0; r < rows; ++r)
-      for (int64_t pos = shared_len; pos < lens[r]; pos += block_size) {
-        const int64_t id = tails[r * tail_width + pos / block_size - num_shared];
-        fn(r, id * block_elems, pos, std::min(block_size, lens[r] - pos));
+  // cache, its first position in the row, its tokens in use), with the row's block `ahead`
+  // of it in `cache` (a head's keys or values) on its way into L2.
+  const int64_t ahead = std::max<int64_t>(1, kPrefetchTokens / block_size);
+  const int64_t block_bytes = block_elems * int64_t{sizeof(T)};
+  auto for_each_tail_block = [&](const T* cache, auto&& fn) {
+    for (int64_t r = 0; r < rows; ++r) {
+      const int64_t* row_tails = tails + r * tail_width;
+      const int64_t num_tail = (lens[r] - shared_len + block_size - 1) / block_size;
+      for (int64_t b = 0; b < std::min(ahead, num_tail); ++b)
+        prefetch_to_l2(cache + row_tails[b] * block_elems, block_bytes);
+      for (int64_t b = 0; b < num_tail; ++b) {
+        if (b + ahead < num_tail) prefetch_to_l2(cache + row_tails[b + ahead] * block_elems, block_bytes);
+        const int64_t pos = shared_len + b * block_size;
+        fn(r, row_tails[b] * block_elems, pos, std::min(block_size, lens[r] - pos));
       }
+    }
   };
   at::parallel_for(0, kv_heads, 1, [&](int64_t g_begin, int64_t g_end) {
     // Per (row, head) of this kv head, at index i = r * per_kv + h: scores[i * max_len + t],
@@ -153,7 +162,7 @@ void attend(const at::Tensor& query, const at::Tensor& key_cache, const at::Tens
             at::from_blob(scores.data(), {rows * per_kv, shared_len}, {max_len, 1}, options);
         at::mm_out(shared_scores, queries, shared_keys.t());
       }
-      for_each_tail_block([&](int64_t r, int64_t offset, int64_t pos, int64_t n) {
+      for_each_tail_block(K, [&](int64_t r, int64_t offset, int64_t pos, int64_t n) {
         const float* keys = as_float(K + offset, n * dim, block);
         for (int64_t h = 0; h < per_kv; ++h) {
           const float* qh = q.data() + (r * per_kv + h) * dim;
@@ -173,7 +182,7 @@ void attend(const at::Tensor& query, const at::Tensor& key_cache, const at::Tens
       } else {
         std::fill(acc.begin(), acc.end(), 0.f);
       }
-      for_each_tail_block([&](int64_t r, int64_t offset, int64_t pos, int64_t n) {
+      for_each_tail_block(V, [&](int64_t r, int64_t offset, int64_t pos, int64_t n) {
         const float* values = as_float(V + offset, n * dim, block);
         for (int64_t h = 0; h < per_kv; ++h) {
           const float* p = scores.data() + (r * per_kv + h) * max_len + pos;

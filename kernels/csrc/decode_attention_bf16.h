@@ -99,20 +99,6 @@ inline void unpermute(const __m512* acc, float* o) {
       }
 }
 
-// Blocks are read this many tokens ahead into L2. A row's blocks lie anywhere in the pool
-// (sequences that grow together interleave their blocks), so the hardware's stream
-// prefetcher sees one 2-4 KiB run at a time and the kernel waited on each block's first
-// lines from L3 or DRAM. With the keys and the values each streamed once (no row-long copy
-// of the values), two blocks of 16 ahead took 16 rows of 1,000 keys from 0.9 to 0.5 ms a
-// layer on Zen 4 (demo model's heads; into L1, or further ahead, gained less).
-constexpr int64_t kPrefetchTokens = 32;
-
-inline void prefetch_to_l2(const c10::BFloat16* p, int64_t elems) {
-  const char* bytes = reinterpret_cast<const char*>(p);
-  for (int64_t off = 0; off < elems * int64_t{sizeof(c10::BFloat16)}; off += 64)
-    _mm_prefetch(bytes + off, _MM_HINT_T1);
-}
-
 // Each task is one (kv head, row), in two streaming passes over the row's blocks: the keys
 // (scores of all its query heads into a row-long line each, then the softmax over the
 // line), then the values (interleaved in pairs sixteen keys at a time, in registers, and
@@ -145,6 +131,7 @@ void attend_bf16(const at::Tensor& query, const at::Tensor& key_cache,
   const bf16* k_base = key_cache.data_ptr<bf16>();
   const bf16* v_base = value_cache.data_ptr<bf16>();
   const int64_t ahead = std::max<int64_t>(1, kPrefetchTokens / block_size);
+  const int64_t block_bytes = block_elems * int64_t{sizeof(bf16)};
 
   at::parallel_for(0, kv_heads * rows, 1, [&](int64_t begin, int64_t end) {
     // Each thread's scratch, kept between calls (a decode step calls this once per layer):
@@ -169,9 +156,9 @@ void attend_bf16(const at::Tensor& query, const at::Tensor& key_cache,
       // block `ahead` of it on its way into L2.
       auto stream = [&](const bf16* cache, auto&& fn) {
         for (int64_t b = 0; b < std::min(ahead, num_row_blocks); ++b)
-          prefetch_to_l2(block(cache, b), block_elems);
+          prefetch_to_l2(block(cache, b), block_bytes);
         for (int64_t b = 0; b < num_row_blocks; ++b) {
-          if (b + ahead < num_row_blocks) prefetch_to_l2(block(cache, b + ahead), block_elems);
+          if (b + ahead < num_row_blocks) prefetch_to_l2(block(cache, b + ahead), block_bytes);
           fn(block(cache, b), b * block_size, std::min(block_size, len - b * block_size));
         }
       };

@@ -166,6 +166,22 @@ inline float max_of(const float* s, int64_t n) {
   return m;
 }
 
+// The cache lines of [p, p + bytes) asked into L2 (prefetcht1): KV blocks a kernel reads next.
+// A row's blocks lie anywhere in the pool (sequences that grow together interleave theirs),
+// so the hardware's stream prefetcher sees one 2-4 KiB run at a time and a kernel otherwise
+// waits on each block's first lines from L3 or DRAM.
+//
+// Decode attention asks for the block kPrefetchTokens ahead of the one it reads. With the keys
+// and the values each streamed once (no row-long copy of the values), two blocks of 16 ahead
+// took 16 rows of 1,000 bf16 keys from 0.9 to 0.5 ms a layer on Zen 4 (the demo model's
+// heads; into L1, or further ahead, gained less).
+constexpr int64_t kPrefetchTokens = 32;
+
+inline void prefetch_to_l2(const void* p, int64_t bytes) {
+  const char* c = static_cast<const char*>(p);
+  for (int64_t off = 0; off < bytes; off += 64) __builtin_prefetch(c + off, 0, 2);
+}
+
 // Scratch kept between calls: `v` holds at least n elements (grown, never shrunk or freed).
 template <typename V>
 inline void grow(V& v, size_t n) {
