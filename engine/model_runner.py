@@ -81,12 +81,11 @@ DEFAULT_STEP_TOKENS = 2048
 AVX2_STEP_TOKENS = 512
 
 
-def default_step_tokens(device: torch.device, chunked_prefill: bool, max_model_len: int) -> int:
-    """The step token budget for this device; without chunked prefill a whole prompt of
-    max_model_len tokens must fit one step."""
+def default_step_tokens(device: torch.device, must_fit: int = 0) -> int:
+    """The step token budget for this device, never below `must_fit` (without chunked
+    prefill a whole prompt of max_model_len tokens must fit one step)."""
     wide_vectors = device.type != "cpu" or "avx512f" in cpu_features.flags()
-    budget = DEFAULT_STEP_TOKENS if wide_vectors else AVX2_STEP_TOKENS
-    return budget if chunked_prefill else max(budget, max_model_len)
+    return max(DEFAULT_STEP_TOKENS if wide_vectors else AVX2_STEP_TOKENS, must_fit)
 
 
 @dataclass(slots=True)
@@ -126,7 +125,7 @@ class ModelRunner:
         self.device = resolve_device(config.device)
         self.dtype = resolve_dtype(config.dtype, hf_config, self.device)
         self.max_num_batched_tokens = config.max_num_batched_tokens or default_step_tokens(
-            self.device, config.enable_chunked_prefill, max_model_len
+            self.device, 0 if config.enable_chunked_prefill else max_model_len
         )
         if config.num_threads:
             torch.set_num_threads(config.num_threads)

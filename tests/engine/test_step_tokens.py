@@ -17,17 +17,17 @@ CPU = torch.device("cpu")
 
 def test_a_cpu_held_to_avx2_takes_shorter_steps(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv(cpu_features.ISA_ENV, "avx2")
-    assert default_step_tokens(CPU, True, 8192) == AVX2_STEP_TOKENS == 512
+    assert default_step_tokens(CPU) == AVX2_STEP_TOKENS == 512
     # Without chunked prefill a whole prompt must fit a step.
-    assert default_step_tokens(CPU, False, 8192) == 8192
-    assert default_step_tokens(CPU, False, 256) == 512
+    assert default_step_tokens(CPU, must_fit=8192) == 8192
+    assert default_step_tokens(CPU, must_fit=256) == 512
 
 
 def test_wide_vectors_and_cuda_take_the_larger_steps(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv(cpu_features.ISA_ENV, "native")
     expected = DEFAULT_STEP_TOKENS if "avx512f" in cpu_features.flags() else AVX2_STEP_TOKENS
-    assert default_step_tokens(CPU, True, 8192) == expected
-    assert default_step_tokens(torch.device("cuda"), True, 8192) == DEFAULT_STEP_TOKENS == 2048
+    assert default_step_tokens(CPU) == expected
+    assert default_step_tokens(torch.device("cuda")) == DEFAULT_STEP_TOKENS == 2048
 
 
 def test_the_engine_schedules_with_the_resolved_budget(
