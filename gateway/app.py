@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from fastapi import FastAPI
 
 from engine.frontend.client import EngineClient
-from gateway.console.headers import ConsoleHeaders
+from gateway.console.headers import PATH_HEADERS as CONSOLE_HEADERS
 from gateway.console.oauth import ConsoleOAuth
 from gateway.console.routes import install_console
 from gateway.http.body import BodySizeLimit
@@ -146,7 +146,8 @@ def build_app(
     app.state.batch_runner, app.state.batches = _batches(app, tenancy, options)
     app.state.started_at = int(time.time())
     install_error_handlers(app)
-    # The last added runs first: every request passes the error boundary, then the size limit
+    # The last added runs first: every request passes the error boundary (which also sets the
+    # console's security headers on its paths), then the size limit
     # (adapter and file uploads have limits of their own).
     app.add_middleware(
         BodySizeLimit,
@@ -156,8 +157,7 @@ def build_app(
             FILE_UPLOADS: tenancy.batch_file_max_bytes + FORM_OVERHEAD,
         },
     )
-    app.add_middleware(ConsoleHeaders)
-    app.add_middleware(ErrorBoundary)
+    app.add_middleware(ErrorBoundary, path_headers=CONSOLE_HEADERS)
     routers = [
         router,
         responses_routes.router,

@@ -1,9 +1,7 @@
-"""Security headers on every console response (pages, scripts, the session API)."""
+"""Security headers on every console response (pages, scripts, the session API), as data: the
+error boundary sets them by path prefix, so that an API request crosses no console code."""
 
 from __future__ import annotations
-
-from starlette.datastructures import MutableHeaders
-from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 CONSOLE_PREFIX = "/console"
 
@@ -32,25 +30,9 @@ HEADERS = {
 }
 
 
-class ConsoleHeaders:
-    """Adds HEADERS to the responses of paths under /console, errors included."""
-
-    def __init__(self, app: ASGIApp) -> None:
-        self.app = app
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        path = scope.get("path", "") if scope["type"] == "http" else ""
-        if path != CONSOLE_PREFIX and not path.startswith(CONSOLE_PREFIX + "/"):
-            await self.app(scope, receive, send)
-            return
-
-        async def send_with_headers(message: Message) -> None:
-            if message["type"] == "http.response.start":
-                headers = MutableHeaders(scope=message)
-                for name, value in HEADERS.items():
-                    headers[name] = value
-                if "/api/" in path:  # a session's answers are never cached
-                    headers["cache-control"] = "no-store"
-            await send(message)
-
-        await self.app(scope, receive, send_with_headers)
+# Set by the outermost middleware (gateway.http.errors.ErrorBoundary) on every response under
+# each prefix, errors included; a session's answers are never cached.
+PATH_HEADERS = {
+    CONSOLE_PREFIX: HEADERS,
+    CONSOLE_PREFIX + "/api/": {"cache-control": "no-store"},
+}

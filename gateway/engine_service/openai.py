@@ -26,7 +26,6 @@ from fastapi import FastAPI, Request
 
 from engine.lora.types import LoRARequest
 from gateway.engine_service.server import EngineService
-from gateway.http.deps import current_tenant
 from gateway.http.errors import APIError
 from gateway.metrics import Metrics
 from gateway.models.served import ServedModels
@@ -34,7 +33,7 @@ from gateway.openai.routes import router
 from gateway.openai.serving import OpenAIServing
 from gateway.tenancy.adapter_catalog import ResolvedAdapter
 from gateway.tenancy.admission import Admission
-from gateway.tenancy.auth import RequestTenant
+from gateway.tenancy.auth import RequestTenant, current_tenant
 from gateway.tenancy.ratelimit.local import LocalLimiter
 from tenants.ledger import UsageRecord
 

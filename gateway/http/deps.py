@@ -1,9 +1,10 @@
-"""The routes' dependencies, as `Annotated` aliases: `TenantDep` (the tenant a /v1 request
-runs as) and `AdminDep` (a verified admin token's claims: from the Authorization header, or from the
-console's cookie).
+"""The routes' dependencies, as `Annotated` aliases: `AdminDep` (a verified admin token's
+claims: from the Authorization header, or from the console's cookie), the tenancy, the served
+models, and an app's optional services. The tenant a /v1 request runs as is
+gateway.tenancy.auth's `TenantDep`, beside the authentication it runs.
 
-Both read the bearer token themselves (gateway.tenancy.auth, gateway.tenancy.admin_auth); FastAPI's
-HTTPBearer is here only so that the OpenAPI schema names the two security schemes.
+The admin token is read by gateway.tenancy.admin_auth itself; FastAPI's HTTPBearer is here only
+so that the OpenAPI schema names the security scheme.
 """
 
 from __future__ import annotations
@@ -17,14 +18,10 @@ from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 from gateway.console.session import cookie_authorization
 from gateway.http.errors import APIError
 from gateway.models.served import ServedModels
-from gateway.tenancy.auth import RequestTenant
 from gateway.tenancy.state import Tenancy
 
 T = TypeVar("T")
 
-tenant_key = HTTPBearer(
-    auto_error=False, scheme_name="TenantKey", description="A tenant's API key (lg-...)."
-)
 admin_token = HTTPBearer(
     auto_error=False,
     scheme_name="AdminToken",
@@ -55,15 +52,6 @@ def app_service(kind: type[T], attr: str, api: str) -> Callable[[Request], T]:
     return get
 
 
-async def current_tenant(
-    request: Request, _: Annotated[HTTPAuthorizationCredentials | None, Security(tenant_key)]
-) -> RequestTenant:
-    tenancy = get_tenancy(request)
-    if tenancy.no_auth_tenant is not None:
-        return tenancy.no_auth_tenant
-    return await tenancy.auth.authenticate(request.headers.get("authorization"))
-
-
 def require_admin(
     request: Request, _: Annotated[HTTPAuthorizationCredentials | None, Security(admin_token)]
 ) -> dict[str, Any]:
@@ -74,7 +62,6 @@ def require_admin(
     return tenancy.admin.verify(authorization)
 
 
-TenantDep = Annotated[RequestTenant, Depends(current_tenant)]
 AdminDep = Annotated[dict[str, Any], Depends(require_admin)]
 TenancyDep = Annotated[Tenancy, Depends(get_tenancy)]
 ModelsDep = Annotated[ServedModels, Depends(get_models)]

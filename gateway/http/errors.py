@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 import uuid
+from collections.abc import Mapping
 from typing import Any
 
 from fastapi import FastAPI, Request
@@ -164,10 +165,18 @@ def _count_rejection(scope: Scope, status: int) -> None:
 class ErrorBoundary:
     """Outermost middleware. Gives each request an id (its `x-request-id` header); turns an
     exception that no handler took into an OpenAI-shaped 500 naming that id (logged with
-    its traceback), so the client gets JSON and its keep-alive connection stays usable."""
+    its traceback), so the client gets JSON and its keep-alive connection stays usable.
 
-    def __init__(self, app: ASGIApp) -> None:
+    `path_headers` maps a path prefix to headers every response under it carries, errors
+    included (the console's security headers): set here, where every response already
+    passes, rather than by one more middleware that each API request would cross."""
+
+    def __init__(
+        self, app: ASGIApp, path_headers: Mapping[str, Mapping[str, str]] | None = None
+    ) -> None:
         self.app = app
+        # Shortest prefix first: a more specific prefix's headers are set after, and win.
+        self.path_headers = sorted((path_headers or {}).items(), key=lambda kv: len(kv[0]))
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
@@ -175,13 +184,18 @@ class ErrorBoundary:
             return
         request_id = f"req_{uuid.uuid4().hex}"
         scope.setdefault("state", {})["request_id"] = request_id
+        path = scope["path"]
+        added = [h for prefix, h in self.path_headers if _under(path, prefix)]
         started = ended = False
 
         async def send_with_id(message: Message) -> None:
             nonlocal started, ended
             if message["type"] == "http.response.start":
                 started = True
-                MutableHeaders(scope=message).append(REQUEST_ID_HEADER, request_id)
+                headers = MutableHeaders(scope=message)
+                headers.append(REQUEST_ID_HEADER, request_id)
+                for each in added:
+                    headers.update(each)
                 _count_rejection(scope, message["status"])
             elif message["type"] == "http.response.body" and not message.get("more_body"):
                 ended = True
@@ -191,8 +205,7 @@ class ErrorBoundary:
             await self.app(scope, receive, send_with_id)
         except StarletteHTTPException as exc:  # raised by a middleware (BodySizeLimit)
             if not started:
-                err = _http_error(exc)
-                await self._respond(err, request_id, scope, receive, send)
+                await _respond(_http_error(exc), scope, receive, send_with_id)
         except Exception:  # noqa: BLE001 - the last resort: logged, answered in JSON
             logger.exception("request %s failed", request_id)
             if started:  # a response under way can only be ended
@@ -201,12 +214,14 @@ class ErrorBoundary:
                 return
             message = f"internal server error (request id {request_id})"
             err = APIError(500, message, type="internal_error")
-            await self._respond(err, request_id, scope, receive, send)
+            await _respond(err, scope, receive, send_with_id)
 
-    @staticmethod
-    async def _respond(
-        err: APIError, request_id: str, scope: Scope, receive: Receive, send: Send
-    ) -> None:
-        headers = {REQUEST_ID_HEADER: request_id} | (err.headers or {})
-        _count_rejection(scope, err.status)
-        await JSONResponse(err.body(), err.status, headers=headers)(scope, receive, send)
+
+async def _respond(err: APIError, scope: Scope, receive: Receive, send: Send) -> None:
+    await JSONResponse(err.body(), err.status, headers=err.headers)(scope, receive, send)
+
+
+def _under(path: str, prefix: str) -> bool:
+    return path.startswith(prefix) and (
+        len(path) == len(prefix) or prefix.endswith("/") or path[len(prefix)] == "/"
+    )

@@ -11,12 +11,13 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from pydantic import BaseModel
 
 from gateway.http.body import StrictJSONRoute
-from gateway.http.deps import TenantDep, get_tenancy
+from gateway.http.deps import get_tenancy
 from gateway.http.error_schemas import ADMIN_ERRORS, OPENAI_ERRORS
 from gateway.openai.chat import ChatServing
 from gateway.openai.completions import CompletionServing
 from gateway.openai.protocol import ChatCompletionRequest, CompletionRequest
 from gateway.openai.serving import OpenAIServing
+from gateway.tenancy.auth import TenantDep
 
 router = APIRouter(
     prefix="/v1", tags=["openai"], route_class=StrictJSONRoute, responses=OPENAI_ERRORS

@@ -30,10 +30,11 @@ from fastapi import APIRouter, Query, Request, Response
 from pydantic import BaseModel, Field
 
 from gateway.http.body import StrictJSONRoute
-from gateway.http.deps import AdminDep, TenancyDep, TenantDep
+from gateway.http.deps import AdminDep, TenancyDep
 from gateway.http.error_schemas import ADMIN_ERRORS, OPENAI_ERRORS, error_response
 from gateway.http.errors import APIError
 from gateway.http.iso_time import Instant
+from gateway.tenancy.auth import TenantDep
 from gateway.tenancy.state import Tenancy
 from tenants.usage import (
     BUCKET_LIMITS,

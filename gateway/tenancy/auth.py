@@ -10,6 +10,7 @@ another replica wrote in the last minute. Writes only move it forward.
 
 The tenant travels from here as a value, `RequestTenant`: the engine sees only its cache salt
 (derived here, never taken from the client), its id as the fairness key and its weight.
+`TenantDep` is the /v1 routes' dependency that resolves it.
 """
 
 from __future__ import annotations
@@ -22,6 +23,10 @@ import time
 from collections import OrderedDict
 from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
+from typing import Annotated, Protocol
+
+from fastapi import Depends, Request, Security
+from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 
 from gateway.http.errors import APIError
 from gateway.tenancy.ratelimit import TenantLimits
@@ -179,3 +184,32 @@ class TenantAuth:
                 await touch_keys(session, key_ids=[key_id], when=when)
         except Exception:  # noqa: BLE001 - bookkeeping must never fail a request
             logger.warning("could not record the use of key %s", key_id, exc_info=True)
+
+
+# Here only so that the OpenAPI schema names the security scheme: the key is read from the
+# header by TenantAuth itself.
+tenant_key = HTTPBearer(
+    auto_error=False, scheme_name="TenantKey", description="A tenant's API key (lg-...)."
+)
+
+
+class _Tenants(Protocol):
+    """What the dependency reads of the app's tenancy (gateway.tenancy.state.Tenancy)."""
+
+    @property
+    def no_auth_tenant(self) -> RequestTenant | None: ...
+
+    @property
+    def auth(self) -> TenantAuth: ...
+
+
+async def current_tenant(
+    request: Request, _: Annotated[HTTPAuthorizationCredentials | None, Security(tenant_key)]
+) -> RequestTenant:
+    tenancy: _Tenants = request.app.state.tenancy
+    if tenancy.no_auth_tenant is not None:
+        return tenancy.no_auth_tenant
+    return await tenancy.auth.authenticate(request.headers.get("authorization"))
+
+
+TenantDep = Annotated[RequestTenant, Depends(current_tenant)]

@@ -7,11 +7,12 @@ from typing import Annotated, Any
 from fastapi import APIRouter, Depends, Path, Query
 
 from gateway.http.body import StrictJSONRoute
-from gateway.http.deps import TenantDep, app_service
+from gateway.http.deps import app_service
 from gateway.http.error_schemas import OPENAI_ERRORS, error_response
 from gateway.openai.batches.protocol import MAX_ID_CHARS, BatchCreate, BatchList, BatchObject
 from gateway.openai.batches.serving import BatchesServing
 from gateway.openai.files.protocol import InvalidFileBody
+from gateway.tenancy.auth import TenantDep
 
 _ERRORS = OPENAI_ERRORS | {
     404: error_response(

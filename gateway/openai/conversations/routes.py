@@ -7,7 +7,7 @@ from typing import Annotated, Any, Literal
 from fastapi import APIRouter, Depends, Path, Query
 
 from gateway.http.body import StrictJSONRoute
-from gateway.http.deps import TenantDep, app_service
+from gateway.http.deps import app_service
 from gateway.http.error_schemas import OPENAI_ERRORS, error_response
 from gateway.openai.conversations.protocol import (
     ConversationCreate,
@@ -19,6 +19,7 @@ from gateway.openai.conversations.protocol import (
 )
 from gateway.openai.conversations.serving import ConversationsServing
 from gateway.openai.responses.items import MAX_ID_CHARS
+from gateway.tenancy.auth import TenantDep
 
 _ERRORS = OPENAI_ERRORS | {
     404: error_response(

@@ -8,7 +8,7 @@ from fastapi import APIRouter, Depends, Path, Query, Request
 from fastapi.responses import Response
 
 from gateway.http.body import StrictJSONRoute
-from gateway.http.deps import TenantDep, app_service
+from gateway.http.deps import app_service
 from gateway.http.error_schemas import OPENAI_ERRORS, error_response
 from gateway.openai.batch_lines import MAX_REPORTED
 from gateway.openai.files.protocol import (
@@ -19,6 +19,7 @@ from gateway.openai.files.protocol import (
     InvalidFileBody,
 )
 from gateway.openai.files.serving import FilesServing
+from gateway.tenancy.auth import TenantDep
 from tenants.files import MAX_PAGE
 
 MAX_FILE_ID_CHARS = 64  # the files table's

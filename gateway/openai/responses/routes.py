@@ -8,13 +8,14 @@ from fastapi import APIRouter, Depends, Path, Query, Request
 from fastapi.responses import Response
 
 from gateway.http.body import StrictJSONRoute
-from gateway.http.deps import TenantDep, app_service
+from gateway.http.deps import app_service
 from gateway.http.error_schemas import OPENAI_ERRORS
 from gateway.openai.responses.compaction import Compactor, CompactRequest
 from gateway.openai.responses.items import MAX_ID_CHARS
 from gateway.openai.responses.protocol import InputTokensRequest, ResponsesRequest
 from gateway.openai.responses.serving import ResponsesServing
 from gateway.openai.routes import hung_up
+from gateway.tenancy.auth import TenantDep
 
 router = APIRouter(
     prefix="/v1/responses", tags=["responses"], route_class=StrictJSONRoute, responses=OPENAI_ERRORS
