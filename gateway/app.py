@@ -14,8 +14,8 @@ from engine.frontend.client import EngineClient
 from gateway.console.headers import PATH_HEADERS as CONSOLE_HEADERS
 from gateway.console.oauth import ConsoleOAuth
 from gateway.console.routes import install_console
-from gateway.http.body import BodySizeLimit
-from gateway.http.errors import ErrorBoundary, install_error_handlers
+from gateway.http.edge import Edge
+from gateway.http.errors import install_error_handlers
 from gateway.http.request_limits import RequestLimits
 from gateway.metrics import Metrics
 from gateway.models.served import ServedModels
@@ -146,18 +146,17 @@ def build_app(
     app.state.batch_runner, app.state.batches = _batches(app, tenancy, options)
     app.state.started_at = int(time.time())
     install_error_handlers(app)
-    # The last added runs first: every request passes the error boundary (which also sets the
-    # console's security headers on its paths), then the size limit
-    # (adapter and file uploads have limits of their own).
+    # The one middleware: request ids, body bounds (adapter and file uploads have their own),
+    # the console's security headers on its paths, and JSON 500s for whatever escapes.
     app.add_middleware(
-        BodySizeLimit,
-        max_bytes=options.max_body_bytes,
-        overrides={
+        Edge,
+        max_body_bytes=options.max_body_bytes,
+        body_limits={
             ADAPTER_UPLOADS: tenancy.max_adapter_bytes,
             FILE_UPLOADS: tenancy.batch_file_max_bytes + FORM_OVERHEAD,
         },
+        path_headers=CONSOLE_HEADERS,
     )
-    app.add_middleware(ErrorBoundary, path_headers=CONSOLE_HEADERS)
     routers = [
         router,
         responses_routes.router,

@@ -30,7 +30,7 @@ HEADERS = {
 }
 
 
-# Set by the outermost middleware (gateway.http.errors.ErrorBoundary) on every response under
+# Set by the outermost middleware (gateway.http.edge.Edge) on every response under
 # each prefix, errors included; a session's answers are never cached.
 PATH_HEADERS = {
     CONSOLE_PREFIX: HEADERS,

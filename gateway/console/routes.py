@@ -21,8 +21,8 @@ from gateway.console.session import (
     session_token,
     set_session,
 )
-from gateway.http.body import StrictJSONRoute
 from gateway.http.deps import TenancyDep
+from gateway.http.edge import StrictJSONRoute
 from gateway.http.error_schemas import ADMIN_ERRORS
 from gateway.http.errors import APIError
 

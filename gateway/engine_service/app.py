@@ -8,8 +8,8 @@ from fastapi.responses import JSONResponse
 
 from gateway.engine_service.openai import add_openai_routes
 from gateway.engine_service.server import EngineService, Unauthorized, router, unauthorized
-from gateway.http.body import BodySizeLimit
-from gateway.http.errors import ErrorBoundary, install_error_handlers
+from gateway.http.edge import Edge
+from gateway.http.errors import install_error_handlers
 from gateway.http.request_limits import RequestLimits
 from gateway.metrics import Metrics
 from gateway.models.served import ServedModels
@@ -23,8 +23,7 @@ def build_engine_app(service: EngineService, max_body_bytes: int = 4 << 20) -> F
     app.include_router(router)
     add_openai_routes(app, service, metrics)
     install_error_handlers(app)
-    app.add_middleware(BodySizeLimit, max_bytes=max_body_bytes, overrides={})
-    app.add_middleware(ErrorBoundary)
+    app.add_middleware(Edge, max_body_bytes=max_body_bytes)
     app.state.routes = list(app.routes)  # what a 405's Allow header lists (gateway.http.errors)
 
     @app.exception_handler(Unauthorized)

@@ -1,30 +1,23 @@
 """Errors in OpenAI's shape, {"error": {"message", "type", "param", "code"}}, with their status.
 
 Every answer the gateway gives is in this shape: APIError and the framework's own errors
-through handlers, and anything else that escapes a request through `ErrorBoundary`, which
-also gives every request an id (`x-request-id`) to find it in the log by.
+through handlers, and anything else that escapes a request through the edge's middleware
+(gateway.http.edge), which also gives every request an id (`x-request-id`) to find it in the
+log by.
 """
 
 from __future__ import annotations
 
-import logging
-import uuid
-from collections.abc import Mapping
 from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
-from starlette.datastructures import MutableHeaders
 from starlette.exceptions import HTTPException as StarletteHTTPException
-from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from engine.errors import EngineDead, EngineOverloaded, RequestRefused, StepFailed
 
-logger = logging.getLogger(__name__)
-
 RETRY_AFTER_SECONDS = 1
-REQUEST_ID_HEADER = "x-request-id"
 
 
 class APIError(Exception):
@@ -85,7 +78,7 @@ def api_error(exc: Exception, param: str | None = None) -> APIError | None:
     return None
 
 
-def _http_error(exc: StarletteHTTPException) -> APIError:
+def http_error(exc: StarletteHTTPException) -> APIError:
     kind = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
     headers = dict(exc.headers) if exc.headers else None
     return APIError(exc.status_code, str(exc.detail), type=kind, headers=headers)
@@ -109,8 +102,8 @@ def install_error_handlers(app: FastAPI) -> None:
         return _response(APIError(400, message, param=param))
 
     @app.exception_handler(StarletteHTTPException)
-    async def on_http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
-        err = _http_error(exc)
+    async def onhttp_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+        err = http_error(exc)
         if exc.status_code == 405:
             # Starlette names only the first route's methods; RFC 9110 wants every one the
             # path allows.
@@ -151,77 +144,3 @@ def validation_param(loc: tuple[int | str, ...] | list[int | str]) -> str | None
 
 _LOCATIONS = {"body", "query", "path", "header"}  # where FastAPI found the value, not its name
 _TYPE_TAGS = {"str", "int", "float", "bool", "list", "dict", "none"}
-
-
-def _count_rejection(scope: Scope, status: int) -> None:
-    """A /v1 request refused before the engine (400, 401, 403, 404, 413, 429, ...) writes no
-    usage row; it is counted here instead."""
-    if 400 <= status < 500 and scope.get("path", "").startswith("/v1/"):
-        metrics = getattr(scope["app"].state, "metrics", None)
-        if metrics is not None:
-            metrics.tenants.rejected.labels(status=str(status)).inc()
-
-
-class ErrorBoundary:
-    """Outermost middleware. Gives each request an id (its `x-request-id` header); turns an
-    exception that no handler took into an OpenAI-shaped 500 naming that id (logged with
-    its traceback), so the client gets JSON and its keep-alive connection stays usable.
-
-    `path_headers` maps a path prefix to headers every response under it carries, errors
-    included (the console's security headers): set here, where every response already
-    passes, rather than by one more middleware that each API request would cross."""
-
-    def __init__(
-        self, app: ASGIApp, path_headers: Mapping[str, Mapping[str, str]] | None = None
-    ) -> None:
-        self.app = app
-        # Shortest prefix first: a more specific prefix's headers are set after, and win.
-        self.path_headers = sorted((path_headers or {}).items(), key=lambda kv: len(kv[0]))
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http":
-            await self.app(scope, receive, send)
-            return
-        request_id = f"req_{uuid.uuid4().hex}"
-        scope.setdefault("state", {})["request_id"] = request_id
-        path = scope["path"]
-        added = [h for prefix, h in self.path_headers if _under(path, prefix)]
-        started = ended = False
-
-        async def send_with_id(message: Message) -> None:
-            nonlocal started, ended
-            if message["type"] == "http.response.start":
-                started = True
-                headers = MutableHeaders(scope=message)
-                headers.append(REQUEST_ID_HEADER, request_id)
-                for each in added:
-                    headers.update(each)
-                _count_rejection(scope, message["status"])
-            elif message["type"] == "http.response.body" and not message.get("more_body"):
-                ended = True
-            await send(message)
-
-        try:
-            await self.app(scope, receive, send_with_id)
-        except StarletteHTTPException as exc:  # raised by a middleware (BodySizeLimit)
-            if not started:
-                await _respond(_http_error(exc), scope, receive, send_with_id)
-        except Exception:  # noqa: BLE001 - the last resort: logged, answered in JSON
-            logger.exception("request %s failed", request_id)
-            if started:  # a response under way can only be ended
-                if not ended:
-                    await send({"type": "http.response.body", "body": b"", "more_body": False})
-                return
-            message = f"internal server error (request id {request_id})"
-            err = APIError(500, message, type="internal_error")
-            await _respond(err, scope, receive, send_with_id)
-
-
-async def _respond(err: APIError, scope: Scope, receive: Receive, send: Send) -> None:
-    await JSONResponse(err.body(), err.status, headers=err.headers)(scope, receive, send)
-
-
-def _under(path: str, prefix: str) -> bool:
-    return path.startswith(prefix) and (
-        len(path) == len(prefix) or prefix.endswith("/") or path[len(prefix)] == "/"
-    )

@@ -1,7 +1,8 @@
-"""/v1/chat/completions over the shared core (gateway.openai.serving): the messages through the
-model's chat template (with tools, their calls' grammar, when the request has any), and the
-answer in chat's form (`ChatForm`): messages, role and content deltas, tool calls, and log
-probabilities as `content` entries. The Responses API starts its chats here too."""
+"""The /v1/chat/completions route and its endpoint over the shared core (gateway.openai.serving):
+the messages through the model's chat template (with tools, their calls' grammar, when the
+request has any), and the answer in chat's form (`ChatForm`): messages, role and content deltas,
+tool calls, and log probabilities as `content` entries. The Responses API starts its chats here
+too."""
 
 from __future__ import annotations
 
@@ -11,10 +12,12 @@ import json
 import uuid
 from typing import Any, cast
 
+from fastapi import APIRouter, Request
 from fastapi.responses import Response
 
 from engine.outputs import SequenceUpdate
 from engine.request import GuidedSpec, SamplingParams
+from gateway.http.edge import StrictJSONRoute
 from gateway.http.errors import APIError
 from gateway.http.request_limits import INVALID_VALUE
 from gateway.models.served import ServedModel
@@ -22,16 +25,19 @@ from gateway.openai.answer import Answer, Choice, violation_body
 from gateway.openai.json_response import Disconnected
 from gateway.openai.protocol import ChatCompletionRequest, ChatMessage, FieldError
 from gateway.openai.serving import (
+    GENERATION_RESPONSES,
     Generation,
     OpenAIServing,
+    ServingDep,
     check_bounds,
     compile_grammar,
+    hung_up,
     sampling_params,
 )
 from gateway.openai.tools.calls import ToolPlan, tool_plan
 from gateway.openai.tools.parsers import FORMATS, ToolFormat
 from gateway.openai.tools.prompt import Rendered, render_messages
-from gateway.tenancy.auth import RequestTenant
+from gateway.tenancy.auth import RequestTenant, TenantDep
 
 
 class ChatForm:
@@ -191,6 +197,17 @@ class ChatServing:
             return tool_plan(body, None if fmt is None else fmt.name)
         except FieldError as exc:
             raise APIError(400, str(exc), param=exc.param, code=INVALID_VALUE) from exc
+
+
+# Included under /v1 by gateway.openai.routes.
+router = APIRouter(route_class=StrictJSONRoute)
+
+
+@router.post("/chat/completions", response_model=None, responses=GENERATION_RESPONSES)
+async def chat_completions(
+    body: ChatCompletionRequest, serving: ServingDep, tenant: TenantDep, request: Request
+) -> Response:
+    return await ChatServing(serving).create(body, tenant, hung_up(request))
 
 
 def _render(

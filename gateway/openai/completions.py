@@ -1,7 +1,7 @@
-"""/v1/completions over the shared core (gateway.openai.serving): a prompt (or several, as text
-or token ids) tokenized off the event loop, and the answer in completions' form
-(`CompletionForm`): `text_completion` choices and chunks, log probabilities as parallel
-lists."""
+"""The /v1/completions route and its endpoint over the shared core (gateway.openai.serving): a
+prompt (or several, as text or token ids) tokenized off the event loop, and the answer in
+completions' form (`CompletionForm`): `text_completion` choices and chunks, log probabilities as
+parallel lists."""
 
 from __future__ import annotations
 
@@ -9,16 +9,26 @@ import asyncio
 import uuid
 from typing import Any, cast
 
+from fastapi import APIRouter, Request
 from fastapi.responses import Response
 
 from engine.outputs import SequenceUpdate
+from gateway.http.edge import StrictJSONRoute
 from gateway.http.errors import APIError
 from gateway.http.request_limits import EMPTY_PROMPT
 from gateway.openai.answer import Choice, violation_body
 from gateway.openai.json_response import Disconnected
 from gateway.openai.protocol import CompletionRequest
-from gateway.openai.serving import Generation, OpenAIServing, check_bounds, sampling_params
-from gateway.tenancy.auth import RequestTenant
+from gateway.openai.serving import (
+    GENERATION_RESPONSES,
+    Generation,
+    OpenAIServing,
+    ServingDep,
+    check_bounds,
+    hung_up,
+    sampling_params,
+)
+from gateway.tenancy.auth import RequestTenant, TenantDep
 
 
 class CompletionForm:
@@ -116,6 +126,17 @@ class CompletionServing:
             routing_key=body.prompt_cache_key,
             priority=body.priority,
         )
+
+
+# Included under /v1 by gateway.openai.routes.
+router = APIRouter(route_class=StrictJSONRoute)
+
+
+@router.post("/completions", response_model=None, responses=GENERATION_RESPONSES)
+async def completions(
+    body: CompletionRequest, serving: ServingDep, tenant: TenantDep, request: Request
+) -> Response:
+    return await CompletionServing(serving).create(body, tenant, hung_up(request))
 
 
 def _prompts(prompt: Any) -> list[str | list[int]]:

@@ -10,7 +10,7 @@ Every field is bounded here, so that no request can ask the engine for what it
 cannot represent or afford (docs/failure-isolation.md, "Request bounds"). Bounds that depend on the
 model or the server's settings (the vocabulary, `--max-n`, `--max-prompt-chars`,
 the context length) are checked by gateway.openai.serving; JSON itself (non-finite
-numbers, nesting, lone surrogates) by gateway.http.body.
+numbers, nesting, lone surrogates) by gateway.http.edge.
 """
 
 from __future__ import annotations
@@ -59,7 +59,7 @@ _PROMPTS = Field(min_length=1, max_length=MAX_PROMPTS)
 
 
 class _Body(BaseModel):
-    # Non-finite floats are refused by the JSON parser too (gateway.http.body); this holds the
+    # Non-finite floats are refused by the JSON parser too (gateway.http.edge); this holds the
     # line for bodies built in Python.
     model_config = ConfigDict(extra="ignore", allow_inf_nan=False)
 

@@ -1,69 +1,29 @@
-"""OpenAI routes: /v1/completions, /v1/chat/completions, /v1/models."""
+"""The OpenAI routes under /v1: the endpoints' own (gateway.openai.completions, .chat) gathered,
+and /v1/models; /health and /metrics beside them."""
 
 from __future__ import annotations
 
-from collections.abc import Awaitable, Callable
-from typing import Annotated, Any, Literal
+from typing import Any, Literal
 
-from fastapi import APIRouter, Depends, Request
+from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from pydantic import BaseModel
 
-from gateway.http.body import StrictJSONRoute
 from gateway.http.deps import get_tenancy
+from gateway.http.edge import StrictJSONRoute
 from gateway.http.error_schemas import ADMIN_ERRORS, OPENAI_ERRORS
-from gateway.openai.chat import ChatServing
-from gateway.openai.completions import CompletionServing
-from gateway.openai.protocol import ChatCompletionRequest, CompletionRequest
-from gateway.openai.serving import OpenAIServing
+from gateway.openai import chat, completions
+from gateway.openai.serving import ServingDep
 from gateway.tenancy.auth import TenantDep
 
 router = APIRouter(
     prefix="/v1", tags=["openai"], route_class=StrictJSONRoute, responses=OPENAI_ERRORS
 )
 
-# A completion is one JSON body, or server-sent events with `"stream": true`.
-_GENERATION: dict[int | str, dict[str, Any]] = {
-    200: {
-        "description": "The completion, or its chunks as server-sent events.",
-        "content": {"application/json": {}, "text/event-stream": {"schema": {"type": "string"}}},
-    }
-}
-
-
-def get_serving(request: Request) -> OpenAIServing:
-    """The app's serving core; each request's endpoint is built over it."""
-    serving: OpenAIServing = request.app.state.serving
-    return serving
-
-
-ServingDep = Annotated[OpenAIServing, Depends(get_serving)]
-
-
-def hung_up(request: Request) -> Callable[[], Awaitable[None]]:
-    """A wait that ends when the client disconnects (the body is read by then, so the next
-    ASGI message is the disconnect)."""
-
-    async def wait() -> None:
-        while (await request.receive())["type"] != "http.disconnect":
-            pass
-
-    return wait
-
-
-@router.post("/completions", response_model=None, responses=_GENERATION)
-async def completions(
-    body: CompletionRequest, serving: ServingDep, tenant: TenantDep, request: Request
-) -> Response:
-    return await CompletionServing(serving).create(body, tenant, hung_up(request))
-
-
-@router.post("/chat/completions", response_model=None, responses=_GENERATION)
-async def chat_completions(
-    body: ChatCompletionRequest, serving: ServingDep, tenant: TenantDep, request: Request
-) -> Response:
-    return await ChatServing(serving).create(body, tenant, hung_up(request))
+# Each endpoint holds its route; the order here is the OpenAPI document's.
+router.include_router(completions.router)
+router.include_router(chat.router)
 
 
 @router.get("/models")

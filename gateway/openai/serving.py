@@ -14,7 +14,9 @@ from __future__ import annotations
 import logging
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
+from typing import Annotated, Any
 
+from fastapi import Depends, Request
 from fastapi.responses import JSONResponse, Response
 
 from engine.errors import ContextLengthExceeded, GuidedSpecError, RequestRefused
@@ -273,3 +275,35 @@ def _refusal(exc: ValueError, g: Generation) -> APIError:
     error = api_error(exc, param)
     assert error is not None  # ENGINE_ERRORS has a row for every RequestRefused
     return error
+
+
+# What the endpoints' routes share (each endpoint holds its own route: gateway.openai.routes
+# gathers them under /v1).
+
+# A completion is one JSON body, or server-sent events with `"stream": true`.
+GENERATION_RESPONSES: dict[int | str, dict[str, Any]] = {
+    200: {
+        "description": "The completion, or its chunks as server-sent events.",
+        "content": {"application/json": {}, "text/event-stream": {"schema": {"type": "string"}}},
+    }
+}
+
+
+def get_serving(request: Request) -> OpenAIServing:
+    """The app's serving core; each request's endpoint is built over it."""
+    serving: OpenAIServing = request.app.state.serving
+    return serving
+
+
+ServingDep = Annotated[OpenAIServing, Depends(get_serving)]
+
+
+def hung_up(request: Request) -> Callable[[], Awaitable[None]]:
+    """A wait that ends when the client disconnects (the body is read by then, so the next
+    ASGI message is the disconnect)."""
+
+    async def wait() -> None:
+        while (await request.receive())["type"] != "http.disconnect":
+            pass
+
+    return wait

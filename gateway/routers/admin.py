@@ -13,8 +13,8 @@ from typing import Annotated, Any, Literal
 from fastapi import APIRouter, Query, Response
 from pydantic import AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field
 
-from gateway.http.body import StrictJSONRoute
 from gateway.http.deps import AdminDep, TenancyDep
+from gateway.http.edge import StrictJSONRoute
 from gateway.http.error_schemas import ADMIN_ERRORS, error_response, not_found
 from gateway.http.errors import APIError
 from gateway.http.iso_time import Instant

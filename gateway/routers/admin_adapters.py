@@ -24,8 +24,8 @@ from starlette.datastructures import UploadFile
 
 from adapters.peft import WEIGHTS_FILE
 from adapters.peft_config import CONFIG_FILE, AdapterError
-from gateway.http.body import StrictJSONRoute
 from gateway.http.deps import AdminDep, ModelsDep, TenancyDep
+from gateway.http.edge import StrictJSONRoute
 from gateway.http.error_schemas import ADMIN_ERRORS, error_response, not_found
 from gateway.http.errors import APIError
 from gateway.models.served import ServedModels

@@ -15,8 +15,8 @@ from typing import Annotated, Any, Literal
 from fastapi import APIRouter, Path, Query, Request, Response
 from pydantic import BaseModel, Field
 
-from gateway.http.body import StrictJSONRoute
 from gateway.http.deps import AdminDep, TenancyDep
+from gateway.http.edge import StrictJSONRoute
 from gateway.http.error_schemas import ADMIN_ERRORS, error_response
 from gateway.http.errors import APIError
 from gateway.openai.batches.protocol import MAX_ID_CHARS, BatchObject, batch_object

@@ -8,8 +8,8 @@ from typing import Any, Literal
 from fastapi import APIRouter
 from pydantic import BaseModel, Field
 
-from gateway.http.body import StrictJSONRoute
 from gateway.http.deps import AdminDep, ModelsDep, TenancyDep
+from gateway.http.edge import StrictJSONRoute
 from gateway.http.error_schemas import ADMIN_ERRORS
 from gateway.models.states import EngineState, ModelStatus, Routing, model_statuses
 from gateway.tenancy.state import Tenancy

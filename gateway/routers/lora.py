@@ -17,8 +17,8 @@ from fastapi.responses import PlainTextResponse
 from pydantic import BaseModel, Field
 
 from adapters.peft_config import AdapterError
-from gateway.http.body import StrictJSONRoute
 from gateway.http.deps import AdminDep, TenancyDep
+from gateway.http.edge import StrictJSONRoute
 from gateway.http.error_schemas import ADMIN_ERRORS, error_response
 from gateway.http.errors import APIError
 from gateway.routers.admin_adapters import BASE_MODEL_DOC, MAX_MODEL_NAME, AdapterName

@@ -7,8 +7,8 @@ from typing import Annotated, Any, Literal
 from fastapi import APIRouter, Depends, Path, Query, Request
 from fastapi.responses import Response
 
-from gateway.http.body import StrictJSONRoute
 from gateway.http.deps import app_service
+from gateway.http.edge import StrictJSONRoute
 from gateway.http.error_schemas import OPENAI_ERRORS, error_response
 from gateway.openai.batch_lines import MAX_REPORTED
 from gateway.openai.files.protocol import (

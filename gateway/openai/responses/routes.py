@@ -7,14 +7,14 @@ from typing import Annotated, Any, Literal
 from fastapi import APIRouter, Depends, Path, Query, Request
 from fastapi.responses import Response
 
-from gateway.http.body import StrictJSONRoute
 from gateway.http.deps import app_service
+from gateway.http.edge import StrictJSONRoute
 from gateway.http.error_schemas import OPENAI_ERRORS
 from gateway.openai.responses.compaction import Compactor, CompactRequest
 from gateway.openai.responses.items import MAX_ID_CHARS
 from gateway.openai.responses.protocol import InputTokensRequest, ResponsesRequest
 from gateway.openai.responses.serving import ResponsesServing
-from gateway.openai.routes import hung_up
+from gateway.openai.serving import hung_up
 from gateway.tenancy.auth import TenantDep
 
 router = APIRouter(
