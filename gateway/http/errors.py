@@ -102,7 +102,7 @@ def install_error_handlers(app: FastAPI) -> None:
         return _response(APIError(400, message, param=param))
 
     @app.exception_handler(StarletteHTTPException)
-    async def onhttp_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+    async def on_http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
         err = http_error(exc)
         if exc.status_code == 405:
             # Starlette names only the first route's methods; RFC 9110 wants every one the

@@ -12,12 +12,11 @@ import json
 import uuid
 from typing import Any, cast
 
-from fastapi import APIRouter, Request
+from fastapi import Request
 from fastapi.responses import Response
 
 from engine.outputs import SequenceUpdate
 from engine.request import GuidedSpec, SamplingParams
-from gateway.http.edge import StrictJSONRoute
 from gateway.http.errors import APIError
 from gateway.http.request_limits import INVALID_VALUE
 from gateway.models.served import ServedModel
@@ -25,7 +24,6 @@ from gateway.openai.answer import Answer, Choice, violation_body
 from gateway.openai.json_response import Disconnected
 from gateway.openai.protocol import ChatCompletionRequest, ChatMessage, FieldError
 from gateway.openai.serving import (
-    GENERATION_RESPONSES,
     Generation,
     OpenAIServing,
     ServingDep,
@@ -199,11 +197,7 @@ class ChatServing:
             raise APIError(400, str(exc), param=exc.param, code=INVALID_VALUE) from exc
 
 
-# Included under /v1 by gateway.openai.routes.
-router = APIRouter(route_class=StrictJSONRoute)
-
-
-@router.post("/chat/completions", response_model=None, responses=GENERATION_RESPONSES)
+# The route's handler (gateway.openai.routes registers it under /v1).
 async def chat_completions(
     body: ChatCompletionRequest, serving: ServingDep, tenant: TenantDep, request: Request
 ) -> Response:

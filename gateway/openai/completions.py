@@ -9,18 +9,16 @@ import asyncio
 import uuid
 from typing import Any, cast
 
-from fastapi import APIRouter, Request
+from fastapi import Request
 from fastapi.responses import Response
 
 from engine.outputs import SequenceUpdate
-from gateway.http.edge import StrictJSONRoute
 from gateway.http.errors import APIError
 from gateway.http.request_limits import EMPTY_PROMPT
 from gateway.openai.answer import Choice, violation_body
 from gateway.openai.json_response import Disconnected
 from gateway.openai.protocol import CompletionRequest
 from gateway.openai.serving import (
-    GENERATION_RESPONSES,
     Generation,
     OpenAIServing,
     ServingDep,
@@ -128,11 +126,7 @@ class CompletionServing:
         )
 
 
-# Included under /v1 by gateway.openai.routes.
-router = APIRouter(route_class=StrictJSONRoute)
-
-
-@router.post("/completions", response_model=None, responses=GENERATION_RESPONSES)
+# The route's handler (gateway.openai.routes registers it under /v1).
 async def completions(
     body: CompletionRequest, serving: ServingDep, tenant: TenantDep, request: Request
 ) -> Response:

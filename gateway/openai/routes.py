@@ -1,5 +1,5 @@
-"""The OpenAI routes under /v1: the endpoints' own (gateway.openai.completions, .chat) gathered,
-and /v1/models; /health and /metrics beside them."""
+"""The OpenAI routes under /v1: the endpoints' handlers (gateway.openai.completions, .chat)
+registered, and /v1/models; /health and /metrics beside them."""
 
 from __future__ import annotations
 
@@ -14,16 +14,21 @@ from gateway.http.deps import get_tenancy
 from gateway.http.edge import StrictJSONRoute
 from gateway.http.error_schemas import ADMIN_ERRORS, OPENAI_ERRORS
 from gateway.openai import chat, completions
-from gateway.openai.serving import ServingDep
+from gateway.openai.serving import GENERATION_RESPONSES, ServingDep
 from gateway.tenancy.auth import TenantDep
 
 router = APIRouter(
     prefix="/v1", tags=["openai"], route_class=StrictJSONRoute, responses=OPENAI_ERRORS
 )
 
-# Each endpoint holds its route; the order here is the OpenAPI document's.
-router.include_router(completions.router)
-router.include_router(chat.router)
+# Each endpoint holds its route's handler; the order here is the OpenAPI document's.
+for path, handler in (
+    ("/completions", completions.completions),
+    ("/chat/completions", chat.chat_completions),
+):
+    router.add_api_route(
+        path, handler, methods=["POST"], response_model=None, responses=GENERATION_RESPONSES
+    )
 
 
 @router.get("/models")
