@@ -24,13 +24,12 @@ from typing import Any
 
 import pydantic_core
 from fastapi import Request, Response
-from fastapi.responses import JSONResponse
 from fastapi.routing import APIRoute
 from starlette.datastructures import MutableHeaders
 from starlette.exceptions import HTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from gateway.http.errors import APIError, http_error
+from gateway.http.errors import APIError, error_response, http_error
 
 logger = logging.getLogger(__name__)
 
@@ -133,7 +132,7 @@ class Edge:
             await self.app(scope, bounded_receive, send_with_id)
         except HTTPException as exc:  # the body's bound, before any route took the request
             if not started:
-                await _respond(http_error(exc), scope, receive, send_with_id)
+                await error_response(http_error(exc))(scope, receive, send_with_id)
         except Exception:  # noqa: BLE001 - the last resort: logged, answered in JSON
             logger.exception("request %s failed", request_id)
             if started:  # a response under way can only be ended
@@ -142,11 +141,7 @@ class Edge:
                 return
             message = f"internal server error (request id {request_id})"
             err = APIError(500, message, type="internal_error")
-            await _respond(err, scope, receive, send_with_id)
-
-
-async def _respond(err: APIError, scope: Scope, receive: Receive, send: Send) -> None:
-    await JSONResponse(err.body(), err.status, headers=err.headers)(scope, receive, send)
+            await error_response(err)(scope, receive, send_with_id)
 
 
 def _content_length(scope: Scope) -> int | None:

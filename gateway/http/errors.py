@@ -84,14 +84,14 @@ def http_error(exc: StarletteHTTPException) -> APIError:
     return APIError(exc.status_code, str(exc.detail), type=kind, headers=headers)
 
 
-def _response(err: APIError) -> JSONResponse:
+def error_response(err: APIError) -> JSONResponse:
     return JSONResponse(err.body(), err.status, headers=err.headers)
 
 
 def install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(APIError)
     async def on_api_error(_: Request, exc: APIError) -> JSONResponse:
-        return _response(exc)
+        return error_response(exc)
 
     @app.exception_handler(RequestValidationError)
     async def on_validation_error(_: Request, exc: RequestValidationError) -> JSONResponse:
@@ -99,7 +99,7 @@ def install_error_handlers(app: FastAPI) -> None:
         first = exc.errors()[0] if exc.errors() else {}
         param = validation_param(first.get("loc", ()))
         message = f"{param}: {first.get('msg', 'invalid value')}" if param else "invalid request"
-        return _response(APIError(400, message, param=param))
+        return error_response(APIError(400, message, param=param))
 
     @app.exception_handler(StarletteHTTPException)
     async def on_http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
@@ -108,12 +108,12 @@ def install_error_handlers(app: FastAPI) -> None:
             # Starlette names only the first route's methods; RFC 9110 wants every one the
             # path allows.
             err.headers = (err.headers or {}) | {"Allow": ", ".join(_allowed(request))}
-        return _response(err)
+        return error_response(err)
 
     async def on_engine_error(_: Request, exc: Exception) -> JSONResponse:
         err = api_error(exc)
         assert err is not None
-        return _response(err)
+        return error_response(err)
 
     for kind in (EngineOverloaded, EngineDead, RuntimeError):
         app.add_exception_handler(kind, on_engine_error)

@@ -14,12 +14,20 @@ from gateway.http.deps import get_tenancy
 from gateway.http.edge import StrictJSONRoute
 from gateway.http.error_schemas import ADMIN_ERRORS, OPENAI_ERRORS
 from gateway.openai import chat, completions
-from gateway.openai.serving import GENERATION_RESPONSES, ServingDep
+from gateway.openai.serving import ServingDep
 from gateway.tenancy.auth import TenantDep
 
 router = APIRouter(
     prefix="/v1", tags=["openai"], route_class=StrictJSONRoute, responses=OPENAI_ERRORS
 )
+
+# A completion is one JSON body, or server-sent events with `"stream": true`.
+_GENERATION: dict[int | str, dict[str, Any]] = {
+    200: {
+        "description": "The completion, or its chunks as server-sent events.",
+        "content": {"application/json": {}, "text/event-stream": {"schema": {"type": "string"}}},
+    }
+}
 
 # Each endpoint holds its route's handler; the order here is the OpenAPI document's.
 for path, handler in (
@@ -27,7 +35,7 @@ for path, handler in (
     ("/chat/completions", chat.chat_completions),
 ):
     router.add_api_route(
-        path, handler, methods=["POST"], response_model=None, responses=GENERATION_RESPONSES
+        path, handler, methods=["POST"], response_model=None, responses=_GENERATION
     )
 
 

@@ -14,7 +14,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
-from typing import Annotated, Any
+from typing import Annotated
 
 from fastapi import Depends, Request
 from fastapi.responses import JSONResponse, Response
@@ -277,16 +277,7 @@ def _refusal(exc: ValueError, g: Generation) -> APIError:
     return error
 
 
-# What the endpoints' routes share (each endpoint holds its own route: gateway.openai.routes
-# gathers them under /v1).
-
-# A completion is one JSON body, or server-sent events with `"stream": true`.
-GENERATION_RESPONSES: dict[int | str, dict[str, Any]] = {
-    200: {
-        "description": "The completion, or its chunks as server-sent events.",
-        "content": {"application/json": {}, "text/event-stream": {"schema": {"type": "string"}}},
-    }
-}
+# What the endpoints' route handlers share (gateway.openai.routes registers them under /v1).
 
 
 def get_serving(request: Request) -> OpenAIServing:

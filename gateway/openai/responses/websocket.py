@@ -26,9 +26,8 @@ from typing import Any
 import pydantic
 import pydantic_core
 from fastapi import APIRouter, WebSocket, WebSocketDisconnect
-from fastapi.responses import JSONResponse
 
-from gateway.http.errors import APIError, error_body, validation_param
+from gateway.http.errors import APIError, error_body, error_response, validation_param
 from gateway.http.request_limits import INVALID_VALUE
 from gateway.openai.responses.protocol import ResponsesRequest
 from gateway.openai.responses.serving import ResponsesServing, Turn
@@ -176,8 +175,7 @@ async def _refuse(socket: WebSocket, exc: APIError) -> None:
     """Refuse the upgrade with the HTTP status and body `POST` would answer; a server
     without the ASGI denial-response extension gets the error event and a policy close."""
     if "websocket.http.response" in socket.scope.get("extensions", {}):
-        response = JSONResponse(exc.body(), exc.status, headers=exc.headers)
-        await socket.send_denial_response(response)
+        await socket.send_denial_response(error_response(exc))
         return
     await socket.accept()
     await socket.send_json(socket_error(exc))
