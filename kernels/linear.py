@@ -1,26 +1,34 @@
-"""Linear layers whose weights oneDNN has reordered for the CPU's GEMM kernels, once at load.
+"""Linear layers whose weights are reordered once, at load, for the CPU's GEMM kernels.
 
-A decode step multiplies a few rows by every weight matrix, which is bound by reading the
-weights: oneDNN's blocked layout streams them faster than MKL reading the plain row-major
-matrix each time (16 rows x the demo model's 16 projections: 1.3 vs 2.2 ms; prefills
-gain about 20 %). The products differ from `F.linear`'s in the last bits (another
-summation order), as two BLAS libraries' do.
+A decode step multiplies a few rows by every weight matrix. Two layouts, chosen once per
+process and dtype (`packer`):
 
-float32 everywhere; bfloat16 where the CPU has bf16 dot products (oneDNN then runs its
-AVX-512 BF16 or AMX kernels, accumulating in float32); `prepack` leaves anything else alone.
+- `PanelLinear` (float32 on processors whose widest vectors are 256 bits, AVX2 with FMA): the
+  weight in panels of 16 output columns and our register-blocked GEMM (kernels/csrc/
+  panel_linear.cpp). On a Zen 3 without AVX-512 a decode step's projections run 1.3-1.9x
+  faster than oneDNN's prepacked kernels, prompt chunks 1.1-1.3x (issue 43).
+- `OneDNNLinear` (float32 elsewhere, and bfloat16 where the CPU has bf16 dot products): oneDNN's
+  blocked layout, which streams the weights faster than MKL reading the plain row-major matrix
+  each time (16 rows x the demo model's 16 projections: 1.3 vs 2.2 ms on Zen 4; prefills gain
+  about 20 %); oneDNN runs its AVX-512, AVX-512 BF16 or AMX kernels, accumulating in float32.
+
+Either's products differ from `F.linear`'s in the last bits (another summation order), as
+two BLAS libraries' do. `prepack` leaves other dtypes alone.
 """
 
 from __future__ import annotations
 
 import ctypes
+from typing import Any, ClassVar
 
 import torch
 from torch import nn
 
-from kernels import cpu_features
+from kernels import cpu_features, native
 
 # The row count oneDNN tunes the layout for; any count works (decode batches are around it).
 BATCH_HINT = 16
+PANEL = 16  # output columns a panel holds (kernels/csrc/panel_linear.cpp's kPanel)
 
 
 def available() -> bool:
@@ -42,21 +50,54 @@ def packable_dtypes() -> tuple[torch.dtype, ...]:
 
 
 class PrepackedLinear(nn.Module):
-    """`nn.Linear` (CPU, float32 or bfloat16) over a oneDNN-reordered copy of its weight."""
+    """`nn.Linear` (CPU) over a copy of its weight reordered for one GEMM kernel. `packed`: the
+    weight in that layout; `keep`: what holds its bytes where it does not own them (a mapped
+    file, engine/checkpoints/weights_cache.py)."""
+
+    layout: ClassVar[str]
 
     def __init__(
-        self, packed: torch.Tensor, bias: torch.Tensor | None, keep: torch.Tensor | None = None
+        self,
+        packed: torch.Tensor,
+        bias: torch.Tensor | None,
+        shape: tuple[int, int],
+        keep: torch.Tensor | None = None,
     ) -> None:
-        """`packed`: the weight in oneDNN's layout; `keep`: what holds its bytes where it does
-        not own them (a mapped file, engine/checkpoints/weights_cache.py)."""
         super().__init__()
-        self.out_features, self.in_features = packed.shape
+        self.out_features, self.in_features = shape
         self.packed, self.bias, self.keep = packed, bias, keep
 
     @classmethod
     def reorder(cls, linear: nn.Linear) -> PrepackedLinear:
+        raise NotImplementedError
+
+    def to_bytes(self) -> tuple[memoryview, torch.Tensor | None]:
+        """The reordered weight's bytes, read in place, and what else `from_bytes` needs to
+        rebuild it over them (a layout descriptor, or None)."""
+        raise NotImplementedError
+
+    @classmethod
+    def from_bytes(
+        cls,
+        data: torch.Tensor,
+        shape: tuple[int, int],
+        dtype: torch.dtype,
+        descriptor: torch.Tensor | None,
+    ) -> torch.Tensor:
+        """The reordered weight over `data` (uint8, no copy; the caller keeps it alive)."""
+        raise NotImplementedError
+
+
+class OneDNNLinear(PrepackedLinear):
+    """Over oneDNN's blocked layout (float32, or bfloat16 with bf16 dot products)."""
+
+    layout = "onednn"
+
+    @classmethod
+    def reorder(cls, linear: nn.Linear) -> OneDNNLinear:
         packed = torch.ops.mkldnn._reorder_linear_weight(linear.weight.detach(), BATCH_HINT)
-        return cls(packed, None if linear.bias is None else linear.bias.detach())
+        bias = None if linear.bias is None else linear.bias.detach()
+        return cls(packed, bias, (linear.out_features, linear.in_features))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         out: torch.Tensor = torch.ops.mkldnn._linear_pointwise(
@@ -64,37 +105,87 @@ class PrepackedLinear(nn.Module):
         )
         return out
 
+    def to_bytes(self) -> tuple[memoryview, torch.Tensor | None]:
+        size = torch.ops.mkldnn._nbytes(self.packed)
+        address = torch.ops.mkldnn.data_ptr(self.packed)
+        data = memoryview((ctypes.c_uint8 * size).from_address(address)).cast("B")
+        return data, torch.ops.mkldnn._get_mkldnn_serialized_md(self.packed)
+
+    @classmethod
+    def from_bytes(
+        cls,
+        data: torch.Tensor,
+        shape: tuple[int, int],
+        dtype: torch.dtype,
+        descriptor: torch.Tensor | None,
+    ) -> torch.Tensor:
+        if descriptor is None:
+            raise ValueError("a oneDNN weight needs its layout descriptor")
+        weight: torch.Tensor = torch.ops.loragate.packed_weight_from_bytes(
+            data, list(shape), dtype, descriptor
+        )
+        return weight
+
+
+class PanelLinear(PrepackedLinear):
+    """Over panels of 16 output columns, k-major: [ceil(out / 16), in, 16] (float32)."""
+
+    layout = "panels"
+
+    @classmethod
+    def reorder(cls, linear: nn.Linear) -> PanelLinear:
+        packed = torch.ops.loragate.pack_panels(linear.weight.detach())
+        bias = None if linear.bias is None else linear.bias.detach()
+        return cls(packed, bias, (linear.out_features, linear.in_features))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out: torch.Tensor = torch.ops.loragate.panel_linear(
+            x, self.packed, self.bias, self.out_features
+        )
+        return out
+
+    def to_bytes(self) -> tuple[memoryview, torch.Tensor | None]:
+        flat: Any = self.packed.detach().reshape(-1).view(torch.uint8).numpy()
+        return memoryview(flat), None
+
+    @classmethod
+    def from_bytes(
+        cls,
+        data: torch.Tensor,
+        shape: tuple[int, int],
+        dtype: torch.dtype,
+        descriptor: torch.Tensor | None,
+    ) -> torch.Tensor:
+        out_features, in_features = shape
+        panels = -(-out_features // PANEL)
+        if dtype != torch.float32 or data.numel() != panels * in_features * PANEL * 4:
+            raise ValueError(f"{data.numel()} bytes are not float32 panels of {shape}")
+        return data.view(torch.float32).view(panels, in_features, PANEL)
+
+
+LAYOUTS: dict[str, type[PrepackedLinear]] = {cls.layout: cls for cls in (OneDNNLinear, PanelLinear)}
+
+
+def packer(dtype: torch.dtype) -> type[PrepackedLinear] | None:
+    """The layout this process reorders `dtype` weights into, or None to leave them as they are:
+    panels for float32 where the C++ kernels are built for 256-bit vectors with FMA, oneDNN for
+    every dtype it runs natively otherwise."""
+    if dtype == torch.float32 and native.load() and torch.ops.loragate.panel_linear_preferred():
+        return PanelLinear
+    return OneDNNLinear if available() and dtype in packable_dtypes() else None
+
 
 def prepack(module: nn.Module) -> int:
-    """Replace every CPU `nn.Linear` under `module` whose dtype oneDNN runs natively by a
-    PrepackedLinear; returns how many. The plain weights are dropped unless something else
+    """Replace every CPU `nn.Linear` under `module` whose dtype has a layout here (`packer`) by
+    its PrepackedLinear; returns how many. The plain weights are dropped unless something else
     holds them (tied embeddings)."""
-    dtypes = packable_dtypes()
     count = 0
     for name, child in list(module.named_children()):
         if isinstance(child, nn.Linear):
-            if child.weight.dtype in dtypes and child.weight.device.type == "cpu":
-                setattr(module, name, PrepackedLinear.reorder(child))
+            cls = packer(child.weight.dtype) if child.weight.device.type == "cpu" else None
+            if cls is not None:
+                setattr(module, name, cls.reorder(child))
                 count += 1
         else:
             count += prepack(child)
     return count
-
-
-def packed_bytes(packed: torch.Tensor) -> tuple[memoryview, torch.Tensor]:
-    """A reordered weight's bytes (oneDNN's blocked layout, read in place) and the serialized
-    descriptor that `from_packed_bytes` rebuilds it from."""
-    size = torch.ops.mkldnn._nbytes(packed)
-    address = torch.ops.mkldnn.data_ptr(packed)
-    data = memoryview((ctypes.c_uint8 * size).from_address(address)).cast("B")
-    return data, torch.ops.mkldnn._get_mkldnn_serialized_md(packed)
-
-
-def from_packed_bytes(
-    data: torch.Tensor, shape: list[int], dtype: torch.dtype, descriptor: torch.Tensor
-) -> torch.Tensor:
-    """The reordered weight over `data` (uint8, no copy; the caller keeps it alive)."""
-    weight: torch.Tensor = torch.ops.loragate.packed_weight_from_bytes(
-        data, shape, dtype, descriptor
-    )
-    return weight

@@ -38,6 +38,7 @@ SOURCES = [
     _CSRC / "int8_gemm.cpp",
     _CSRC / "layer_ops.cpp",
     _CSRC / "packed_weight.cpp",
+    _CSRC / "panel_linear.cpp",
 ]
 HEADERS = [_CSRC / "simd.h", _CSRC / "decode_attention_bf16.h", _CSRC / "lora_avx512.h"]
 OPS = (
@@ -52,6 +53,8 @@ OPS = (
     "rotary_",
     "write_kv",
     "packed_weight_from_bytes",
+    "pack_panels",
+    "panel_linear",
 )
 # The model dtypes every op takes (computing in float32 either way).
 DTYPES = (torch.float32, torch.bfloat16)

@@ -1,11 +1,12 @@
 """The weights as the engine runs them, written once per checkpoint and mapped afterwards.
 
 A load from the checkpoint converts every tensor to the compute dtype, fuses q/k/v and
-gate/up into fresh memory, then reorders each linear into oneDNN's blocked layout in more
-fresh memory: SmolLM2 on Zen 4 spends 0.36 s of a 0.48 s cold start there, all of it CPU,
-and four models starting at once on two cores queue behind each other's copies. The first
-load writes the result to one file; later loads map that file and rebuild each reordered
-weight over its bytes (kernels/csrc/packed_weight.cpp): no copy, no conversion, and engines
+gate/up into fresh memory, then reorders each linear into its GEMM kernel's layout (oneDNN's
+blocked one, or kernels/linear.py's panels) in more fresh memory: SmolLM2 on Zen 4 spends
+0.36 s of a 0.48 s cold start there, all of it CPU, and four models starting at once on two
+cores queue behind each other's copies. The first load writes the result to one file; later
+loads map that file and rebuild each reordered weight over its bytes (a view for panels,
+kernels/csrc/packed_weight.cpp for oneDNN's): no copy, no conversion, and engines
 of the same checkpoint (replicas, a restart, the next cold start) share its pages in the
 page cache instead of holding a copy each. ServerlessLLM loads from a loading-optimized
 checkpoint format for the same reason.
@@ -13,11 +14,11 @@ checkpoint format for the same reason.
 The file: 8 bytes of little-endian header length, a JSON header (the fingerprint and one
 entry per tensor), then the tensors at 64-byte aligned offsets. The fingerprint covers
 what the bytes depend on: the checkpoint's files (size and modification time), the dtype,
-whether weights are reordered, torch's version (oneDNN's layouts) and the CPU's flags (the
-layout oneDNN picks for them). A file that does not match, or does not parse, is a miss: the
-engine loads from the checkpoint and writes the file again. A directory that cannot be
-written is a warning, never a failed start. The mapping is private and writable, so a
-write to a weight (none is expected) would copy a page, not change the file.
+whether weights are reordered and into which layout, torch's version (oneDNN's layouts) and
+the CPU's flags (the layout oneDNN picks for them). A file that does not match, or does not
+parse, is a miss: the engine loads from the checkpoint and writes the file again. A directory
+that cannot be written is a warning, never a failed start. The mapping is private and
+writable, so a write to a weight (none is expected) would copy a page, not change the file.
 """
 
 from __future__ import annotations
@@ -45,7 +46,7 @@ from kernels import cpu_features, linear
 
 logger = logging.getLogger(__name__)
 
-FORMAT = 1
+FORMAT = 2  # 2: each reordered entry names its layout
 ALIGN = 64  # a cache line: oneDNN's AVX-512 loads of a weight start on one
 MAX_HEADER_BYTES = 64 << 20
 _DTYPE_NAMES = {dtype: name for name, dtype in DTYPES.items()}
@@ -73,6 +74,11 @@ def _aligned(offset: int) -> int:
     return -(-offset // ALIGN) * ALIGN
 
 
+def _layout(dtype: torch.dtype) -> str | None:
+    packer = linear.packer(dtype)
+    return None if packer is None else packer.layout
+
+
 def fingerprint(model_dir: Path, dtype: torch.dtype, reordered: bool) -> str:
     files = []
     for file in [*safetensors_files(model_dir), model_dir / "config.json"]:
@@ -84,6 +90,7 @@ def fingerprint(model_dir: Path, dtype: torch.dtype, reordered: bool) -> str:
         "files": files,
         "dtype": str(dtype),
         "reordered": reordered,
+        "layout": _layout(dtype) if reordered else None,
         "batch_hint": linear.BATCH_HINT,
         "torch": torch.__version__,
         "machine": platform.machine(),
@@ -149,6 +156,8 @@ class WeightsCache:
                 "offset": offset,
                 "nbytes": len(weight.data),
             }
+            if weight.layout is not None:
+                entry["layout"] = weight.layout
             if weight.descriptor is not None:
                 entry["descriptor"] = weight.descriptor.numpy().tobytes().hex()
             entries.append(entry)
@@ -203,11 +212,12 @@ class WeightsCache:
 
 class _Weight(NamedTuple):
     name: str
-    kind: str  # reordered (a oneDNN weight), bias (a reordered linear's), parameter
+    kind: str  # reordered (a PrepackedLinear's weight), bias (a reordered linear's), parameter
     data: memoryview
-    shape: list[int]
+    shape: list[int]  # a reordered weight's: [out_features, in_features]
     dtype: torch.dtype
-    descriptor: torch.Tensor | None = None  # a reordered weight's layout
+    layout: str | None = None  # a reordered weight's (kernels.linear.LAYOUTS)
+    descriptor: torch.Tensor | None = None  # and what its layout needs to rebuild it
 
 
 def _weights(model: nn.Module) -> Iterator[_Weight]:
@@ -215,9 +225,10 @@ def _weights(model: nn.Module) -> Iterator[_Weight]:
     remaining parameter."""
     for name, module in model.named_modules():
         if isinstance(module, linear.PrepackedLinear):
-            packed = module.packed
-            data, descriptor = linear.packed_bytes(packed)
-            yield _Weight(name, "reordered", data, list(packed.shape), packed.dtype, descriptor)
+            data, descriptor = module.to_bytes()
+            shape = [module.out_features, module.in_features]
+            dtype = module.packed.dtype
+            yield _Weight(name, "reordered", data, shape, dtype, module.layout, descriptor)
             if module.bias is not None:
                 bias = module.bias
                 yield _Weight(name, "bias", _plain_bytes(bias), list(bias.shape), bias.dtype)
@@ -268,9 +279,15 @@ def _place(model: nn.Module, data: torch.Tensor, entries: list[dict[str, Any]]) 
             raise ValueError(f"{entry['name']}: no linear of shape {shape} to place")
         if (module.bias is None) != (entry["name"] not in biases):
             raise ValueError(f"{entry['name']}: the file and the model disagree on a bias")
-        descriptor = torch.tensor(list(bytes.fromhex(entry["descriptor"])), dtype=torch.uint8)
-        packed = linear.from_packed_bytes(view(entry), shape, DTYPES[entry["dtype"]], descriptor)
-        replacement = linear.PrepackedLinear(packed, biases.get(entry["name"]), keep=data)
+        layout = linear.LAYOUTS.get(entry.get("layout", ""))
+        if layout is None:
+            raise ValueError(f"{entry['name']}: no layout {entry.get('layout')!r} here")
+        descriptor = None
+        if "descriptor" in entry:
+            descriptor = torch.tensor(list(bytes.fromhex(entry["descriptor"])), dtype=torch.uint8)
+        sizes = (int(shape[0]), int(shape[1]))
+        packed = layout.from_bytes(view(entry), sizes, DTYPES[entry["dtype"]], descriptor)
+        replacement = layout(packed, biases.get(entry["name"]), sizes, keep=data)
         replacements.append((entry["name"], replacement))
     replaced = {name for name, _ in replacements}
     params = {
