@@ -33,6 +33,7 @@ BENCHMARKS: dict[str, tuple[str, str]] = {
     "quantization": ("bench.quantization", "int8 vs float32 and the compute dtype: quality, W1"),
     "agreement": ("bench.agreement", "greedy agreement with transformers in bfloat16"),
     "kernels": ("bench.kernels", "the triton kernels on a GPU (--toy: the CPU interpreter)"),
+    "linears": ("bench.linears", "float32 GEMMs per shape: our panels, oneDNN and F.linear"),
     "fairness": ("bench.fairness", "a tenant flooding at 10x another's rate; weighted shares"),
     "coldstart": ("bench.coldstart", "a model's engine from nothing to its first token, by phase"),
     "routing": ("bench.routing", "affinity routing against round-robin over two engines"),
