@@ -163,7 +163,34 @@ class PanelLinear(PrepackedLinear):
         return data.view(torch.float32).view(panels, in_features, PANEL)
 
 
-LAYOUTS: dict[str, type[PrepackedLinear]] = {cls.layout: cls for cls in (OneDNNLinear, PanelLinear)}
+class GateUpPanelLinear(PanelLinear):
+    """An MLP's fused gate/up projection ([gate | up], a multiple of 16 outputs, no bias) over
+    panels of eight gate and eight up columns of the same units: `forward` gives [gate | up] (a
+    LoRA adds to it before the activation), `silu_mul` gives silu(gate) * up in the same pass."""
+
+    layout = "gate_up_panels"
+
+    @classmethod
+    def reorder(cls, linear: nn.Linear) -> PanelLinear:
+        if linear.bias is not None or linear.out_features % (2 * 8):
+            return PanelLinear.reorder(linear)
+        packed = torch.ops.loragate.pack_gate_up_panels(linear.weight.detach())
+        return cls(packed, None, (linear.out_features, linear.in_features))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out: torch.Tensor = torch.ops.loragate.gate_up_panel_linear(x, self.packed)
+        return out
+
+    def silu_mul(self, x: torch.Tensor) -> torch.Tensor:
+        out: torch.Tensor = torch.ops.loragate.silu_mul_panel_linear(x, self.packed)
+        return out
+
+
+LAYOUTS: dict[str, type[PrepackedLinear]] = {
+    cls.layout: cls for cls in (OneDNNLinear, PanelLinear, GateUpPanelLinear)
+}
+# Fused gate/up projections by their name in engine/models (packed as gate/up panels).
+GATE_UP_NAMES = frozenset({"gate_up_proj"})
 
 
 def packer(dtype: torch.dtype) -> type[PrepackedLinear] | None:
@@ -177,12 +204,14 @@ def packer(dtype: torch.dtype) -> type[PrepackedLinear] | None:
 
 def prepack(module: nn.Module) -> int:
     """Replace every CPU `nn.Linear` under `module` whose dtype has a layout here (`packer`) by
-    its PrepackedLinear; returns how many. The plain weights are dropped unless something else
-    holds them (tied embeddings)."""
+    its PrepackedLinear (a fused gate/up projection in panels by GateUpPanelLinear); returns how
+    many. The plain weights are dropped unless something else holds them (tied embeddings)."""
     count = 0
     for name, child in list(module.named_children()):
         if isinstance(child, nn.Linear):
             cls = packer(child.weight.dtype) if child.weight.device.type == "cpu" else None
+            if cls is PanelLinear and name in GATE_UP_NAMES:
+                cls = GateUpPanelLinear
             if cls is not None:
                 setattr(module, name, cls.reorder(child))
                 count += 1

@@ -55,6 +55,9 @@ OPS = (
     "packed_weight_from_bytes",
     "pack_panels",
     "panel_linear",
+    "pack_gate_up_panels",
+    "gate_up_panel_linear",
+    "silu_mul_panel_linear",
 )
 # The model dtypes every op takes (computing in float32 either way).
 DTYPES = (torch.float32, torch.bfloat16)

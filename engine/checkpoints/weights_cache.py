@@ -91,6 +91,7 @@ def fingerprint(model_dir: Path, dtype: torch.dtype, reordered: bool) -> str:
         "dtype": str(dtype),
         "reordered": reordered,
         "layout": _layout(dtype) if reordered else None,
+        "layouts": sorted(linear.LAYOUTS),  # a layout added since (gate/up panels) rewrites
         "batch_hint": linear.BATCH_HINT,
         "torch": torch.__version__,
         "machine": platform.machine(),

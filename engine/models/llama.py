@@ -27,6 +27,7 @@ from engine.checkpoints.checkpoint_map import safetensors_files
 from engine.lora.types import DOWN, GATE_UP, O_PROJ, QKV
 from kernels.attention import AttentionPlan
 from kernels.backend import Kernels, LoRAStep, Rope
+from kernels.linear import GateUpPanelLinear
 from kernels.quant import Int8Linear
 
 SUPPORTED_ARCHITECTURES = {"LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM"}
@@ -161,6 +162,11 @@ class MLP(nn.Module):
         self.act: Callable[[torch.Tensor], torch.Tensor] = F.silu if act == "silu" else ACT2FN[act]
 
     def forward(self, x: torch.Tensor, lora: LoRAStep | None) -> torch.Tensor:
+        if lora is None and self.act is F.silu and isinstance(self.gate_up_proj, GateUpPanelLinear):
+            # silu(gate) * up as the gate/up panels are multiplied (kernels/linear.py); a LoRA
+            # adds to gate and up before the activation, so LoRA steps take the path below.
+            fused: torch.Tensor = self.down_proj(self.gate_up_proj.silu_mul(x))
+            return fused
         gate_up = self.gate_up_proj(x)
         if lora is not None:
             lora.apply(self.layer, GATE_UP, x, gate_up)

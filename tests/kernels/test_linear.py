@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from kernels import linear, native
@@ -80,6 +81,37 @@ def test_panels_round_trip_through_bytes() -> None:
         linear.PanelLinear.from_bytes(raw[:-4], (20, 40), torch.float32, None)
 
 
+@needs_kernels
+@pytest.mark.parametrize("rows", [0, 1, 6, 7, 16, 131])
+@pytest.mark.parametrize(("inputs", "units"), [(256, 512), (33, 24), (40, 8)])
+def test_gate_up_panels_give_gate_up_and_its_activation(rows: int, inputs: int, units: int) -> None:
+    """[gate | up] in order, for a LoRA to add to, and silu(gate) * up in one pass, each
+    against nn.Linear and torch's silu."""
+    torch.manual_seed(rows + units)
+    plain = nn.Linear(inputs, 2 * units, bias=False)
+    packed = linear.GateUpPanelLinear.reorder(plain)
+    assert isinstance(packed, linear.GateUpPanelLinear)
+    x = torch.randn(rows, inputs)
+    with torch.inference_mode():
+        expected = plain(x)
+        torch.testing.assert_close(packed(x), expected, rtol=1e-5, atol=1e-5)
+        gate, up = expected.split(units, dim=-1)
+        silu_mul = packed.silu_mul(x)
+        assert silu_mul.shape == (rows, units)
+        torch.testing.assert_close(silu_mul, F.silu(gate) * up, rtol=1e-5, atol=1e-5)
+
+
+@needs_kernels
+def test_gate_up_panels_fall_back_to_panels_where_they_cannot_pair() -> None:
+    """A bias, or outputs not two multiples of eight: plain panels, [gate | up] all the same."""
+    for plain in (nn.Linear(16, 32, bias=True), nn.Linear(16, 20, bias=False)):
+        packed = linear.GateUpPanelLinear.reorder(plain)
+        assert type(packed) is linear.PanelLinear
+        x = torch.randn(3, 16)
+        with torch.inference_mode():
+            torch.testing.assert_close(packed(x), plain(x), rtol=1e-5, atol=1e-5)
+
+
 @needs_onednn
 @pytest.mark.skipif(not linear.native_bf16(), reason="no bf16 dot products on this CPU")
 @pytest.mark.parametrize("rows", [1, 16, 300])
@@ -136,3 +168,15 @@ def test_prepack_swaps_native_linears_and_keeps_tied_weights() -> None:
         assert isinstance(model["fp16"], nn.Linear)
         assert model["embed"].weight.shape == (50, 16)
         torch.testing.assert_close(model["head"](model["block"](x)), expected)
+
+
+@needs_kernels
+def test_prepack_packs_a_fused_gate_up_projection_as_gate_up_panels() -> None:
+    mlp = nn.ModuleDict(
+        {"gate_up_proj": nn.Linear(16, 64, bias=False), "down_proj": nn.Linear(32, 16)}
+    )
+    assert linear.prepack(mlp) == 2
+    panels = linear.packer(torch.float32) is linear.PanelLinear
+    gate_up = linear.GateUpPanelLinear if panels else linear.OneDNNLinear
+    assert type(mlp["gate_up_proj"]) is gate_up
+    assert type(mlp["down_proj"]) is (linear.PanelLinear if panels else linear.OneDNNLinear)
