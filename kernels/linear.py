@@ -6,7 +6,8 @@ process and dtype (`packer`):
 - `PanelLinear` (float32 on processors whose widest vectors are 256 bits, AVX2 with FMA): the
   weight in panels of 16 output columns and our register-blocked GEMM (kernels/csrc/
   panel_linear.cpp). On a Zen 3 without AVX-512 a decode step's projections run 1.3-1.9x
-  faster than oneDNN's prepacked kernels, prompt chunks 1.1-1.3x (issue 43).
+  faster than oneDNN's prepacked kernels, prompt chunks 1.1-1.3x (issue 43). A fused gate/up
+  projection packs as `GateUpPanelLinear`, whose silu(gate) * up comes out of the GEMM's pass.
 - `OneDNNLinear` (float32 elsewhere, and bfloat16 where the CPU has bf16 dot products): oneDNN's
   blocked layout, which streams the weights faster than MKL reading the plain row-major matrix
   each time (16 rows x the demo model's 16 projections: 1.3 vs 2.2 ms on Zen 4; prefills gain
