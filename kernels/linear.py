@@ -19,6 +19,7 @@ two BLAS libraries' do. `prepack` leaves other dtypes alone.
 
 from __future__ import annotations
 
+import abc
 import ctypes
 from typing import Any, ClassVar
 
@@ -50,10 +51,11 @@ def packable_dtypes() -> tuple[torch.dtype, ...]:
     return (torch.float32, torch.bfloat16) if native_bf16() else (torch.float32,)
 
 
-class PrepackedLinear(nn.Module):
+class PrepackedLinear(nn.Module, abc.ABC):
     """`nn.Linear` (CPU) over a copy of its weight reordered for one GEMM kernel. `packed`: the
     weight in that layout; `keep`: what holds its bytes where it does not own them (a mapped
-    file, engine/checkpoints/weights_cache.py)."""
+    file, engine/checkpoints/weights_cache.py). A layout says how to pack a weight, how to hand
+    its bytes out and how to rebuild it over them."""
 
     layout: ClassVar[str]
 
@@ -70,14 +72,23 @@ class PrepackedLinear(nn.Module):
 
     @classmethod
     def reorder(cls, linear: nn.Linear) -> PrepackedLinear:
-        raise NotImplementedError
+        bias = None if linear.bias is None else linear.bias.detach()
+        return cls(
+            cls.pack(linear.weight.detach()), bias, (linear.out_features, linear.in_features)
+        )
 
+    @staticmethod
+    @abc.abstractmethod
+    def pack(weight: torch.Tensor) -> torch.Tensor:
+        """`weight` [out_features, in_features] in this layout."""
+
+    @abc.abstractmethod
     def to_bytes(self) -> tuple[memoryview, torch.Tensor | None]:
         """The reordered weight's bytes, read in place, and what else `from_bytes` needs to
         rebuild it over them (a layout descriptor, or None)."""
-        raise NotImplementedError
 
     @classmethod
+    @abc.abstractmethod
     def from_bytes(
         cls,
         data: torch.Tensor,
@@ -86,7 +97,6 @@ class PrepackedLinear(nn.Module):
         descriptor: torch.Tensor | None,
     ) -> torch.Tensor:
         """The reordered weight over `data` (uint8, no copy; the caller keeps it alive)."""
-        raise NotImplementedError
 
 
 class OneDNNLinear(PrepackedLinear):
@@ -94,11 +104,10 @@ class OneDNNLinear(PrepackedLinear):
 
     layout = "onednn"
 
-    @classmethod
-    def reorder(cls, linear: nn.Linear) -> OneDNNLinear:
-        packed = torch.ops.mkldnn._reorder_linear_weight(linear.weight.detach(), BATCH_HINT)
-        bias = None if linear.bias is None else linear.bias.detach()
-        return cls(packed, bias, (linear.out_features, linear.in_features))
+    @staticmethod
+    def pack(weight: torch.Tensor) -> torch.Tensor:
+        packed: torch.Tensor = torch.ops.mkldnn._reorder_linear_weight(weight, BATCH_HINT)
+        return packed
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         out: torch.Tensor = torch.ops.mkldnn._linear_pointwise(
@@ -133,11 +142,10 @@ class PanelLinear(PrepackedLinear):
 
     layout = "panels"
 
-    @classmethod
-    def reorder(cls, linear: nn.Linear) -> PanelLinear:
-        packed = torch.ops.loragate.pack_panels(linear.weight.detach())
-        bias = None if linear.bias is None else linear.bias.detach()
-        return cls(packed, bias, (linear.out_features, linear.in_features))
+    @staticmethod
+    def pack(weight: torch.Tensor) -> torch.Tensor:
+        packed: torch.Tensor = torch.ops.loragate.pack_panels(weight)
+        return packed
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         out: torch.Tensor = torch.ops.loragate.panel_linear(
@@ -172,11 +180,15 @@ class GateUpPanelLinear(PanelLinear):
     layout = "gate_up_panels"
 
     @classmethod
-    def reorder(cls, linear: nn.Linear) -> PanelLinear:
+    def reorder(cls, linear: nn.Linear) -> PrepackedLinear:
         if linear.bias is not None or linear.out_features % (2 * 8):
-            return PanelLinear.reorder(linear)
-        packed = torch.ops.loragate.pack_gate_up_panels(linear.weight.detach())
-        return cls(packed, None, (linear.out_features, linear.in_features))
+            return PanelLinear.reorder(linear)  # no pairs to make: plain panels
+        return super().reorder(linear)
+
+    @staticmethod
+    def pack(weight: torch.Tensor) -> torch.Tensor:
+        packed: torch.Tensor = torch.ops.loragate.pack_gate_up_panels(weight)
+        return packed
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         out: torch.Tensor = torch.ops.loragate.gate_up_panel_linear(x, self.packed)

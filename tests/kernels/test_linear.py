@@ -8,7 +8,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from kernels import linear, native
+from kernels import cpu_features, linear, native
 
 needs_onednn = pytest.mark.skipif(not linear.available(), reason="no oneDNN in this torch build")
 needs_kernels = pytest.mark.skipif(not native.load(), reason="CPU kernels not built")
@@ -134,8 +134,6 @@ def test_packer_follows_the_build() -> None:
     panels = native.load() and bool(torch.ops.loragate.panel_linear_preferred())
     if native.load():
         # The build's flags decide, and a processor held to AVX2 builds without AVX-512.
-        from kernels import cpu_features
-
         wide = any(f.startswith("avx512") for f in cpu_features.flags())
         assert panels == ({"avx2", "fma"} <= cpu_features.flags() and not wide)
     expected = linear.PanelLinear if panels else linear.OneDNNLinear
