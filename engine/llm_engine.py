@@ -8,7 +8,7 @@ import itertools
 import logging
 import math
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -17,6 +17,7 @@ from transformers import AutoConfig, AutoTokenizer
 from engine.config import EngineConfig
 from engine.detokenizer import IncrementalDetokenizer
 from engine.errors import ContextLengthExceeded, GuidedSpecError, RequestRefused
+from engine.give_way import Arrivals, StepYielded, give_way_check
 from engine.guided import GrammarCache, GuidedLimits, grammar_ready
 from engine.kv_cache.manager import KVCacheManager, cdiv
 from engine.load_timings import LoadTimings
@@ -125,7 +126,11 @@ class LLMEngine:
         # Guided sequences whose matcher does not exist yet (compiling, or not looked at).
         self._awaiting_grammar: dict[str, _Sequence] = {}
         self.num_failed_requests = 0  # sequences a failed step was pinned on
-        self.step_failures = StepFailures(self._run_rows, self.kv, self.scheduler)
+        self.step_failures = StepFailures(self._run_rows, self.scheduler)
+        # Requests sent and not yet taken in, noted by the loop that feeds this engine: a step
+        # of worse bands gives way to a better one's (engine/give_way.py).
+        self.arrivals = Arrivals()
+        self.num_yielded_steps = 0
         # Speculative decoding: its config, and vLLM's counters (drafts proposed and
         # verified, their tokens, the tokens accepted).
         self.speculative = config.speculative_config
@@ -275,7 +280,11 @@ class LLMEngine:
                 time.sleep(0.001)
             return updates
         try:
-            sampled, sampler_out = self.runner.execute(sched, self.kv)
+            sampled, sampler_out = self.runner.execute(sched, self.kv, self._give_way(sched))
+        except StepYielded:
+            self.scheduler.roll_back(sched.scheduled, failing=set())
+            self.num_yielded_steps += 1
+            return updates
         except Exception as exc:  # noqa: BLE001 - fail the requests that cause it, alone
             return updates + self._fail_step(sched.scheduled, exc)
         self.step_failures.step_succeeded()
@@ -286,7 +295,15 @@ class LLMEngine:
         if self.speculative is not None:
             self._propose_drafts(self.speculative)
         self.scheduler.step_cost.observe(sched.num_batched_tokens, time.perf_counter() - start)
+
         return updates
+
+    def _give_way(self, sched: SchedulerOutput) -> Callable[[], bool] | None:
+        """Between its layers, may this step stop for a better band's request? Not under
+        policy fcfs, where `priority` is ignored."""
+        if not self.scheduler.waiting.banded:
+            return None
+        return give_way_check(self.arrivals, (r.priority for r, _ in sched.scheduled))
 
     def _append_sampled(
         self, sampled: list[Request], sampler_out: SamplerOutput

@@ -336,10 +336,14 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute(
-        self, sched: SchedulerOutput, kv: KVCacheManager
+        self,
+        sched: SchedulerOutput,
+        kv: KVCacheManager,
+        give_way: Callable[[], bool] | None = None,
     ) -> tuple[list[Request], SamplerOutput | None]:
         """One step: its rows flattened into one batch, one forward pass, then the sampled
-        rows (and the speculating rows' verified drafts)."""
+        rows (and the speculating rows' verified drafts). `give_way`, asked between layers:
+        stop the step (StepYielded) for a better band's request (engine/give_way.py)."""
         batch = self._flatten(self._order_rows(sched), sched.num_batched_tokens, kv)
         large = sched.num_batched_tokens >= self.large_step_tokens
         self._set_threads(self.prefill_threads if large else self.decode_threads)
@@ -358,7 +362,7 @@ class ModelRunner:
         lora = None if self.lora is None else self.lora.step_context(batch.token_lora_slots)
         if batch.sample_rows:  # guided rows' masks fill on a helper thread beside the forward
             self.sampler.grammar_bitmask.prefetch(batch.sample_rows, self.vocab_size, self.device)
-        hidden = self.model(ids_t, pos_t, plan, self.kv_caches, lora)
+        hidden = self.model(ids_t, pos_t, plan, self.kv_caches, lora, give_way)
         if not batch.sample_rows and not batch.spec_rows:
             return [], None
         return self._sample(batch, hidden)

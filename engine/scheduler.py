@@ -272,6 +272,15 @@ class Scheduler:
                 self.kv.roll_back_step([(request, num_new)])
                 return
 
+    def roll_back(self, scheduled: list[tuple[Request, int]], failing: set[int]) -> None:
+        """Undo a step that did not finish (it raised, or gave way part through): its
+        requests resume from before it; the blocks it was to write leave the prefix cache, and
+        a request that had hit one in the same step recomputes (preempted), unless it is
+        failing anyway (`failing`: their id()s)."""
+        for request in self.kv.roll_back_step(scheduled):
+            if id(request) not in failing:
+                self.preempt(request)
+
     def preemption_victim(self, requester: Request | None = None) -> Request:
         """The running request to preempt when memory runs out for `requester` (there must be
         one): never one of a key below its share for another key's work."""

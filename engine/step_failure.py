@@ -16,7 +16,6 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable
 
-from engine.kv_cache.manager import KVCacheManager
 from engine.request import Request, RequestStatus
 from engine.scheduler import Scheduler
 
@@ -36,9 +35,8 @@ class StepFailures:
     as those rows do.
     """
 
-    def __init__(self, run: Callable[[Rows], object], kv: KVCacheManager, scheduler: Scheduler):
+    def __init__(self, run: Callable[[Rows], object], scheduler: Scheduler):
         self._run = run
-        self._kv = kv
         self._scheduler = scheduler
         self._num_unexplained = 0  # failed steps in a row with no culprit
 
@@ -58,10 +56,7 @@ class StepFailures:
             error,
         )
         culprits = isolate_failures(scheduled, self._run, error)
-        failing = {id(request) for request, _ in culprits}
-        for request in self._kv.roll_back_step(scheduled):
-            if id(request) not in failing:
-                self._scheduler.preempt(request)  # it hit KV the failed step never wrote
+        self._scheduler.roll_back(scheduled, failing={id(request) for request, _ in culprits})
         if not culprits:
             # Every part runs alone: the batch fails only as a whole (memory, say). Shrink it
             # by preempting the request that would go if KV blocks ran out; give up on the

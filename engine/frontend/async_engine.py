@@ -1,8 +1,10 @@
 """`AsyncEngine`: the engine loop in one dedicated thread of this process, owning the
 LLMEngine and running `step()` back to back while there is work (torch releases the GIL inside
 its ops, so the event loop keeps serving HTTP). Messages reach it through a thread-safe queue
-that the loop drains between steps. The loop's body is engine/frontend/loop.py's, as in an
-engine process; the gateway's side is engine/frontend/loop_client.py's.
+that the loop drains between steps (each request noted in the engine's `arrivals` as it is
+queued, so that a step of worse bands gives way to it: engine/give_way.py). The loop's body
+is engine/frontend/loop.py's, as in an engine process; the gateway's side is
+engine/frontend/loop_client.py's.
 """
 
 from __future__ import annotations
@@ -23,7 +25,7 @@ from engine.frontend.loop import (
 from engine.frontend.loop_client import LoopClient
 from engine.guided import GuidedSpec
 from engine.llm_engine import LLMEngine
-from engine.messages import EngineStats, Inbound
+from engine.messages import EngineRequest, EngineStats, Inbound
 
 logger = logging.getLogger(__name__)
 
@@ -62,6 +64,8 @@ class AsyncEngine(LoopClient):
         return engine_stats(self.engine)
 
     def _submit(self, message: Inbound) -> None:
+        if isinstance(message, EngineRequest):  # a step of worse bands gives way to it
+            self.engine.arrivals.note(message.priority)
         self._inbox.put(message)
 
     # -- the loop thread ----------------------------------------------------------------------
@@ -99,6 +103,7 @@ class AsyncEngine(LoopClient):
     def _drain(self, wait: float) -> bool:
         """Apply queued messages, waiting up to `wait` seconds for the first; False when told
         to exit."""
+        self.engine.arrivals.clear()  # what is queued is taken in now
         try:
             item = self._inbox.get(timeout=wait)
         except queue.Empty:

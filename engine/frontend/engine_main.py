@@ -1,5 +1,7 @@
 """The engine process's side of engine/frontend/engine_process.py: its main (`run_engine`:
-load, report ready, then the step loop over the pipe) and the environment it is started with. A
+load, report ready, then the step loop over the pipe, read by a thread of its own so that a
+request that arrives mid-step is known at once: engine/give_way.py) and the environment it is
+started with. A
 fresh process runs it as its target; a warm spare (engine/frontend/warm_spare.py) runs it when
 handed its start arguments.
 """
@@ -10,6 +12,7 @@ import contextlib
 import logging
 import os
 import pickle
+import queue
 import signal
 import sys
 import threading
@@ -35,6 +38,7 @@ from engine.llm_engine import LLMEngine
 from engine.lora.types import LoRALoader, LoRARequest
 from engine.messages import (
     CompileGrammar,
+    EngineRequest,
     Failed,
     Fatal,
     GrammarCompiled,
@@ -143,19 +147,23 @@ class _EngineLoop:
         self.last_stats = 0.0
         # The loop's thread sends, and so do the grammar cache's compile threads (their answers).
         self._send_lock = threading.Lock()
+        # What the inbox thread read off the pipe; None: stop.
+        self._inbox: queue.SimpleQueue[Any] = queue.SimpleQueue()
 
     def run(self) -> None:
-        engine, conn = self.engine, self.conn
+        engine = self.engine
+        reader = threading.Thread(target=self._read, name="engine-inbox", daemon=True)
+        reader.start()
         while True:
             busy = engine.has_unfinished_requests()
-            if conn.poll(0 if busy else 0.5):
-                if not self._drain():
-                    for request_id in list(engine.parents):
-                        engine.abort(request_id)
-                    self._send(Stopped())
-                    return
-                if not engine.has_unfinished_requests():
-                    self._send_step([])  # aborts: the gateway sees them gone
+            took, go_on = self._drain(0.0 if busy else 0.5)
+            if not go_on:
+                for request_id in list(engine.parents):
+                    engine.abort(request_id)
+                self._send(Stopped())
+                return
+            if took and not engine.has_unfinished_requests():
+                self._send_step([])  # aborts: the gateway sees them gone
             if not engine.has_unfinished_requests():
                 continue
             updates, failure = contained_step(engine)
@@ -164,17 +172,40 @@ class _EngineLoop:
                 continue
             self._send_step(updates)
 
-    def _drain(self) -> bool:
-        """Apply every queued message; False when told to stop."""
-        while self.conn.poll(0):
-            message = self.conn.recv()
+    def _read(self) -> None:
+        """The inbox thread: every message off the pipe into the loop's queue, each request
+        noted in the engine's `arrivals` first, so that a step of worse bands under way gives
+        way to it (engine/give_way.py). The pipe's end (EOF) reads as the stop message."""
+        try:
+            while True:
+                message = self.conn.recv()
+                if isinstance(message, EngineRequest):
+                    self.engine.arrivals.note(message.priority)
+                self._inbox.put(message)
+                if message is None:
+                    return
+        except (EOFError, OSError):  # the gateway is gone
+            self._inbox.put(None)
+
+    def _drain(self, wait: float) -> tuple[bool, bool]:
+        """Apply every queued message, waiting up to `wait` seconds for the first: (whether
+        any came, False when told to stop)."""
+        self.engine.arrivals.clear()  # what is queued is taken in now
+        try:
+            message = self._inbox.get(timeout=wait)
+        except queue.Empty:
+            return False, True
+        while True:
             if message is None:
-                return False
+                return True, False
             if isinstance(message, CompileGrammar):
                 self._compile(message)
             else:
                 apply_message(self.engine, message, self._refuse)
-        return True
+            try:
+                message = self._inbox.get_nowait()
+            except queue.Empty:
+                return True, True
 
     def _compile(self, ask: CompileGrammar) -> None:
         """Compile into the engine's cache, on its threads, and answer when done: the loop

@@ -24,6 +24,7 @@ from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
 from engine.checkpoints import checkpoint_map
 from engine.checkpoints.checkpoint_map import safetensors_files
+from engine.give_way import StepYielded
 from engine.lora.types import DOWN, GATE_UP, O_PROJ, QKV
 from kernels.attention import AttentionPlan
 from kernels.backend import Kernels, LoRAStep, Rope
@@ -254,12 +255,17 @@ class LlamaForCausalLM(nn.Module):
         plan: AttentionPlan,
         kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
         lora: LoRAStep | None = None,
+        give_way: Callable[[], bool] | None = None,
     ) -> torch.Tensor:
+        """The last layer's normed hidden states. `give_way`, asked before every layer but
+        the first: True stops the pass (StepYielded; engine/give_way.py)."""
         residual = self.embed_tokens(input_ids)
         rotary = self.rotary
         rope = self.kernels.rope(positions, rotary.cos, rotary.signed_sin, residual.dtype)
         delta = None
-        for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
+        for i, (layer, kv_cache) in enumerate(zip(self.layers, kv_caches, strict=True)):
+            if i and give_way is not None and give_way():
+                raise StepYielded
             delta = layer(rope, residual, delta, plan, kv_cache, lora)
         return self.norm(residual) if delta is None else self.norm.add_forward(residual, delta)
 

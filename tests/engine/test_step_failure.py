@@ -60,14 +60,14 @@ def test_a_forward_that_fails_leaves_no_garbage_for_same_step_sharers(
     model = llm.engine.runner.model
     forward = model.forward
 
-    def failing_forward(ids, positions, plan, kv_caches, lora=None):  # type: ignore[no-untyped-def]
+    def failing_forward(ids, positions, plan, kv_caches, lora=None, give_way=None):  # type: ignore[no-untyped-def]
         if bool((ids == MARKER).any()):
             slots = plan.slot_mapping
             for k, v in kv_caches:
                 for cache in (k, v):
                     cache.view(cache.shape[0], -1, cache.shape[-1])[:, slots] = 1e4
             raise Poison("the forward died half-way")
-        return forward(ids, positions, plan, kv_caches, lora)
+        return forward(ids, positions, plan, kv_caches, lora, give_way)
 
     monkeypatch.setattr(model, "forward", failing_forward)
     outs = llm.generate(prompts, GREEDY)

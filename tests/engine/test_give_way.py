@@ -1,0 +1,145 @@
+"""A step of worse-band rows gives way to a better band's request that arrives mid-pass
+(engine/give_way.py): the pass stops between layers, the step is rolled back (its half-written
+KV withdrawn from the prefix cache), and every request's greedy tokens are the same as in a
+run where no step gave way; no block is leaked. Both loops that feed an engine note what they
+are sent before they queue it."""
+
+from __future__ import annotations
+
+import threading
+import time
+from multiprocessing import Pipe
+from pathlib import Path
+
+import pytest
+
+from engine import EngineConfig, LLMEngine, SamplingParams
+from engine.frontend.async_engine import AsyncEngine
+from engine.frontend.engine_main import _EngineLoop
+from engine.give_way import NONE_PENDING, Arrivals, give_way_check
+from engine.messages import EngineRequest
+
+BATCH = 100
+GREEDY = SamplingParams(max_tokens=6, temperature=0.0)
+# Two batch lines share a 40-token prefix (prefix-cache hits within one step), a third differs;
+# the chat shares it too (a system prompt), so its first step, which runs alone right after a
+# step that gave way, would read that step's half-written blocks if they stayed published.
+SHARED = [(7 * i) % 90 + 5 for i in range(40)]
+BATCH_PROMPTS = {"b0": SHARED + [11, 12], "b1": SHARED + [13, 14], "b2": list(range(20, 70))}
+CHAT_PROMPT = SHARED + [9, 8, 7]
+
+
+def test_the_check_asks_for_a_better_band_than_the_steps_worst() -> None:
+    arrivals = Arrivals()
+    assert give_way_check(arrivals, []) is None
+    check = give_way_check(arrivals, [0, BATCH])
+    assert check is not None and not check()
+    arrivals.note(BATCH)
+    assert not check()  # the step's worst band: nothing to give way to
+    arrivals.note(0)
+    assert check() and arrivals.best == 0
+    arrivals.note(50)
+    assert arrivals.best == 0  # the best noted stays
+    arrivals.clear()
+    assert not check() and arrivals.best == NONE_PENDING
+    only_chat = give_way_check(arrivals, [0, 0])
+    assert only_chat is not None
+    arrivals.note(0)
+    assert not only_chat()
+
+
+def _engine(model: Path, policy: str = "fair") -> LLMEngine:
+    config = EngineConfig(
+        model=str(model),
+        num_kv_blocks=96,
+        max_model_len=256,
+        dtype="float32",
+        scheduling_policy=policy,
+    )
+    return LLMEngine(config)
+
+
+def _run(engine: LLMEngine, chat_at: int, notes: set[int]) -> dict[str, list[int]]:
+    """The three batch lines, and a chat request taken in after step `chat_at`; before each
+    step of `notes` an arrival of band 0 is noted (as the loop's inbox thread notes one that
+    comes mid-step). Every request's tokens."""
+    for request_id, prompt in BATCH_PROMPTS.items():
+        engine.add(EngineRequest(request_id, prompt, GREEDY, priority=BATCH))
+    tokens: dict[str, list[int]] = {}
+    step = 0
+    while engine.has_unfinished_requests():
+        if step in notes:
+            engine.arrivals.note(0)
+        for update in engine.step():
+            tokens.setdefault(update.request_id, []).extend(update.new_token_ids)
+        engine.arrivals.clear()  # what the loop does as it takes in what was sent
+        if step == chat_at:
+            engine.add(EngineRequest("chat", CHAT_PROMPT, GREEDY))
+        step += 1
+    return tokens
+
+
+# Step 0 holds the batch's prompts (two of them hitting blocks the step was to write), the
+# steps after it their decode rows. The step after the chat comes is its prompt's alone (the
+# batch's rows wait it out), so a note then stops nothing; the chat's decode rows beside the
+# batch's give way with them.
+@pytest.mark.parametrize(
+    ("chat_at", "notes", "yielded"), [(0, {0}, 1), (0, {0, 1}, 1), (2, {2, 3, 5}, 2)]
+)
+def test_a_step_that_gives_way_changes_no_token_and_leaks_no_block(
+    demo_model_dir: Path, chat_at: int, notes: set[int], yielded: int
+) -> None:
+    reference = _engine(demo_model_dir)
+    expected = _run(reference, chat_at, set())
+    assert reference.num_yielded_steps == 0
+    engine = _engine(demo_model_dir)
+    assert _run(engine, chat_at, notes) == expected
+    assert engine.num_yielded_steps == yielded
+    kv = engine.kv
+    assert kv.num_free_blocks == kv.pool.num_blocks
+
+
+def test_a_step_of_the_arrivals_own_band_does_not_give_way(demo_model_dir: Path) -> None:
+    engine = _engine(demo_model_dir)
+    engine.add(EngineRequest("chat", CHAT_PROMPT, GREEDY))
+    while engine.has_unfinished_requests():
+        engine.arrivals.note(0)
+        engine.step()
+    assert engine.num_yielded_steps == 0
+
+
+def test_policy_fcfs_never_gives_way(demo_model_dir: Path) -> None:
+    engine = _engine(demo_model_dir, policy="fcfs")
+    engine.add(EngineRequest("b0", BATCH_PROMPTS["b0"], GREEDY, priority=BATCH))
+    engine.arrivals.note(0)
+    engine.step()
+    assert engine.num_yielded_steps == 0
+
+
+def test_the_thread_loop_notes_a_request_as_it_queues_it(demo_model_dir: Path) -> None:
+    engine = _engine(demo_model_dir)
+    client = AsyncEngine(engine)  # not started: the message stays queued
+    client._submit(EngineRequest("b0", [5, 6], GREEDY, priority=BATCH))
+    assert engine.arrivals.best == BATCH
+    client._submit(EngineRequest("chat", [5, 6], GREEDY))
+    assert engine.arrivals.best == 0
+
+
+def test_the_process_loops_inbox_thread_notes_a_request_off_the_pipe(
+    demo_model_dir: Path,
+) -> None:
+    engine = _engine(demo_model_dir)
+    ours, theirs = Pipe()
+    loop = _EngineLoop(engine, theirs)
+    reader = threading.Thread(target=loop._read, daemon=True)
+    reader.start()
+    ours.send(EngineRequest("chat", [5, 6], GREEDY))
+    deadline = time.monotonic() + 10
+    while engine.arrivals.best != 0 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert engine.arrivals.best == 0
+    ours.close()  # the pipe's end reads as the stop message
+    reader.join(10)
+    assert not reader.is_alive()
+    assert loop._inbox.get(timeout=1).request_id == "chat"
+    assert loop._inbox.get(timeout=1) is None
