@@ -39,6 +39,10 @@ class EngineConfig:
     # Seconds a priority band with requests waiting may go without an admission while better
     # bands keep the engine busy; then its head is admitted next (bounded starvation).
     priority_max_wait: float = 30.0
+    # A step holding a worse band's rows stops between layers for a better band's request
+    # sent while it runs, and is run again later (engine/give_way.py): the better band's
+    # first token no longer waits out the step, the worse bands pay the part already done.
+    priority_step_yield: bool = True
     # Policy fair, while a key below its share of the service is present: the other keys'
     # prompt chunks are cut so that a step takes about this times that key's own first step
     # (its next request waits at most that long for the step under way; engine/scheduler.py).

@@ -299,9 +299,9 @@ class LLMEngine:
         return updates
 
     def _give_way(self, sched: SchedulerOutput) -> Callable[[], bool] | None:
-        """Between its layers, may this step stop for a better band's request? Not under
-        policy fcfs, where `priority` is ignored."""
-        if not self.scheduler.waiting.banded:
+        """Between its layers, may this step stop for a better band's request? Not when
+        turned off, nor under policy fcfs, where `priority` is ignored."""
+        if not (self.config.priority_step_yield and self.scheduler.waiting.banded):
             return None
         return give_way_check(self.arrivals, (r.priority for r, _ in sched.scheduled))
 

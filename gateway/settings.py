@@ -82,6 +82,7 @@ class Settings(BaseSettings):
     scheduling_policy: Literal["fair", "priority", "fcfs"] = "fair"
     fair_delay_ratio: float = 0.5
     priority_max_wait: float = Field(default=30.0, gt=0, le=86400)
+    priority_step_yield: bool = True
     # The band every batch line runs in (engine/priority.py): below interactive requests'
     # (0 unless they ask for worse), so batches take the capacity interactive traffic leaves.
     batch_priority: int = Field(default=100, ge=0, le=1_000_000)

@@ -54,6 +54,9 @@ HELP: dict[str, str] = {
     "priority_max_wait": "Seconds a priority band with requests waiting may go without one "
     "admitted while better bands keep the engine busy; then its next request runs (bounded "
     "starvation).",
+    "priority_step_yield": "A step holding a worse priority band's rows stops between layers "
+    "for a better band's request sent while it runs, and runs again later: an interactive "
+    "request's first token does not wait out a batch's step; the batch pays the part done.",
     "batch_priority": "The priority band batch lines run in (lower runs first; interactive "
     "requests default to 0).",
     "fair_delay_ratio": "Policy fair, while a tenant below its share is active: other tenants' "

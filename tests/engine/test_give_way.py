@@ -48,13 +48,14 @@ def test_the_check_asks_for_a_better_band_than_the_steps_worst() -> None:
     assert not only_chat()
 
 
-def _engine(model: Path, policy: str = "fair") -> LLMEngine:
+def _engine(model: Path, policy: str = "fair", step_yield: bool = True) -> LLMEngine:
     config = EngineConfig(
         model=str(model),
         num_kv_blocks=96,
         max_model_len=256,
         dtype="float32",
         scheduling_policy=policy,
+        priority_step_yield=step_yield,
     )
     return LLMEngine(config)
 
@@ -108,8 +109,11 @@ def test_a_step_of_the_arrivals_own_band_does_not_give_way(demo_model_dir: Path)
     assert engine.num_yielded_steps == 0
 
 
-def test_policy_fcfs_never_gives_way(demo_model_dir: Path) -> None:
-    engine = _engine(demo_model_dir, policy="fcfs")
+@pytest.mark.parametrize(("policy", "step_yield"), [("fcfs", True), ("fair", False)])
+def test_policy_fcfs_or_the_switch_off_never_gives_way(
+    demo_model_dir: Path, policy: str, step_yield: bool
+) -> None:
+    engine = _engine(demo_model_dir, policy, step_yield)
     engine.add(EngineRequest("b0", BATCH_PROMPTS["b0"], GREEDY, priority=BATCH))
     engine.arrivals.note(0)
     engine.step()

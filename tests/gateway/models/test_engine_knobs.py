@@ -32,6 +32,7 @@ NOT_DEFAULTS: dict[str, Any] = {
     "scheduling_policy": "fcfs",
     "fair_delay_ratio": 2.0,
     "priority_max_wait": 7.5,
+    "priority_step_yield": False,
     "seed": 7,
     "speculative_config": SPECULATIVE,
     "enable_lora": False,
