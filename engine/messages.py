@@ -117,6 +117,7 @@ class EngineStats:
     prefix_cache_hits: int = 0
     num_preemptions: int = 0
     num_failed_requests: int = 0  # sequences that alone failed an engine step
+    num_yielded_steps: int = 0  # steps that gave way to a better band part through
     # The KV pool's shape (vLLM's cache_config_info: block_size, num_gpu_blocks, on CPU too);
     # 0 while there is no engine to ask.
     block_size: int = 0

@@ -115,6 +115,13 @@ _ENGINE_SERIES: tuple[tuple[str, _Kind, str, str], ...] = (
         "Sequences that alone made an engine step fail (failed; the others went on).",
         "num_failed_requests",
     ),
+    (
+        "loragate:engine_yielded_steps",
+        _COUNTER,
+        "Engine steps that stopped part through for a better priority band's request "
+        "(rolled back, run again later).",
+        "num_yielded_steps",
+    ),
 )
 _LORA_SERIES: tuple[tuple[str, _Kind, str, str], ...] = (
     (

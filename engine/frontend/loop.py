@@ -43,6 +43,7 @@ def engine_stats(engine: LLMEngine) -> EngineStats:
         prefix_cache_hits=engine.kv.num_hit_tokens,
         num_preemptions=scheduler.num_preemptions,
         num_failed_requests=engine.num_failed_requests,
+        num_yielded_steps=engine.num_yielded_steps,
         block_size=engine.kv.block_size,
         num_kv_blocks=engine.kv.pool.num_blocks,
     )

@@ -133,6 +133,7 @@ class ReplicaPool(EngineClient):
             "prefix_cache_hits",
             "num_preemptions",
             "num_failed_requests",
+            "num_yielded_steps",
             "lora_slots_used",
             "lora_disk_loads",
             "lora_evictions",

@@ -16,6 +16,7 @@ import pytest
 from engine import EngineConfig, LLMEngine, SamplingParams
 from engine.frontend.async_engine import AsyncEngine
 from engine.frontend.engine_main import _EngineLoop
+from engine.frontend.loop import engine_stats
 from engine.give_way import NONE_PENDING, Arrivals, give_way_check
 from engine.messages import EngineRequest
 
@@ -96,6 +97,7 @@ def test_a_step_that_gives_way_changes_no_token_and_leaks_no_block(
     engine = _engine(demo_model_dir)
     assert _run(engine, chat_at, notes) == expected
     assert engine.num_yielded_steps == yielded
+    assert engine_stats(engine).num_yielded_steps == yielded  # what /metrics reads
     kv = engine.kv
     assert kv.num_free_blocks == kv.pool.num_blocks
 

@@ -327,6 +327,7 @@ def test_metrics_count_requests_and_tokens(server: Server) -> None:
         "loragate:prefix_cache_queries_total",
         "loragate:prefix_cache_hits_total",
         "loragate:num_preemptions_total",
+        "loragate:engine_yielded_steps_total",
         "loragate:time_to_first_token_seconds_count",
         "loragate:inter_token_latency_seconds_count",
         "loragate:e2e_request_latency_seconds_count",
