@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import logging
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -42,14 +43,16 @@ def _run(
     target = str(llm._next_id)  # the id LLM.generate gives the first prompt
     num_passes = 0
 
-    def counted(sched: SchedulerOutput, kv: KVCacheManager) -> Any:
+    def counted(
+        sched: SchedulerOutput, kv: KVCacheManager, give_way: Callable[[], bool] | None = None
+    ) -> Any:
         nonlocal num_passes
         num_passes += 1
         if fail_at is not None and any(
             r.request_id == target and r.num_output_tokens >= fail_at for r, _ in sched.scheduled
         ):
             raise InjectedFault("injected")
-        return execute(sched, kv)
+        return execute(sched, kv, give_way)
 
     runner.execute = counted  # type: ignore[method-assign]
     try:
