@@ -282,7 +282,7 @@ class LLMEngine:
         try:
             sampled, sampler_out = self.runner.execute(sched, self.kv, self._give_way(sched))
         except StepYielded:
-            self.scheduler.roll_back(sched.scheduled, failing=set())
+            self.scheduler.roll_back(sched.scheduled)
             self.num_yielded_steps += 1
             return updates
         except Exception as exc:  # noqa: BLE001 - fail the requests that cause it, alone
@@ -295,7 +295,6 @@ class LLMEngine:
         if self.speculative is not None:
             self._propose_drafts(self.speculative)
         self.scheduler.step_cost.observe(sched.num_batched_tokens, time.perf_counter() - start)
-
         return updates
 
     def _give_way(self, sched: SchedulerOutput) -> Callable[[], bool] | None:

@@ -33,7 +33,7 @@ from __future__ import annotations
 
 import contextlib
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from dataclasses import dataclass, field
 
 from engine.config import SCHEDULING_POLICIES
@@ -272,7 +272,9 @@ class Scheduler:
                 self.kv.roll_back_step([(request, num_new)])
                 return
 
-    def roll_back(self, scheduled: list[tuple[Request, int]], failing: set[int]) -> None:
+    def roll_back(
+        self, scheduled: list[tuple[Request, int]], failing: Collection[int] = ()
+    ) -> None:
         """Undo a step that did not finish (it raised, or gave way part through): its
         requests resume from before it; the blocks it was to write leave the prefix cache, and
         a request that had hit one in the same step recomputes (preempted), unless it is

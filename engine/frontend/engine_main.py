@@ -1,9 +1,8 @@
 """The engine process's side of engine/frontend/engine_process.py: its main (`run_engine`:
 load, report ready, then the step loop over the pipe, read by a thread of its own so that a
 request that arrives mid-step is known at once: engine/give_way.py) and the environment it is
-started with. A
-fresh process runs it as its target; a warm spare (engine/frontend/warm_spare.py) runs it when
-handed its start arguments.
+started with. A fresh process runs it as its target; a warm spare
+(engine/frontend/warm_spare.py) runs it when handed its start arguments.
 """
 
 from __future__ import annotations
