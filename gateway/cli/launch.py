@@ -14,6 +14,7 @@ import typer
 from adapters.peft import describe_base
 from adapters.peft_config import AdapterError
 from engine.frontend.client import EngineClient
+from engine.heap import freeze_startup_objects
 from engine.lora.types import LoRARequest
 from gateway.console.oauth import ConsoleOAuth
 from gateway.models.engines import EngineStart, engine_zygote, model_engine, spare_pool
@@ -116,6 +117,7 @@ def run_server(settings: Settings, with_progress: Callable[[Any], Any]) -> None:
         typer.echo("--no-auth: every request runs as tenant 'demo'")
     names = ", ".join(repr(name) for name in engines)
     typer.echo(f"serving {names} on http://{settings.host}:{settings.port}/v1")
+    freeze_startup_objects()
     uvicorn.run(
         app,
         host=settings.host,

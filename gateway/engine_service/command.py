@@ -36,6 +36,7 @@ def run_engine_server(settings: Settings, with_progress: Callable[[Any], Any]) -
     from adapters.registry import RegisteredLoader
     from adapters.store import open_adapter_store
     from engine.frontend.zygote import Zygote
+    from engine.heap import freeze_startup_objects
     from gateway.engine_service.app import build_engine_app
     from gateway.engine_service.server import EngineService
     from gateway.models.engines import EngineStart, start_engine
@@ -81,6 +82,7 @@ def run_engine_server(settings: Settings, with_progress: Callable[[Any], Any]) -
 
     app.router.lifespan_context = lifespan
     typer.echo(f"engine {name!r} on ws://{settings.host}:{settings.port}/internal/v1/engine")
+    freeze_startup_objects()
     uvicorn.run(
         app,
         host=settings.host,
