@@ -3,7 +3,7 @@
     loragate-bench batch [--model models/demo] [--lines 2000] [--prompt-words 24]
         [--output-len 16] [--rate 2] [--interactive-output-len 16] [--duration 20]
         [--max-num-seqs 64] [--batch-max-concurrency 64] [--port 8321] [--seed 0]
-        [-- extra `loragate serve` flags]
+        [--rounds 1] [-- extra `loragate serve` flags]
 
 Starts `loragate serve` on the model with a fresh SQLite database, a tenant and its key (the
 CLI's `db upgrade`, `tenants create`, `keys create`), then, through the openai SDK:
@@ -15,6 +15,11 @@ CLI's `db upgrade`, `tenants create`, `keys create`), then, through the openai S
    (the output file's usage, over the time from create to completed);
 3. together: the same batch again, and interactive arrivals at the same rate for as long as
    it runs; both measured as above.
+
+`--rounds N` runs the three phases N times on the same server: the table pools them (every
+TTFT in one sample, the batches' tokens over their seconds), its caption gives each round's
+ratios. A p95 of a hundred requests swings by half between runs here; rounds interleave alone
+and beside across the machine's drift.
 
 Every request is greedy with distinct prompts (no prefix-cache hits across requests beyond
 the chat template). Goals (issue 45): interactive TTFT p95 beside the batch at most 1.2x
@@ -99,6 +104,45 @@ class BatchRun:
     @property
     def tok_per_s(self) -> float:
         return self.num_tokens / self.seconds if self.seconds > 0 else 0.0
+
+    def __add__(self, other: BatchRun) -> BatchRun:
+        return BatchRun(
+            self.seconds + other.seconds,
+            self.num_tokens + other.num_tokens,
+            self.completed + other.completed,
+            self.failed + other.failed,
+        )
+
+
+@dataclass(slots=True)
+class Round:
+    """One round's four measurements: interactive alone and beside, the batch alone and beside."""
+
+    alone: Interactive
+    beside: Interactive
+    batch_alone: BatchRun
+    batch_beside: BatchRun
+
+    def ratios(self) -> str:
+        found_alone, found_beside = self.alone.percentiles(), self.beside.percentiles()
+        if found_alone is None or found_beside is None or not self.batch_alone.tok_per_s:
+            return "-"
+        ttft = found_beside[1] / found_alone[1]
+        return f"{ttft:.2f}x / {self.batch_beside.tok_per_s / self.batch_alone.tok_per_s:.2f}x"
+
+
+def pooled(rounds: list[Round]) -> Round:
+    """The rounds as one: every request's TTFT in one sample, the batches' tokens over their
+    seconds."""
+    alone, beside = Interactive(), Interactive()
+    for r in rounds:
+        for into, run in ((alone, r.alone), (beside, r.beside)):
+            into.ttfts += run.ttfts
+            into.num_failed += run.num_failed
+            into.num_tokens += run.num_tokens
+    batch_alone = sum((r.batch_alone for r in rounds[1:]), rounds[0].batch_alone)
+    batch_beside = sum((r.batch_beside for r in rounds[1:]), rounds[0].batch_beside)
+    return Round(alone, beside, batch_alone, batch_beside)
 
 
 def prompt(rng: random.Random, num_words: int) -> str:
@@ -220,40 +264,48 @@ async def measure(args: argparse.Namespace, key: str, console: Console) -> Table
         base_url=f"http://127.0.0.1:{args.port}/v1", api_key=key, max_retries=0, timeout=600
     )
     rng = random.Random(args.seed)
-    data = batch_file(args, rng)
+    rounds = []
     with new_progress(console) as progress:
         warm = Interactive()
         await arrivals(client, args, rng, warm, 3.0)  # the paths warmed, nothing timed
-        bar = progress.add_task("interactive alone", total=None)
-        alone = Interactive()
-        await arrivals(client, args, rng, alone, args.duration)
-        progress.update(bar, total=1, completed=1)
-        batch_alone = await run_batch(client, data, "batch alone", progress)
-        beside = Interactive()
-        done = asyncio.Event()
-        traffic = asyncio.create_task(arrivals(client, args, rng, beside, done))
-        try:
-            batch_beside = await run_batch(
-                client, batch_file(args, rng), "batch + interactive", progress
-            )
-        finally:
-            done.set()
-            await traffic
+        for number in range(1, args.rounds + 1):
+            label = f" ({number}/{args.rounds})" if args.rounds > 1 else ""
+            rounds.append(await one_round(client, args, rng, progress, label))
     await client.close()
-    return report(args, alone, beside, batch_alone, batch_beside)
+    return report(args, rounds)
 
 
-def report(
-    args: argparse.Namespace,
-    alone: Interactive,
-    beside: Interactive,
-    batch_alone: BatchRun,
-    batch_beside: BatchRun,
-) -> Table:
+async def one_round(  # type: ignore[no-untyped-def]
+    client: AsyncOpenAI, args: argparse.Namespace, rng: random.Random, progress, label: str
+) -> Round:
+    bar = progress.add_task(f"interactive alone{label}", total=None)
+    alone = Interactive()
+    await arrivals(client, args, rng, alone, args.duration)
+    progress.update(bar, total=1, completed=1)
+    batch_alone = await run_batch(client, batch_file(args, rng), f"batch alone{label}", progress)
+    beside = Interactive()
+    done = asyncio.Event()
+    traffic = asyncio.create_task(arrivals(client, args, rng, beside, done))
+    try:
+        batch_beside = await run_batch(
+            client, batch_file(args, rng), f"batch + interactive{label}", progress
+        )
+    finally:
+        done.set()
+        await traffic
+    return Round(alone, beside, batch_alone, batch_beside)
+
+
+def report(args: argparse.Namespace, rounds: list[Round]) -> Table:
+    """The rounds pooled in the table; each round's ratios in its caption."""
+    all_rounds = pooled(rounds)
+    alone, beside = all_rounds.alone, all_rounds.beside
+    batch_alone, batch_beside = all_rounds.batch_alone, all_rounds.batch_beside
     title = (
         f"a batch beside interactive traffic ({Path(args.model).name}; {args.lines} lines of "
         f"{args.output_len} tokens, interactive {args.rate:g}/s of "
         f"{args.interactive_output_len} tokens; max_num_seqs {args.max_num_seqs}; "
+        f"{args.rounds} round{'s' if args.rounds > 1 else ''}; "
         f"{cpu_features.describe()})"
     )
     table = Table(title=title)
@@ -300,6 +352,9 @@ def report(
         f"TTFT p95 {ratio_ttft:.2f}x, batch {ratio_tok:.2f}x" if ratio_ttft and ratio_tok else "-",
     )  # fmt: skip
     table.caption = verdict(ratio_ttft, ratio_tok)
+    if len(rounds) > 1:
+        each = ", ".join(r.ratios() for r in rounds)
+        table.caption += f"\neach round, TTFT p95 / batch tok/s beside over alone: {each}"
     return table
 
 
@@ -332,6 +387,13 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--batch-max-concurrency", type=int, default=64)
     p.add_argument("--port", type=int, default=8321)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument(
+        "--rounds",
+        type=int,
+        default=1,
+        help="the three phases this many times on one server, pooled (these machines drift: "
+        "rounds interleave alone and beside over the drift)",
+    )
     p.add_argument("serve_args", nargs="*", help="after --: more `loragate serve` flags")
     return p
 

@@ -27,6 +27,7 @@ def test_the_batch_bench_runs_a_batch_alone_and_beside_chats(
         "batch", "--model", str(demo_model_dir), "--lines", "48", "--output-len", "4",
         "--interactive-output-len", "4", "--rate", "8", "--duration", "1",
         "--port", str(_free_port()), "--max-num-seqs", "8", "--batch-max-concurrency", "2",
+        "--rounds", "2",
     ])  # fmt: skip
     out = capsys.readouterr().out
     [alone] = rows_starting(out, "interactive alone")
@@ -37,3 +38,5 @@ def test_the_batch_bench_runs_a_batch_alone_and_beside_chats(
     assert batch[5] == "0" and int(batch[7]) > 0
     assert together[5] == "0" and int(together[7]) > 0
     assert "TTFT p95" in together[8] and "x" in together[8]
+    assert int(batch[7]) and "2 rounds" in out and "each round" in out
+    assert out.count("x / ") == 2  # one pair of ratios per round
