@@ -31,8 +31,10 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import functools
 import io
 import json
+import operator
 import random
 import subprocess
 import tempfile
@@ -93,6 +95,13 @@ class Interactive:
         p50, p95, p99 = np.percentile(self.ttfts, [50, 95, 99])
         return float(p50), float(p95), float(p99)
 
+    def __add__(self, other: Interactive) -> Interactive:
+        return Interactive(
+            self.ttfts + other.ttfts,
+            self.num_failed + other.num_failed,
+            self.num_tokens + other.num_tokens,
+        )
+
 
 @dataclass(slots=True)
 class BatchRun:
@@ -123,26 +132,27 @@ class Round:
     batch_alone: BatchRun
     batch_beside: BatchRun
 
-    def ratios(self) -> str:
-        found_alone, found_beside = self.alone.percentiles(), self.beside.percentiles()
-        if found_alone is None or found_beside is None or not self.batch_alone.tok_per_s:
-            return "-"
-        ttft = found_beside[1] / found_alone[1]
-        return f"{ttft:.2f}x / {self.batch_beside.tok_per_s / self.batch_alone.tok_per_s:.2f}x"
+    def __add__(self, other: Round) -> Round:
+        """Both rounds as one: every request's TTFT in one sample, the batches' tokens over
+        their seconds."""
+        return Round(
+            self.alone + other.alone,
+            self.beside + other.beside,
+            self.batch_alone + other.batch_alone,
+            self.batch_beside + other.batch_beside,
+        )
 
+    @property
+    def ratio_ttft(self) -> float | None:
+        """TTFT p95 beside over alone."""
+        alone, beside = self.alone.percentiles(), self.beside.percentiles()
+        return None if alone is None or beside is None else beside[1] / alone[1]
 
-def pooled(rounds: list[Round]) -> Round:
-    """The rounds as one: every request's TTFT in one sample, the batches' tokens over their
-    seconds."""
-    alone, beside = Interactive(), Interactive()
-    for r in rounds:
-        for into, run in ((alone, r.alone), (beside, r.beside)):
-            into.ttfts += run.ttfts
-            into.num_failed += run.num_failed
-            into.num_tokens += run.num_tokens
-    batch_alone = sum((r.batch_alone for r in rounds[1:]), rounds[0].batch_alone)
-    batch_beside = sum((r.batch_beside for r in rounds[1:]), rounds[0].batch_beside)
-    return Round(alone, beside, batch_alone, batch_beside)
+    @property
+    def ratio_tok(self) -> float | None:
+        """The batch's tok/s beside over alone."""
+        alone = self.batch_alone.tok_per_s
+        return self.batch_beside.tok_per_s / alone if alone else None
 
 
 def prompt(rng: random.Random, num_words: int) -> str:
@@ -298,9 +308,10 @@ async def one_round(  # type: ignore[no-untyped-def]
 
 def report(args: argparse.Namespace, rounds: list[Round]) -> Table:
     """The rounds pooled in the table; each round's ratios in its caption."""
-    all_rounds = pooled(rounds)
+    all_rounds = functools.reduce(operator.add, rounds)
     alone, beside = all_rounds.alone, all_rounds.beside
     batch_alone, batch_beside = all_rounds.batch_alone, all_rounds.batch_beside
+    ratio_ttft, ratio_tok = all_rounds.ratio_ttft, all_rounds.ratio_tok
     title = (
         f"a batch beside interactive traffic ({Path(args.model).name}; {args.lines} lines of "
         f"{args.output_len} tokens, interactive {args.rate:g}/s of "
@@ -340,11 +351,6 @@ def report(args: argparse.Namespace, rounds: list[Round]) -> Table:
         f"{batch_alone.tok_per_s:.0f}",
         "",
     )
-    ratio_ttft = ratio_tok = None
-    if alone.percentiles() and beside.percentiles():
-        ratio_ttft = beside.percentiles()[1] / alone.percentiles()[1]  # type: ignore[index]
-    if batch_alone.tok_per_s:
-        ratio_tok = batch_beside.tok_per_s / batch_alone.tok_per_s
     table.add_row(
         "together", str(len(beside.ttfts)), *ttft(beside),
         str(beside.num_failed + batch_beside.failed),
@@ -353,7 +359,10 @@ def report(args: argparse.Namespace, rounds: list[Round]) -> Table:
     )  # fmt: skip
     table.caption = verdict(ratio_ttft, ratio_tok)
     if len(rounds) > 1:
-        each = ", ".join(r.ratios() for r in rounds)
+        each = ", ".join(
+            f"{r.ratio_ttft:.2f}x / {r.ratio_tok:.2f}x" if r.ratio_ttft and r.ratio_tok else "-"
+            for r in rounds
+        )
         table.caption += f"\neach round, TTFT p95 / batch tok/s beside over alone: {each}"
     return table
 
