@@ -9,7 +9,7 @@ import logging
 import math
 import time
 from collections.abc import Callable, Iterable, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from transformers import AutoConfig, AutoTokenizer
@@ -46,6 +46,21 @@ class _Sequence:
     index: int
     detokenizer: IncrementalDetokenizer
     num_sent_chars: int = 0  # of the detokenizer's text, in updates already made
+
+
+@dataclass(slots=True, eq=False)
+class _Suspended:
+    """A step whose pass gave way mid-layers (engine/give_way.py), to be resumed."""
+
+    sched: SchedulerOutput
+    resume: Callable[[], tuple[list[Request], SamplerOutput | None]]
+    worst: int  # its rows' worst priority: interim steps run better bands' prompts only
+    elapsed: float  # seconds spent on it so far (the step cost it is measured at)
+    rows: set[Request] = field(init=False)
+    aborts: list[str] = field(default_factory=list)  # request ids, aborted at its end
+
+    def __post_init__(self) -> None:
+        self.rows = {request for request, _ in self.sched.scheduled}
 
 
 class LLMEngine:
@@ -131,6 +146,7 @@ class LLMEngine:
         # of worse bands gives way to a better one's (engine/give_way.py).
         self.arrivals = Arrivals()
         self.num_yielded_steps = 0
+        self._suspended: _Suspended | None = None
         # Speculative decoding: its config, and vLLM's counters (drafts proposed and
         # verified, their tokens, the tokens accepted).
         self.speculative = config.speculative_config
@@ -244,7 +260,15 @@ class LLMEngine:
             )
 
     def abort(self, request_id: str) -> None:
-        """Stop a request now; its blocks return to the pool at once."""
+        """Stop a request now; its blocks return to the pool at once, or, where a suspended
+        step's pass holds some of its rows (engine/give_way.py), when that pass ends."""
+        suspended = self._suspended
+        if suspended is not None and any(
+            self.sequences[child_id].request in suspended.rows
+            for child_id in self.parents.get(request_id, [])
+        ):
+            suspended.aborts.append(request_id)
+            return
         for child_id in self.parents.pop(request_id, []):
             seq = self.sequences.pop(child_id)
             self._awaiting_grammar.pop(child_id, None)
@@ -256,6 +280,7 @@ class LLMEngine:
         half-written. Drops their blocks from the prefix cache, aborts every request that
         had a sequence running, and returns those request ids.
         """
+        self._suspended = None  # its rows are among the running
         parents = {self.sequences[r.request_id].parent_id for r in self.scheduler.running}
         for request in self.scheduler.running:
             self.kv.uncache(request)
@@ -271,6 +296,8 @@ class LLMEngine:
     def step(self) -> list[SequenceUpdate]:
         start = time.perf_counter()
         updates = self._start_grammars() if self._awaiting_grammar else []
+        if self._suspended is not None:
+            return updates + self._step_while_suspended(self._suspended)
         sched = self.scheduler.schedule()
         updates += [self._fail(request, error) for request, error in sched.failed]
         if sched.is_empty:
@@ -279,23 +306,84 @@ class LLMEngine:
                 # grammar compile): give those threads the GIL instead of spinning.
                 time.sleep(0.001)
             return updates
+        give_way = self._give_way(sched)
         try:
-            sampled, sampler_out = self.runner.execute(sched, self.kv, self._give_way(sched))
-        except StepYielded:
-            self.scheduler.roll_back(sched.scheduled)
-            self.num_yielded_steps += 1
+            sampled, sampler_out = self.runner.execute(sched, self.kv, give_way)
+        except StepYielded as yielded:
+            self._suspend(sched, yielded, time.perf_counter() - start)
             return updates
         except Exception as exc:  # noqa: BLE001 - fail the requests that cause it, alone
             return updates + self._fail_step(sched.scheduled, exc)
-        self.step_failures.step_succeeded()
-        for request, num_new in sched.scheduled:
-            request.num_computed_tokens += num_new
-        if sampler_out is not None:
-            updates += self._append_sampled(sampled, sampler_out)
+        updates += self._complete(sched, sampled, sampler_out)
         if self.speculative is not None:
             self._propose_drafts(self.speculative)
         self.scheduler.step_cost.observe(sched.num_batched_tokens, time.perf_counter() - start)
         return updates
+
+    def _complete(
+        self, sched: SchedulerOutput, sampled: list[Request], sampler_out: SamplerOutput | None
+    ) -> list[SequenceUpdate]:
+        """A step's forward pass ended: its rows' tokens are computed, the sampled appended."""
+        self.step_failures.step_succeeded()
+        for request, num_new in sched.scheduled:
+            request.num_computed_tokens += num_new
+        if sampler_out is None:
+            return []
+        return self._append_sampled(sampled, sampler_out)
+
+    # -- a step that gave way (engine/give_way.py) -------------------------------------------
+
+    def _suspend(self, sched: SchedulerOutput, yielded: StepYielded, elapsed: float) -> None:
+        """Keep a pass that gave way for later; the blocks it writes leave the prefix cache
+        until it ends (its rows keep them, and hits on them within it stay valid)."""
+        self.kv.roll_back_step(sched.scheduled)
+        worst = max(request.priority for request, _ in sched.scheduled)
+        self._suspended = _Suspended(sched, yielded.resume, worst, elapsed)
+        self.num_yielded_steps += 1
+
+    def _step_while_suspended(self, suspended: _Suspended) -> list[SequenceUpdate]:
+        """A better band's prompts due: an interim step of them alone. Else the suspended
+        pass runs on from its layer (and may give way again)."""
+        start = time.perf_counter()
+        interim = self.scheduler.schedule_interim(suspended.sched.scheduled, suspended.worst)
+        if not interim.is_empty:
+            try:
+                sampled, sampler_out = self.runner.execute(interim, self.kv)
+            except Exception as exc:  # noqa: BLE001 - as in step: the culprits fail alone
+                return self._fail_step(interim.scheduled, exc)
+            # No drafts are proposed: the suspended rows' must stay as their pass saw them.
+            updates = self._complete(interim, sampled, sampler_out)
+            elapsed = time.perf_counter() - start
+            self.scheduler.step_cost.observe(interim.num_batched_tokens, elapsed)
+            return updates
+        sched = suspended.sched
+        try:
+            sampled, sampler_out = suspended.resume()
+        except StepYielded as again:
+            suspended.resume = again.resume
+            suspended.elapsed += time.perf_counter() - start
+            self.num_yielded_steps += 1
+            return []
+        except Exception as exc:  # noqa: BLE001 - fail the requests that cause it, alone
+            self._suspended = None
+            failed = self._fail_step(sched.scheduled, exc)
+            self._abort_deferred(suspended)
+            return failed
+        self._suspended = None
+        for request, num_new in sched.scheduled:
+            self.kv.publish_written(request, request.num_computed_tokens + num_new)
+        updates = self._complete(sched, sampled, sampler_out)
+        if self.speculative is not None:
+            self._propose_drafts(self.speculative)
+        elapsed = suspended.elapsed + time.perf_counter() - start
+        self.scheduler.step_cost.observe(sched.num_batched_tokens, elapsed)
+        self._abort_deferred(suspended)
+        return updates
+
+    def _abort_deferred(self, suspended: _Suspended) -> None:
+        """The aborts that waited for the suspended pass to end (their blocks were its)."""
+        for request_id in suspended.aborts:
+            self.abort(request_id)
 
     def _give_way(self, sched: SchedulerOutput) -> Callable[[], bool] | None:
         """Between its layers, may this step stop for a better band's request? Not when

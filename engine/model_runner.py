@@ -21,6 +21,7 @@ from engine import heap
 from engine.checkpoints import checkpoint_map
 from engine.checkpoints.weights_cache import WeightsCache, cache_for
 from engine.config import EngineConfig
+from engine.give_way import StepYielded
 from engine.kv_cache.manager import KVCacheManager
 from engine.load_timings import LoadTimings
 from engine.lora.manager import LoRAManager
@@ -343,7 +344,8 @@ class ModelRunner:
     ) -> tuple[list[Request], SamplerOutput | None]:
         """One step: its rows flattened into one batch, one forward pass, then the sampled
         rows (and the speculating rows' verified drafts). `give_way`, asked between layers:
-        stop the step (StepYielded) for a better band's request (engine/give_way.py)."""
+        stop the step (StepYielded, whose `resume` runs the rest of it and returns what this
+        would have) for a better band's request (engine/give_way.py)."""
         batch = self._flatten(self._order_rows(sched), sched.num_batched_tokens, kv)
         large = sched.num_batched_tokens >= self.large_step_tokens
         self._set_threads(self.prefill_threads if large else self.decode_threads)
@@ -362,7 +364,31 @@ class ModelRunner:
         lora = None if self.lora is None else self.lora.step_context(batch.token_lora_slots)
         if batch.sample_rows:  # guided rows' masks fill on a helper thread beside the forward
             self.sampler.grammar_bitmask.prefetch(batch.sample_rows, self.vocab_size, self.device)
-        hidden = self.model(ids_t, pos_t, plan, self.kv_caches, lora, give_way)
+        try:
+            hidden = self.model(ids_t, pos_t, plan, self.kv_caches, lora, give_way)
+        except StepYielded as yielded:
+            raise self._suspend(yielded, batch) from None
+        return self._finish(batch, hidden)
+
+    def _suspend(self, yielded: StepYielded, batch: _StepBatch) -> StepYielded:
+        """The model's yield, resumed into the rest of this step: its threads set again (the
+        interim steps set their own), then its sampling."""
+        threads = torch.get_num_threads()
+
+        @torch.inference_mode()
+        def resume() -> tuple[list[Request], SamplerOutput | None]:
+            self._set_threads(threads)
+            try:
+                hidden = yielded.resume()
+            except StepYielded as again:
+                raise self._suspend(again, batch) from None
+            return self._finish(batch, hidden)
+
+        return StepYielded(resume)
+
+    def _finish(
+        self, batch: _StepBatch, hidden: torch.Tensor
+    ) -> tuple[list[Request], SamplerOutput | None]:
         if not batch.sample_rows and not batch.spec_rows:
             return [], None
         return self._sample(batch, hidden)

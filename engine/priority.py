@@ -171,6 +171,21 @@ class BandedQueue:
             band.served_at = now
         return request
 
+    def pop_better(self, than: int) -> Request | None:
+        """The next request of the best waiting band, if that band is better than `than` (a
+        suspended step's worst: engine/give_way.py); no band is promoted."""
+        for priority in self._order:
+            band = self._bands[priority]
+            if not band.queue:
+                continue
+            if priority >= than:
+                return None
+            request = band.queue.pop_next()
+            if request is not None:
+                band.served_at = self.clock()
+            return request
+        return None
+
     def waiting_heads(self, favour: Favour) -> list[Request]:
         """The heads of the favoured lines that have requests waiting."""
         band = self._bands.get(favour.band)

@@ -389,20 +389,69 @@ class Scheduler:
                 self._release_lora(request)
                 self.waiting.push_front(request)
                 break
-            request.num_computed_tokens = num_cached
-            if request.num_cached_tokens < 0:
-                request.num_cached_tokens = num_cached
-                request.scheduled_time = time.monotonic()
-            request.status = RequestStatus.RUNNING
-            self.waiting.order(self.running, request)
-            self.waiting.admitted(request, num_prompt if request.num_preemptions == 0 else None)
-            out.scheduled.append((request, num_new))
-            out.num_batched_tokens += num_new
+            self._start(request, num_cached, num_new, out)
             self._spend(request, num_new)
-            self.waiting.charge([(request, num_new)])  # the next pick sees this admission
         # Skipped requests keep their places: each goes back to the head of its key's line.
         for request in reversed(skipped):
             self.waiting.push_front(request)
+
+    def _start(self, request: Request, num_cached: int, num_new: int, out: SchedulerOutput) -> None:
+        """An admitted request (its blocks allocated) joins the running and the step."""
+        num_prompt = request.num_tokens - num_cached
+        request.num_computed_tokens = num_cached
+        if request.num_cached_tokens < 0:
+            request.num_cached_tokens = num_cached
+            request.scheduled_time = time.monotonic()
+        request.status = RequestStatus.RUNNING
+        self.waiting.order(self.running, request)
+        self.waiting.admitted(request, num_prompt if request.num_preemptions == 0 else None)
+        out.scheduled.append((request, num_new))
+        out.num_batched_tokens += num_new
+        self.waiting.charge([(request, num_new)])  # the next pick sees this admission
+
+    # -- while a step is suspended (engine/give_way.py) ---------------------------------------
+
+    def schedule_interim(self, suspended: list[tuple[Request, int]], worst: int) -> SchedulerOutput:
+        """A step run while `suspended`'s pass waits at a layer: the prompt work of bands
+        better than `worst` (its rows' worst priority) only: the chunks left of their running
+        prompts, and their waiting requests. Its rows hold on to what they have: nobody is
+        preempted, no adapter is loaded into the pool (its layout must hold still under the
+        suspended pass; a request whose adapter is not in a slot waits), and the blocks the
+        suspended pass writes are out of the prefix cache already. Empty: resume the pass."""
+        out = SchedulerOutput()
+        held = {id(request) for request, _ in suspended}
+        budget = self.max_num_batched_tokens
+        for running in self.running:
+            remaining = running.num_tokens - running.num_computed_tokens
+            if id(running) in held or running.priority >= worst or remaining <= 1:
+                continue
+            num_new = min(remaining, budget - out.num_batched_tokens)
+            if num_new > 0 and self.kv.allocate_slots(running, num_new):
+                out.scheduled.append((running, num_new))
+                out.num_batched_tokens += num_new
+        skipped: list[Request] = []
+        while len(self.running) < self.max_num_seqs and out.num_batched_tokens < budget:
+            request = self.waiting.pop_better(worst)
+            if request is None:
+                break
+            if not self._admissible(request):
+                skipped.append(request)
+                continue
+            if request.lora is not None and self._acquire_lora(request) is None:
+                skipped.append(request)  # draining for a waiting adapter
+                continue
+            computed_blocks, num_cached = self.kv.get_computed_blocks(request)
+            num_prompt = request.num_tokens - num_cached
+            num_new = min(num_prompt, budget - out.num_batched_tokens)
+            fits = self.enable_chunked_prefill or num_new == num_prompt
+            if not fits or not self.kv.allocate_slots(request, num_new, computed_blocks):
+                self._release_lora(request)
+                self.waiting.push_front(request)
+                break
+            self._start(request, num_cached, num_new, out)
+        for request in reversed(skipped):
+            self.waiting.push_front(request)
+        return out
 
     def _acquire_lora(self, request: Request) -> int | None:
         assert request.lora is not None

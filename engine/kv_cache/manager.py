@@ -178,6 +178,13 @@ class KVCacheManager:
             )
         ]
 
+    def publish_written(self, request: Request, num_tokens: int) -> None:
+        """Publish the request's full blocks among its first `num_tokens` again: those of a
+        step that was suspended, withheld until it ended (engine/give_way.py)."""
+        blocks = self.req_blocks.get(request.request_id)
+        if self.enable_caching and blocks:
+            self._cache_full_blocks(request, blocks, min(num_tokens, request.num_tokens))
+
     def block_ids(self, request_id: str) -> list[int]:
         """The request's block table (do not mutate)."""
         return self._req_block_ids[request_id]

@@ -8,6 +8,7 @@ outside attention. q/k/v and gate/up are fused into one matmul each at load.
 from __future__ import annotations
 
 import contextlib
+import functools
 import math
 from collections.abc import Callable, Iterator
 from contextvars import ContextVar
@@ -258,16 +259,23 @@ class LlamaForCausalLM(nn.Module):
         give_way: Callable[[], bool] | None = None,
     ) -> torch.Tensor:
         """The last layer's normed hidden states. `give_way`, asked before every layer but
-        the first: True stops the pass (StepYielded; engine/give_way.py)."""
+        the first one a call runs: True stops the pass (StepYielded, whose `resume` runs the
+        rest of it; engine/give_way.py)."""
         residual = self.embed_tokens(input_ids)
         rotary = self.rotary
         rope = self.kernels.rope(positions, rotary.cos, rotary.signed_sin, residual.dtype)
-        delta = None
-        for i, (layer, kv_cache) in enumerate(zip(self.layers, kv_caches, strict=True)):
-            if i and give_way is not None and give_way():
-                raise StepYielded
-            delta = layer(rope, residual, delta, plan, kv_cache, lora)
-        return self.norm(residual) if delta is None else self.norm.add_forward(residual, delta)
+        layers = list(zip(self.layers, kv_caches, strict=True))
+
+        def run(start: int, delta: torch.Tensor | None) -> torch.Tensor:
+            # The layers add into `residual` in place: a suspended pass is this closure.
+            for i in range(start, len(layers)):
+                if i > start and give_way is not None and give_way():
+                    raise StepYielded(functools.partial(run, i, delta))
+                layer, kv_cache = layers[i]
+                delta = layer(rope, residual, delta, plan, kv_cache, lora)
+            return self.norm(residual) if delta is None else self.norm.add_forward(residual, delta)
+
+        return run(0, None)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         logits: torch.Tensor = self.lm_head(hidden)

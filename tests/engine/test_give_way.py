@@ -1,8 +1,10 @@
 """A step of worse-band rows gives way to a better band's request that arrives mid-pass
-(engine/give_way.py): the pass stops between layers, the step is rolled back (its half-written
-KV withdrawn from the prefix cache), and every request's greedy tokens are the same as in a
-run where no step gave way; no block is leaked. Both loops that feed an engine note what they
-are sent before they queue it."""
+(engine/give_way.py): the pass stops between layers and is suspended (its half-written KV
+withdrawn from the prefix cache), interim steps run the better band's prompts alone, and the
+pass resumes where it stopped. Every request's greedy tokens are the same as in a run where
+no step gave way, no token is computed twice, no block is leaked, and an abort of a suspended
+row waits for the pass's end. Both loops that feed an engine note what they are sent before
+they queue it."""
 
 from __future__ import annotations
 
@@ -19,6 +21,7 @@ from engine.frontend.engine_main import _EngineLoop
 from engine.frontend.loop import engine_stats
 from engine.give_way import NONE_PENDING, Arrivals, give_way_check
 from engine.messages import EngineRequest
+from engine.scheduler import SchedulerOutput
 
 BATCH = 100
 GREEDY = SamplingParams(max_tokens=6, temperature=0.0)
@@ -61,6 +64,19 @@ def _engine(model: Path, policy: str = "fair", step_yield: bool = True) -> LLMEn
     return LLMEngine(config)
 
 
+def _count_batch_computed(engine: LLMEngine) -> list[int]:
+    """The batch lines' tokens every forward pass of the engine's computes, in one total."""
+    computed = [0]
+    execute = engine.runner.execute
+
+    def counting(sched: SchedulerOutput, *args: object) -> object:
+        computed[0] += sum(n for r, n in sched.scheduled if r.request_id in BATCH_PROMPTS)
+        return execute(sched, *args)  # type: ignore[arg-type]
+
+    engine.runner.execute = counting  # type: ignore[method-assign,assignment]
+    return computed
+
+
 def _run(engine: LLMEngine, chat_at: int, notes: set[int]) -> dict[str, list[int]]:
     """The three batch lines, and a chat request taken in after step `chat_at`; before each
     step of `notes` an arrival of band 0 is noted (as the loop's inbox thread notes one that
@@ -92,14 +108,54 @@ def test_a_step_that_gives_way_changes_no_token_and_leaks_no_block(
     demo_model_dir: Path, chat_at: int, notes: set[int], yielded: int
 ) -> None:
     reference = _engine(demo_model_dir)
+    reference_computed = _count_batch_computed(reference)
     expected = _run(reference, chat_at, set())
     assert reference.num_yielded_steps == 0
     engine = _engine(demo_model_dir)
+    computed = _count_batch_computed(engine)
     assert _run(engine, chat_at, notes) == expected
     assert engine.num_yielded_steps == yielded
     assert engine_stats(engine).num_yielded_steps == yielded  # what /metrics reads
+    # Resumed, not recomputed: none of the batch's work thrown away, nobody preempted. (The
+    # chat may compute more: the blocks the suspended pass writes are not there to hit.)
+    assert computed == reference_computed
+    assert engine.scheduler.num_preemptions == 0
     kv = engine.kv
     assert kv.num_free_blocks == kv.pool.num_blocks
+
+
+def test_an_abort_of_a_suspended_row_waits_for_the_passs_end(demo_model_dir: Path) -> None:
+    reference = _engine(demo_model_dir)
+    for request_id in ("b1", "b2"):
+        reference.add(EngineRequest(request_id, BATCH_PROMPTS[request_id], GREEDY, priority=BATCH))
+    reference.add(EngineRequest("chat", CHAT_PROMPT, GREEDY))
+    expected: dict[str, list[int]] = {}
+    while reference.has_unfinished_requests():
+        for update in reference.step():
+            expected.setdefault(update.request_id, []).extend(update.new_token_ids)
+
+    engine = _engine(demo_model_dir)
+    for request_id, prompt in BATCH_PROMPTS.items():
+        engine.add(EngineRequest(request_id, prompt, GREEDY, priority=BATCH))
+    engine.arrivals.note(0)
+    assert engine.step() == [] and engine.num_yielded_steps == 1  # the batch's prompts wait
+    engine.arrivals.clear()
+    engine.abort("b0")  # the client went away while its row's pass waits
+    held = engine.kv.block_ids("b0")
+    engine.add(EngineRequest("chat", CHAT_PROMPT, GREEDY))
+    interim = engine.step()  # the chat's prompt alone, in blocks of its own
+    assert [u.request_id for u in interim] == ["chat"]
+    assert not set(engine.kv.block_ids("chat")) & set(held)
+    tokens: dict[str, list[int]] = {}
+    for update in interim:
+        tokens.setdefault(update.request_id, []).extend(update.new_token_ids)
+    while engine.has_unfinished_requests():
+        for update in engine.step():
+            tokens.setdefault(update.request_id, []).extend(update.new_token_ids)
+    assert {k: v for k, v in tokens.items() if k != "b0"} == expected
+    assert "b0" not in engine.parents and "b0" not in engine.sequences
+    # b0's blocks went back when the pass ended; none is leaked.
+    assert engine.kv.num_free_blocks == engine.kv.pool.num_blocks
 
 
 def test_a_step_of_the_arrivals_own_band_does_not_give_way(demo_model_dir: Path) -> None:
