@@ -40,8 +40,8 @@ class EngineConfig:
     # bands keep the engine busy; then its head is admitted next (bounded starvation).
     priority_max_wait: float = 30.0
     # A step holding a worse band's rows stops between layers for a better band's request
-    # sent while it runs, and is run again later (engine/give_way.py): the better band's
-    # first token no longer waits out the step, the worse bands pay the part already done.
+    # sent while it runs, and resumes there after that request's prompt step
+    # (engine/give_way.py): the better band's first token no longer waits out the step.
     priority_step_yield: bool = True
     # Policy fair, while a key below its share of the service is present: the other keys'
     # prompt chunks are cut so that a step takes about this times that key's own first step

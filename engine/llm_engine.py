@@ -146,6 +146,7 @@ class LLMEngine:
         # of worse bands gives way to a better one's (engine/give_way.py).
         self.arrivals = Arrivals()
         self.num_yielded_steps = 0
+        self.num_rolled_back_steps = 0  # of those, given up for a prompt that needed their blocks
         self._suspended: _Suspended | None = None
         # Speculative decoding: its config, and vLLM's counters (drafts proposed and
         # verified, their tokens, the tokens accepted).
@@ -296,8 +297,12 @@ class LLMEngine:
     def step(self) -> list[SequenceUpdate]:
         start = time.perf_counter()
         updates = self._start_grammars() if self._awaiting_grammar else []
-        if self._suspended is not None:
-            return updates + self._step_while_suspended(self._suspended)
+        suspended = self._suspended
+        if suspended is not None:
+            interim = self.scheduler.schedule_interim(suspended.sched.scheduled, suspended.worst)
+            if not (interim.is_empty and interim.needs_suspended_blocks):
+                return updates + self._step_while_suspended(suspended, interim)
+            self._roll_back_suspended(suspended)  # then a step that may preempt for it
         sched = self.scheduler.schedule()
         updates += [self._fail(request, error) for request, error in sched.failed]
         if sched.is_empty:
@@ -341,11 +346,12 @@ class LLMEngine:
         self._suspended = _Suspended(sched, yielded.resume, worst, elapsed)
         self.num_yielded_steps += 1
 
-    def _step_while_suspended(self, suspended: _Suspended) -> list[SequenceUpdate]:
+    def _step_while_suspended(
+        self, suspended: _Suspended, interim: SchedulerOutput
+    ) -> list[SequenceUpdate]:
         """A better band's prompts due: an interim step of them alone. Else the suspended
         pass runs on from its layer (and may give way again)."""
         start = time.perf_counter()
-        interim = self.scheduler.schedule_interim(suspended.sched.scheduled, suspended.worst)
         if not interim.is_empty:
             try:
                 sampled, sampler_out = self.runner.execute(interim, self.kv)
@@ -379,6 +385,14 @@ class LLMEngine:
         self.scheduler.step_cost.observe(sched.num_batched_tokens, elapsed)
         self._abort_deferred(suspended)
         return updates
+
+    def _roll_back_suspended(self, suspended: _Suspended) -> None:
+        """Give a suspended pass up (its rows compute the step again later), as a step that
+        raised is rolled back: a better band's prompt needs its rows' blocks."""
+        self._suspended = None
+        self.scheduler.roll_back(suspended.sched.scheduled)
+        self.num_rolled_back_steps += 1
+        self._abort_deferred(suspended)
 
     def _abort_deferred(self, suspended: _Suspended) -> None:
         """The aborts that waited for the suspended pass to end (their blocks were its)."""

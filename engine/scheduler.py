@@ -86,6 +86,9 @@ class SchedulerOutput:
     num_batched_tokens: int = 0
     # Prompt tokens the keys not below their share could compute this step (None: no cap).
     prefill_cap: int | None = None
+    # An interim step's (schedule_interim): a better band's prompt waits for the blocks a
+    # suspended pass's rows hold.
+    needs_suspended_blocks: bool = False
 
     @property
     def is_empty(self) -> bool:
@@ -414,10 +417,16 @@ class Scheduler:
     def schedule_interim(self, suspended: list[tuple[Request, int]], worst: int) -> SchedulerOutput:
         """A step run while `suspended`'s pass waits at a layer: the prompt work of bands
         better than `worst` (its rows' worst priority) only: the chunks left of their running
-        prompts, and their waiting requests. Its rows hold on to what they have: nobody is
-        preempted, no adapter is loaded into the pool (its layout must hold still under the
-        suspended pass; a request whose adapter is not in a slot waits), and the blocks the
-        suspended pass writes are out of the prefix cache already. Empty: resume the pass."""
+        prompts, and their waiting requests. The suspended rows hold on to what they have:
+        nobody is preempted, no adapter is loaded into the pool (its layout must hold still
+        under the pass; a request whose adapter is not in a slot waits for the pass's end),
+        and the blocks the pass writes are out of the prefix cache already.
+
+        A better band's request is admitted even with every sequence slot taken (the worse
+        bands' rows usually hold them all; their next step gives up as many, _share_slots).
+        One that needs blocks the suspended rows hold sets `needs_suspended_blocks`: the engine
+        rolls the pass back for it rather than keep it waiting for the pass. Empty otherwise:
+        resume the pass."""
         out = SchedulerOutput()
         held = {id(request) for request, _ in suspended}
         budget = self.max_num_batched_tokens
@@ -426,11 +435,15 @@ class Scheduler:
             if id(running) in held or running.priority >= worst or remaining <= 1:
                 continue
             num_new = min(remaining, budget - out.num_batched_tokens)
-            if num_new > 0 and self.kv.allocate_slots(running, num_new):
-                out.scheduled.append((running, num_new))
-                out.num_batched_tokens += num_new
+            if num_new <= 0:
+                break
+            if not self.kv.allocate_slots(running, num_new):
+                out.needs_suspended_blocks = True
+                continue
+            out.scheduled.append((running, num_new))
+            out.num_batched_tokens += num_new
         skipped: list[Request] = []
-        while len(self.running) < self.max_num_seqs and out.num_batched_tokens < budget:
+        while out.num_batched_tokens < budget:
             request = self.waiting.pop_better(worst)
             if request is None:
                 break
@@ -445,6 +458,7 @@ class Scheduler:
             num_new = min(num_prompt, budget - out.num_batched_tokens)
             fits = self.enable_chunked_prefill or num_new == num_prompt
             if not fits or not self.kv.allocate_slots(request, num_new, computed_blocks):
+                out.needs_suspended_blocks = fits
                 self._release_lora(request)
                 self.waiting.push_front(request)
                 break

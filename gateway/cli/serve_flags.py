@@ -55,8 +55,8 @@ HELP: dict[str, str] = {
     "admitted while better bands keep the engine busy; then its next request runs (bounded "
     "starvation).",
     "priority_step_yield": "A step holding a worse priority band's rows stops between layers "
-    "for a better band's request sent while it runs, and runs again later: an interactive "
-    "request's first token does not wait out a batch's step; the batch pays the part done.",
+    "for a better band's request sent while it runs, and resumes there after that request's "
+    "prompt step: an interactive request's first token does not wait out a batch's step.",
     "batch_priority": "The priority band batch lines run in (lower runs first; interactive "
     "requests default to 0).",
     "fair_delay_ratio": "Policy fair, while a tenant below its share is active: other tenants' "

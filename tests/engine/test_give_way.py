@@ -52,11 +52,13 @@ def test_the_check_asks_for_a_better_band_than_the_steps_worst() -> None:
     assert not only_chat()
 
 
-def _engine(model: Path, policy: str = "fair", step_yield: bool = True) -> LLMEngine:
+def _engine(
+    model: Path, policy: str = "fair", step_yield: bool = True, num_kv_blocks: int = 96
+) -> LLMEngine:
     config = EngineConfig(
         model=str(model),
-        num_kv_blocks=96,
-        max_model_len=256,
+        num_kv_blocks=num_kv_blocks,
+        max_model_len=min(256, num_kv_blocks * 16),
         dtype="float32",
         scheduling_policy=policy,
         priority_step_yield=step_yield,
@@ -122,6 +124,21 @@ def test_a_step_that_gives_way_changes_no_token_and_leaks_no_block(
     assert engine.scheduler.num_preemptions == 0
     kv = engine.kv
     assert kv.num_free_blocks == kv.pool.num_blocks
+
+
+def test_a_prompt_that_needs_the_suspended_rows_blocks_has_the_pass_rolled_back(
+    demo_model_dir: Path,
+) -> None:
+    # Ten blocks: the batch's prompts take eight, the chat's needs three (the shared prefix's
+    # blocks are withheld while the pass is suspended). Rather than wait for the pass, the
+    # chat has it rolled back, and the next step preempts a batch line for it.
+    reference = _engine(demo_model_dir, num_kv_blocks=10)
+    expected = _run(reference, 0, set())
+    engine = _engine(demo_model_dir, num_kv_blocks=10)
+    assert _run(engine, 0, {0}) == expected
+    assert engine.num_yielded_steps == engine.num_rolled_back_steps == 1
+    assert engine.scheduler.num_preemptions > 0
+    assert engine.kv.num_free_blocks == engine.kv.pool.num_blocks
 
 
 def test_an_abort_of_a_suspended_row_waits_for_the_passs_end(demo_model_dir: Path) -> None:

@@ -183,19 +183,28 @@ def test_a_better_bands_first_step_runs_without_the_worse_bands_rows() -> None:
 
 def test_an_interim_step_runs_only_better_bands_prompts_and_preempts_nobody() -> None:
     # While a step of the batch's and the chat's rows is suspended (engine/give_way.py), the
-    # interim step takes in the better band's new prompt alone, and only in free blocks.
-    sched = make_scheduler("priority", num_blocks=8, budget=64)
+    # interim step takes in the better band's new prompts alone, past the sequence slots the
+    # suspended rows hold but only in free blocks.
+    sched = make_scheduler("priority", num_blocks=8, budget=64, max_seqs=2)
     add(sched, "chat", 4, key="B", first=500)
     add(sched, "batch", 11, key="A", priority=BATCH)
     run_step(sched.schedule())  # the chat's prompt alone
     suspended = sched.schedule()
-    assert admitted(suspended) == ["chat", "batch"]  # 5 of the 8 blocks
+    assert admitted(suspended) == ["chat", "batch"]  # both slots, 5 of the 8 blocks
     add(sched, "late-batch", 4, key="A", first=200, priority=BATCH)
     add(sched, "chat2", 8, key="B", first=600)
     add(sched, "chat3", 8, key="B", first=700)
     interim = sched.schedule_interim(suspended.scheduled, worst=BATCH)
     # chat2 fits the 3 free blocks; chat3 would need the suspended rows' blocks.
     assert [(r.request_id, n) for r, n in interim.scheduled] == [("chat2", 8)]
+    assert interim.needs_suspended_blocks
     assert not interim.preempted and sched.num_preemptions == 0
+    assert ids(sched.running) == ["chat", "chat2", "batch"]
     assert ids(list(sched.waiting)) == ["chat3", "late-batch"]
-    assert sched.schedule_interim(suspended.scheduled, worst=0).is_empty  # nothing better
+    nothing_better = sched.schedule_interim(suspended.scheduled, worst=0)
+    assert nothing_better.is_empty and not nothing_better.needs_suspended_blocks
+    # After the pass, the worse band gives back the slot it is over by.
+    run_step(suspended)
+    run_step(interim)
+    sched.schedule()
+    assert ids(sched.running) == ["chat", "chat2"]
