@@ -4,6 +4,7 @@ engine/frontend/offline.py."""
 
 from __future__ import annotations
 
+import functools
 import itertools
 import logging
 import math
@@ -57,7 +58,9 @@ class _Suspended:
     worst: int  # its rows' worst priority: interim steps run better bands' prompts only
     elapsed: float  # seconds spent on it so far (the step cost it is measured at)
     rows: set[Request] = field(init=False)
-    aborts: list[str] = field(default_factory=list)  # request ids, aborted at its end
+    # What must wait for its end: aborts of its rows (their blocks are its), adapter loads
+    # (the pool must hold still under it).
+    deferred: list[Callable[[], None]] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         self.rows = {request for request, _ in self.sched.scheduled}
@@ -268,12 +271,26 @@ class LLMEngine:
             self.sequences[child_id].request in suspended.rows
             for child_id in self.parents.get(request_id, [])
         ):
-            suspended.aborts.append(request_id)
+            suspended.deferred.append(functools.partial(self.abort, request_id))
             return
         for child_id in self.parents.pop(request_id, []):
             seq = self.sequences.pop(child_id)
             self._awaiting_grammar.pop(child_id, None)
             self.scheduler.finish(seq.request, RequestStatus.FINISHED_ABORTED)
+
+    def load_lora(self, lora: LoRARequest) -> None:
+        """Load an adapter into the pool now (a LoadLoRA message), or, while a suspended pass
+        runs on the pool's layout, when that pass ends; a failure is logged (a request naming
+        the adapter fails with the reason)."""
+        if self.lora is None:
+            return
+        if self._suspended is not None:
+            self._suspended.deferred.append(functools.partial(self.load_lora, lora))
+            return
+        try:
+            self.lora.load_now(lora)
+        except Exception:  # noqa: BLE001 - a request naming it fails with the reason
+            logger.exception("adapter %s did not load", lora.adapter_id)
 
     def fail_running(self) -> list[str]:
         """The last resort, after the step loop raised outside the forward pass (whose
@@ -373,7 +390,7 @@ class LLMEngine:
         except Exception as exc:  # noqa: BLE001 - fail the requests that cause it, alone
             self._suspended = None
             failed = self._fail_step(sched.scheduled, exc)
-            self._abort_deferred(suspended)
+            self._run_deferred(suspended)
             return failed
         self._suspended = None
         for request, num_new in sched.scheduled:
@@ -383,7 +400,7 @@ class LLMEngine:
             self._propose_drafts(self.speculative)
         elapsed = suspended.elapsed + time.perf_counter() - start
         self.scheduler.step_cost.observe(sched.num_batched_tokens, elapsed)
-        self._abort_deferred(suspended)
+        self._run_deferred(suspended)
         return updates
 
     def _roll_back_suspended(self, suspended: _Suspended) -> None:
@@ -392,12 +409,12 @@ class LLMEngine:
         self._suspended = None
         self.scheduler.roll_back(suspended.sched.scheduled)
         self.num_rolled_back_steps += 1
-        self._abort_deferred(suspended)
+        self._run_deferred(suspended)
 
-    def _abort_deferred(self, suspended: _Suspended) -> None:
-        """The aborts that waited for the suspended pass to end (their blocks were its)."""
-        for request_id in suspended.aborts:
-            self.abort(request_id)
+    def _run_deferred(self, suspended: _Suspended) -> None:
+        """What waited for the suspended pass to end."""
+        for action in suspended.deferred:
+            action()
 
     def _give_way(self, sched: SchedulerOutput) -> Callable[[], bool] | None:
         """Between its layers, may this step stop for a better band's request? Not when

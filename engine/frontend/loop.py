@@ -98,10 +98,6 @@ def apply_message(
         if engine.lora is not None:
             engine.lora.unload(message.adapter_id)
     elif isinstance(message, LoadLoRA):
-        if engine.lora is not None:
-            try:
-                engine.lora.load_now(message.lora)
-            except Exception:  # noqa: BLE001 - a request naming it fails with the reason
-                logger.exception("adapter %s did not load", message.lora.adapter_id)
+        engine.load_lora(message.lora)
     else:
         engine.abort(message.request_id)  # a no-op for a request that has finished

@@ -10,11 +10,14 @@ from __future__ import annotations
 
 import threading
 import time
+from collections.abc import Callable
 from multiprocessing import Pipe
 from pathlib import Path
 
 import pytest
 
+from adapters.peft import describe_base
+from adapters.registry import AdapterRegistry
 from engine import EngineConfig, LLMEngine, SamplingParams
 from engine.frontend.async_engine import AsyncEngine
 from engine.frontend.engine_main import _EngineLoop
@@ -222,3 +225,41 @@ def test_the_process_loops_inbox_thread_notes_a_request_off_the_pipe(
     assert not reader.is_alive()
     assert loop._inbox.get(timeout=1).request_id == "chat"
     assert loop._inbox.get(timeout=1) is None
+
+
+def test_an_adapter_load_waits_for_the_suspended_passs_end(
+    demo_model_dir: Path, demo_adapter: Callable[..., Path]
+) -> None:
+    # A load may move the resident adapters in the pool (compaction), under the offsets the
+    # suspended pass's adapted rows hold: it waits for the pass to end.
+    registry = AdapterRegistry(describe_base(demo_model_dir), max_lora_rank=16)
+    first = registry.register("first", demo_adapter(8, seed=31))
+    second = registry.register("second", demo_adapter(16, seed=32))
+    batch = [("b0", BATCH_PROMPTS["b0"], first), ("b2", BATCH_PROMPTS["b2"], None)]
+
+    def run(load_while_suspended: bool) -> tuple[LLMEngine, dict[str, list[int]]]:
+        config = EngineConfig(
+            model=str(demo_model_dir), num_kv_blocks=96, max_model_len=256, dtype="float32"
+        )
+        engine = LLMEngine(config, lora_loader=registry.loader)
+        engine.load_lora(first)  # resident, so that b0's rows are in the pass that gives way
+        for request_id, prompt, lora in batch:
+            engine.add(EngineRequest(request_id, prompt, GREEDY, lora=lora, priority=BATCH))
+        tokens: dict[str, list[int]] = {}
+        if load_while_suspended:
+            engine.arrivals.note(0)
+            assert engine.step() == [] and engine.num_yielded_steps == 1
+            engine.arrivals.clear()
+            assert engine._suspended is not None
+            assert {r.request_id for r in engine._suspended.rows} == {"b0", "b2"}
+            engine.load_lora(second)
+            assert engine.lora is not None and second.adapter_id not in engine.lora.slot_of
+        while engine.has_unfinished_requests():
+            for update in engine.step():
+                tokens.setdefault(update.request_id, []).extend(update.new_token_ids)
+        return engine, tokens
+
+    _, expected = run(load_while_suspended=False)
+    engine, tokens = run(load_while_suspended=True)
+    assert tokens == expected
+    assert engine.lora is not None and second.adapter_id in engine.lora.slot_of
