@@ -39,8 +39,9 @@ import random
 import subprocess
 import tempfile
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from pathlib import Path
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import numpy as np
 from openai import AsyncOpenAI
@@ -82,6 +83,19 @@ WORDS = [
 ]
 
 
+if TYPE_CHECKING:
+    from _typeshed import DataclassInstance
+
+Pooled = TypeVar("Pooled", bound="DataclassInstance")
+
+
+def _fieldwise_sum(a: Pooled, b: Pooled) -> Pooled:
+    """Two measurements as one: each field of `a` plus the same field of `b` (samples
+    concatenated, counts and seconds summed)."""
+    sums: list[Any] = [getattr(a, f.name) + getattr(b, f.name) for f in fields(a)]
+    return type(a)(*sums)
+
+
 @dataclass(slots=True)
 class Interactive:
     ttfts: list[float] = field(default_factory=list)
@@ -96,11 +110,7 @@ class Interactive:
         return float(p50), float(p95), float(p99)
 
     def __add__(self, other: Interactive) -> Interactive:
-        return Interactive(
-            self.ttfts + other.ttfts,
-            self.num_failed + other.num_failed,
-            self.num_tokens + other.num_tokens,
-        )
+        return _fieldwise_sum(self, other)
 
 
 @dataclass(slots=True)
@@ -115,12 +125,7 @@ class BatchRun:
         return self.num_tokens / self.seconds if self.seconds > 0 else 0.0
 
     def __add__(self, other: BatchRun) -> BatchRun:
-        return BatchRun(
-            self.seconds + other.seconds,
-            self.num_tokens + other.num_tokens,
-            self.completed + other.completed,
-            self.failed + other.failed,
-        )
+        return _fieldwise_sum(self, other)
 
 
 @dataclass(slots=True)
@@ -135,12 +140,7 @@ class Round:
     def __add__(self, other: Round) -> Round:
         """Both rounds as one: every request's TTFT in one sample, the batches' tokens over
         their seconds."""
-        return Round(
-            self.alone + other.alone,
-            self.beside + other.beside,
-            self.batch_alone + other.batch_alone,
-            self.batch_beside + other.batch_beside,
-        )
+        return _fieldwise_sum(self, other)
 
     @property
     def ratio_ttft(self) -> float | None:

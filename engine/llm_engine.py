@@ -328,15 +328,25 @@ class LLMEngine:
                 # grammar compile): give those threads the GIL instead of spinning.
                 time.sleep(0.001)
             return updates
-        give_way = self._give_way(sched)
         try:
-            sampled, sampler_out = self.runner.execute(sched, self.kv, give_way)
+            sampled, sampler_out = self.runner.execute(sched, self.kv, self._give_way(sched))
         except StepYielded as yielded:
             self._suspend(sched, yielded, time.perf_counter() - start)
             return updates
         except Exception as exc:  # noqa: BLE001 - fail the requests that cause it, alone
             return updates + self._fail_step(sched.scheduled, exc)
-        updates += self._complete(sched, sampled, sampler_out)
+        return updates + self._end_step(sched, sampled, sampler_out, start)
+
+    def _end_step(
+        self,
+        sched: SchedulerOutput,
+        sampled: list[Request],
+        sampler_out: SamplerOutput | None,
+        start: float,
+    ) -> list[SequenceUpdate]:
+        """A step's pass ended (begun at `start`, as perf_counter tells): its tokens appended,
+        drafts proposed for the next, its cost measured."""
+        updates = self._complete(sched, sampled, sampler_out)
         if self.speculative is not None:
             self._propose_drafts(self.speculative)
         self.scheduler.step_cost.observe(sched.num_batched_tokens, time.perf_counter() - start)
@@ -395,11 +405,8 @@ class LLMEngine:
         self._suspended = None
         for request, num_new in sched.scheduled:
             self.kv.publish_written(request, request.num_computed_tokens + num_new)
-        updates = self._complete(sched, sampled, sampler_out)
-        if self.speculative is not None:
-            self._propose_drafts(self.speculative)
-        elapsed = suspended.elapsed + time.perf_counter() - start
-        self.scheduler.step_cost.observe(sched.num_batched_tokens, elapsed)
+        # Measured at its own time: what it ran before and after the interim steps.
+        updates = self._end_step(sched, sampled, sampler_out, start - suspended.elapsed)
         self._run_deferred(suspended)
         return updates
 
