@@ -188,10 +188,14 @@ class LLMEngine:
         tenant's (its cache salt, fairness key and weight) is an EngineRequest for `add`."""
         return self.add(EngineRequest(request_id, prompt, params, lora))
 
-    def add(self, request: EngineRequest) -> list[int]:
+    def add(self, request: EngineRequest, received_at: float | None = None) -> list[int]:
         """Queue a request; returns its prompt token ids. Raises RequestRefused (a
         ValueError; ContextLengthExceeded, GuidedSpecError, ...) for a request that could
         never run, which the gateway answers with HTTP 400 and the refusal's code.
+
+        `received_at` (time.monotonic(), now if None): when the loop feeding the engine
+        received it, its arrival. A request that comes while a step runs is taken in when the
+        step ends or gives way; its queue time counts that wait too, as vLLM's does.
 
         The request's fairness key (a tenant) and weight (its share under contention,
         relative to other keys') steer the "fair" scheduling policy; requests without a
@@ -223,6 +227,8 @@ class LLMEngine:
             child = Request(
                 child_id, prompt_ids, child_params, eos, owner, priority=request.priority
             )
+            if received_at is not None:
+                child.arrival_time = received_at
             detok = IncrementalDetokenizer(
                 self.tokenizer, prompt_ids, child_params.stop, child_params.skip_special_tokens
             )

@@ -297,7 +297,11 @@ class Latency:
             histogram("time_to_first_token_seconds", "Time to first token."),
             histogram("inter_token_latency_seconds", "Time between tokens."),
             histogram("e2e_request_latency_seconds", "Request latency."),
-            histogram("request_queue_time_seconds", "Time waiting before first scheduled."),
+            histogram(
+                "request_queue_time_seconds",
+                "Time from the engine receiving a request to its first step (the step under"
+                " way when it came included).",
+            ),
         )
 
 

@@ -13,6 +13,7 @@ import asyncio
 import logging
 import queue
 import threading
+import time
 
 from engine.errors import EngineDead, StepFailed
 from engine.frontend.loop import (
@@ -37,7 +38,8 @@ class AsyncEngine(LoopClient):
         super().__init__(max_waiting, engine.config.max_num_seqs)
         self.engine = engine
         self._facts = engine_facts(engine)
-        self._inbox: queue.SimpleQueue[Inbound | None] = queue.SimpleQueue()
+        # What was submitted, with when (time.monotonic()); None: exit.
+        self._inbox: queue.SimpleQueue[tuple[Inbound, float] | None] = queue.SimpleQueue()
         self._thread: threading.Thread | None = None
 
     # -- lifecycle ----------------------------------------------------------------------------
@@ -66,7 +68,7 @@ class AsyncEngine(LoopClient):
     def _submit(self, message: Inbound) -> None:
         if isinstance(message, EngineRequest):  # a step of worse bands gives way to it
             self.engine.arrivals.note(message.priority)
-        self._inbox.put(message)
+        self._inbox.put((message, time.monotonic()))
 
     # -- the loop thread ----------------------------------------------------------------------
 
@@ -111,7 +113,7 @@ class AsyncEngine(LoopClient):
         while True:
             if item is None:
                 return False
-            apply_message(self.engine, item, self._refuse)
+            apply_message(self.engine, *item, self._refuse)
             try:
                 item = self._inbox.get_nowait()
             except queue.Empty:

@@ -146,8 +146,8 @@ class _EngineLoop:
         self.last_stats = 0.0
         # The loop's thread sends, and so do the grammar cache's compile threads (their answers).
         self._send_lock = threading.Lock()
-        # What the inbox thread read off the pipe; None: stop.
-        self._inbox: queue.SimpleQueue[Any] = queue.SimpleQueue()
+        # What the inbox thread read off the pipe, with when (time.monotonic()); None: stop.
+        self._inbox: queue.SimpleQueue[tuple[Any, float] | None] = queue.SimpleQueue()
 
     def run(self) -> None:
         engine = self.engine
@@ -178,11 +178,12 @@ class _EngineLoop:
         try:
             while True:
                 message = self.conn.recv()
+                if message is None:
+                    self._inbox.put(None)
+                    return
                 if isinstance(message, EngineRequest):
                     self.engine.arrivals.note(message.priority)
-                self._inbox.put(message)
-                if message is None:
-                    return
+                self._inbox.put((message, time.monotonic()))
         except (EOFError, OSError):  # the gateway is gone
             self._inbox.put(None)
 
@@ -191,18 +192,19 @@ class _EngineLoop:
         any came, False when told to stop)."""
         self.engine.arrivals.clear()  # what is queued is taken in now
         try:
-            message = self._inbox.get(timeout=wait)
+            item = self._inbox.get(timeout=wait)
         except queue.Empty:
             return False, True
         while True:
-            if message is None:
+            if item is None:
                 return True, False
+            message, received_at = item
             if isinstance(message, CompileGrammar):
                 self._compile(message)
             else:
-                apply_message(self.engine, message, self._refuse)
+                apply_message(self.engine, message, received_at, self._refuse)
             try:
-                message = self._inbox.get_nowait()
+                item = self._inbox.get_nowait()
             except queue.Empty:
                 return True, True
 

@@ -85,13 +85,17 @@ def finished_parents(engine: LLMEngine, updates: list[SequenceUpdate]) -> list[s
 
 
 def apply_message(
-    engine: LLMEngine, message: Inbound, refuse: Callable[[str, BaseException], None]
+    engine: LLMEngine,
+    message: Inbound,
+    received_at: float,
+    refuse: Callable[[str, BaseException], None],
 ) -> None:
-    """One message, applied on the loop; `refuse(request_id, exc)` reports a request the
-    engine would not take."""
+    """One message, applied on the loop; `received_at`: when the loop's side received it
+    (time.monotonic()), a request's arrival; `refuse(request_id, exc)` reports a request
+    the engine would not take."""
     if isinstance(message, EngineRequest):
         try:
-            engine.add(message)
+            engine.add(message, received_at)
         except Exception as exc:  # noqa: BLE001 - refused requests report to their caller
             refuse(message.request_id, exc)
     elif isinstance(message, UnloadLoRA):

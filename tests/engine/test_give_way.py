@@ -215,6 +215,7 @@ def test_the_process_loops_inbox_thread_notes_a_request_off_the_pipe(
     loop = _EngineLoop(engine, theirs)
     reader = threading.Thread(target=loop._read, daemon=True)
     reader.start()
+    sent = time.monotonic()
     ours.send(EngineRequest("chat", [5, 6], GREEDY))
     deadline = time.monotonic() + 10
     while engine.arrivals.best != 0 and time.monotonic() < deadline:
@@ -223,8 +224,30 @@ def test_the_process_loops_inbox_thread_notes_a_request_off_the_pipe(
     ours.close()  # the pipe's end reads as the stop message
     reader.join(10)
     assert not reader.is_alive()
-    assert loop._inbox.get(timeout=1).request_id == "chat"
+    item = loop._inbox.get(timeout=1)
+    assert item is not None
+    message, received_at = item
+    assert message.request_id == "chat"
+    assert sent <= received_at <= time.monotonic()  # its arrival, before any step takes it in
     assert loop._inbox.get(timeout=1) is None
+
+
+def test_a_requests_queue_time_counts_from_its_receipt_not_its_intake(
+    demo_model_dir: Path,
+) -> None:
+    """A request that came while a step ran is taken in when the step ends (or gives way):
+    its queue time, which /metrics shows as loragate:request_queue_time_seconds, counts
+    that wait too."""
+    engine = _engine(demo_model_dir)
+    received_at = time.monotonic() - 5.0  # as if a step of five seconds had been under way
+    engine.add(EngineRequest("late", [5, 6, 7], GREEDY), received_at)
+    engine.add(EngineRequest("now", [5, 6, 8], GREEDY))
+    firsts = {}
+    while engine.has_unfinished_requests():
+        for update in engine.step():
+            firsts.setdefault(update.request_id, update.queue_time)
+    assert firsts["late"] >= 5.0
+    assert firsts["now"] < 5.0
 
 
 def test_an_adapter_load_waits_for_the_suspended_passs_end(
