@@ -291,9 +291,9 @@ async def test_generate_passes_the_weight_to_the_engine_and_refuses_a_bad_one(
     seen = []
     add = core.add
 
-    def spy(request: EngineRequest) -> list[int]:
+    def spy(request: EngineRequest, received_at: float | None = None) -> list[int]:
         seen.append((request.fairness_key, request.fairness_weight))
-        return add(request)
+        return add(request, received_at)
 
     monkeypatch.setattr(core, "add", spy)
     client = AsyncEngine(core)
