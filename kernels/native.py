@@ -40,7 +40,8 @@ SOURCES = [
     _CSRC / "packed_weight.cpp",
     _CSRC / "panel_linear.cpp",
 ]
-HEADERS = [_CSRC / "simd.h", _CSRC / "decode_attention_bf16.h", _CSRC / "lora_avx512.h"]
+# Every header: a change to one rebuilds the kernels as a change to a source does.
+HEADERS = sorted(_CSRC.glob("*.h"))
 OPS = (
     "decode_attention",
     "prefill_attention",

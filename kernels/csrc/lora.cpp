@@ -15,7 +15,9 @@
 // The cost is each run's rows times its own rank, whatever the number of distinct adapters.
 // A run of many rows (a prompt chunk) is two GEMMs through ATen (oneDNN, AMX for bf16); short
 // runs (decode rows, one or two per adapter) are too small for a GEMM's setup and go to
-// vectorized loops. The threads take runs as they finish the last one.
+// vectorized loops. Where the CPU has AMX, bfloat16 runs of many rows go to tiles of our own
+// instead (lora_amx.h), in pieces of at most kPieceRows rows. The threads take runs (and
+// pieces) as they finish the last one.
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -26,6 +28,7 @@
 #include <atomic>
 #include <vector>
 
+#include "lora_amx.h"
 #include "lora_avx512.h"
 #include "simd.h"
 
@@ -42,6 +45,9 @@ inline int64_t gemm_rows(at::ScalarType dtype) { return dtype == at::kBFloat16 ?
 // The loop path keeps a run's shrunk activations on the stack.
 constexpr int64_t kMaxLoopRows = 15;
 constexpr int64_t kMaxWidth = 1024;
+// A long run on tiles is cut into pieces that the threads share: long enough that repacking
+// the adapter for a piece (once per run and thread) is small beside the piece's work.
+constexpr int64_t kPieceRows = 128;
 
 struct Segment {
   int64_t k0, k1, c0, c1;
@@ -145,6 +151,48 @@ void run_gemm(at::Tensor& y, const at::Tensor& x, const at::Tensor& pool_a,
   y.narrow(0, start, rows).addmm_(shrunk, pool_b.narrow(0, v.offset, v.width));
 }
 
+// A run, or a piece of one on tiles: rows [start, end) under runs[run]'s slot.
+struct Task {
+  int64_t run, start, end;
+};
+
+// Numbers the calls, so that a thread's repacked adapter is never taken from an earlier
+// call (the pool's rows may hold another adapter by then).
+std::atomic<uint64_t> next_call{1};
+
+#ifdef LORAGATE_HAVE_AMX_BF16
+bool tiles_here(const at::Tensor& x) {
+  return x.scalar_type() == at::kBFloat16 && lora_tiles_fit(x.size(1)) && amx_permitted();
+}
+
+void run_tiles(at::Tensor& y, const at::Tensor& x, const at::Tensor& pool_a,
+               const at::Tensor& pool_b, const SlotView& v, int64_t start, int64_t rows,
+               uint64_t call, bool& configured) {
+  thread_local LoRATileBuffers buffers;
+  if (!configured) {
+    configure_lora_tiles();
+    configured = true;
+  }
+  const int64_t in = x.size(1), out = y.size(1);
+  lora_run_amx(y.data_ptr<c10::BFloat16>() + start * y.stride(0), y.stride(0),
+               x.data_ptr<c10::BFloat16>() + start * x.stride(0), x.stride(0), rows,
+               pool_a.data_ptr<c10::BFloat16>() + v.offset * in,
+               pool_b.data_ptr<c10::BFloat16>() + v.offset * out, v.width, in, out, call,
+               buffers);
+}
+
+void release_tiles(bool configured) {
+  if (configured) _tile_release();
+}
+#else
+bool tiles_here(const at::Tensor&) { return false; }
+void run_tiles(at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
+               const SlotView&, int64_t, int64_t, uint64_t, bool&) {
+  TORCH_CHECK(false, "add_lora_sgmv: built without AMX tiles");
+}
+void release_tiles(bool) {}
+#endif
+
 void add_lora_sgmv(at::Tensor y, const at::Tensor& x, const at::Tensor& pool_a,
                    const at::Tensor& pool_b, const at::Tensor& runs, const at::Tensor& table) {
   TORCH_CHECK(x.dim() == 2 && y.dim() == 2 && x.size(0) == y.size(0), "add_lora_sgmv: x/y rows");
@@ -184,43 +232,57 @@ void add_lora_sgmv(at::Tensor y, const at::Tensor& x, const at::Tensor& pool_a,
       looped[i] = 1;
     }
   }
-  // GEMM runs first, longest first, then the loops: the workers take the next one as they
-  // finish, so a step's prompt runs and decode rows share the threads.
-  std::vector<int64_t> tasks;
-  for (int64_t i = 0; i < num_runs; ++i)
-    if (views[i].width > 0 && !looped[i]) tasks.push_back(i);
-  std::sort(tasks.begin(), tasks.end(), [&](int64_t a, int64_t b) {
-    return run[3 * a + 2] - run[3 * a + 1] > run[3 * b + 2] - run[3 * b + 1];
-  });
+  // Runs on tiles are cut into pieces; GEMM runs (or pieces) first, longest first, then the
+  // loops: the workers take the next one as they finish, so a step's prompt runs and decode
+  // rows share the threads.
+  const bool tiles = tiles_here(x);
+  std::vector<Task> tasks;
+  for (int64_t i = 0; i < num_runs; ++i) {
+    if (views[i].width == 0 || looped[i]) continue;
+    const int64_t start = run[3 * i + 1], end = run[3 * i + 2];
+    const int64_t piece = tiles ? kPieceRows : end - start;
+    for (int64_t s = start; s < end; s += piece) tasks.push_back({i, s, std::min(end, s + piece)});
+  }
+  std::stable_sort(tasks.begin(), tasks.end(),
+                   [](const Task& a, const Task& b) { return a.end - a.start > b.end - b.start; });
   const size_t num_gemms = tasks.size();
-  tasks.insert(tasks.end(), loops.begin(), loops.end());
-  auto task = [&](int64_t i) {
-    const int64_t start = run[3 * i + 1], n = run[3 * i + 2] - start;
-    if (!looped[i]) {
-      run_gemm(y, x, pool_a, pool_b, views[i], start, n);
-    } else if (x.scalar_type() == at::kFloat) {
-      run_loop<float>(y, x, pool_a.data_ptr<float>(), pool_b.data_ptr<float>(), views[i], start,
-                      n);
+  for (int64_t i : loops) tasks.push_back({i, run[3 * i + 1], run[3 * i + 2]});
+  const uint64_t call = next_call++;
+  auto task = [&](const Task& t, bool& configured) {
+    const SlotView& v = views[t.run];
+    const int64_t n = t.end - t.start;
+    if (looped[t.run]) {
+      if (x.scalar_type() == at::kFloat)
+        run_loop<float>(y, x, pool_a.data_ptr<float>(), pool_b.data_ptr<float>(), v, t.start, n);
+      else
+        run_loop<c10::BFloat16>(y, x, pool_a.data_ptr<c10::BFloat16>(),
+                                pool_b.data_ptr<c10::BFloat16>(), v, t.start, n);
+    } else if (tiles) {
+      run_tiles(y, x, pool_a, pool_b, v, t.start, n, call, configured);
     } else {
-      run_loop<c10::BFloat16>(y, x, pool_a.data_ptr<c10::BFloat16>(),
-                              pool_b.data_ptr<c10::BFloat16>(), views[i], start, n);
+      run_gemm(y, x, pool_a, pool_b, v, t.start, n);
     }
   };
-  // A lone prompt run is one GEMM pair that threads itself; several are each too small to
-  // (oneDNN's bf16 GEMM costs ~25 us below a few hundred rows), so they run side by side.
+  // A lone prompt run through oneDNN is one GEMM pair that threads itself; several are each
+  // too small to (oneDNN's bf16 GEMM costs ~25 us below a few hundred rows), so they run side
+  // by side, as tiles' pieces do.
   const int64_t workers = std::min<int64_t>(at::get_num_threads(), tasks.size());
-  if (workers <= 1 || (num_gemms == 1 && tasks.size() == 1)) {
-    for (int64_t i : tasks) task(i);
+  if (workers <= 1 || (!tiles && num_gemms == 1 && tasks.size() == 1)) {
+    bool configured = false;
+    for (const Task& t : tasks) task(t, configured);
+    release_tiles(configured);
     return;
   }
-  // Runs are disjoint rows of y: each worker takes whole runs. The GEMMs' ATen calls need
-  // the caller's thread-local state (inference mode: y may be an inference tensor).
+  // Runs are disjoint rows of y: each worker takes whole runs or pieces. The GEMMs' ATen
+  // calls need the caller's thread-local state (inference mode: y may be an inference tensor).
   std::atomic<size_t> next{0};
   const at::ThreadLocalState caller;
   at::parallel_for(0, workers, 1, [&](int64_t begin, int64_t stop) {
     const at::ThreadLocalStateGuard guard(caller);
+    bool configured = false;
     for (int64_t w = begin; w < stop; ++w)
-      for (size_t k = next++; k < tasks.size(); k = next++) task(tasks[k]);
+      for (size_t k = next++; k < tasks.size(); k = next++) task(tasks[k], configured);
+    release_tiles(configured);
   });
 }
 

@@ -21,12 +21,11 @@
 //   tmm7: 16 keys' values (8 pairs) for 16 dimensions.
 #pragma once
 
-#if defined(LORAGATE_HAVE_AVX512_BF16) && defined(__AMX_TILE__) && defined(__AMX_BF16__)
-#define LORAGATE_HAVE_AMX_BF16 1
+#include "amx.h"
+
+#ifdef LORAGATE_HAVE_AMX_BF16
 
 #include <immintrin.h>
-#include <sys/syscall.h>
-#include <unistd.h>
 
 #include <cstdint>
 #include <algorithm>
@@ -38,23 +37,6 @@
 #include "simd.h"
 
 namespace loragate {
-
-// Linux hands a process the tiles' 8 KB of state only when it asks (since 5.16).
-inline bool amx_permitted() {
-  static const bool permitted = [] {
-    constexpr int kReqXcompPerm = 0x1023, kXfeatureXtiledata = 18;
-    return syscall(SYS_arch_prctl, kReqXcompPerm, kXfeatureXtiledata) == 0;
-  }();
-  return permitted;
-}
-
-struct alignas(64) TileConfig {
-  uint8_t palette = 1;
-  uint8_t start_row = 0;
-  uint8_t reserved[14] = {};
-  uint16_t colsb[16] = {};
-  uint8_t rows[16] = {};
-};
 
 inline void configure_prefill_tiles() {
   TileConfig config;

@@ -150,3 +150,24 @@ def test_bad_runs_and_tables_are_refused_before_anything_is_written(
     with pytest.raises(RuntimeError, match=message):
         torch.ops.loragate.add_lora_sgmv(y, torch.zeros(4, IN), a, b, torch.tensor(runs), table)
     assert y.eq(0).all()
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_long_runs_in_pieces_match_the_specification(dtype: torch.dtype, threads: int) -> None:
+    """Prompt runs (bfloat16 on AMX tiles where the CPU has them, cut in pieces the threads
+    share): hundreds of rows, a last piece and a last block of 32 rows that are short, widths
+    of 24 to 192 rows of the pool (one tile pass to six), a run that ends at x's last row, and
+    output columns that are not a multiple of the tiles' 32."""
+    ranks = [8, 64, 32, 16]
+    modules = [[0, 1, 2], [0, 1, 2], [1, 2], [0]]
+    a, b, table, offsets, widths = pool(ranks, modules, dtype)
+    runs = [(1, 0, 300), (0, 300, 317), (3, 317, 320), (2, 320, 461)]
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(461, IN, generator=g).to(dtype)
+    base = torch.randn(461, OUT, generator=g).to(dtype)
+    expected = reference(base, x, a, b, runs, offsets, widths)
+    got = base.clone()
+    torch.ops.loragate.add_lora_sgmv(got, x, a, b, torch.tensor(runs), table)
+    tol = {torch.float32: 1e-5, torch.bfloat16: 2e-2}[dtype]
+    scale = float(expected.float().abs().max())
+    torch.testing.assert_close(got, expected, rtol=tol, atol=tol * scale)
