@@ -10,7 +10,8 @@
 // query and out [rows, heads, head_dim] with head_dim contiguous. float32 or bfloat16, all
 // four alike; bfloat16 is widened as it is read, and everything is computed in float32
 // (scores, softmax, the weighted sum) and rounded once into `out`. On CPUs with AVX-512 BF16,
-// bfloat16 at head_dim 64 or 128 takes decode_attention_bf16.h's path instead.
+// bfloat16 at head_dim 64 or 128 takes decode_attention_bf16.h's path instead, and with AMX
+// a whole tile of queries behind a shared prefix takes decode_attention_amx.h's cascade.
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -24,6 +25,7 @@
 #include <type_traits>
 #include <vector>
 
+#include "decode_attention_amx.h"
 #include "decode_attention_bf16.h"
 #include "simd.h"
 
@@ -246,6 +248,14 @@ void decode_attention(const at::Tensor& query, const at::Tensor& key_cache,
   const float fscale = static_cast<float>(scale);
 #ifdef LORAGATE_HAVE_AVX512_BF16
   if (dtype == at::kBFloat16 && (dim == 64 || dim == 128) && block_size % 2 == 0) {
+#ifdef LORAGATE_HAVE_AMX_BF16
+    if (cascade_on_tiles(query.size(0), query.size(1) / kv_heads, num_shared, block_size)) {
+      auto cascade = dim == 64 ? attend_cascade_amx<64> : attend_cascade_amx<128>;
+      cascade(query, key_cache, value_cache, shared_ids, num_shared, tail_tables, seq_lens,
+              fscale, out);
+      return;
+    }
+#endif
     auto attend = dim == 64 ? attend_bf16<64> : attend_bf16<128>;
     attend(query, key_cache, value_cache, shared_ids, num_shared, tail_tables, seq_lens, fscale,
            out);

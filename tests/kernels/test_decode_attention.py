@@ -182,6 +182,13 @@ def test_bad_tables_are_refused_not_read(
         ([3, 300, 1031], 0, 64, 8, 1, 16),  # every query head on one kv head, odd lengths
         ([33, 95, 200], 64, 64, 9, 3, 32),  # SmolLM2's heads; blocks of 32: two key tiles each
         ([7, 20], 0, 64, 4, 2, 5),  # an odd block size: the generic loops
+        # Behind a shared prefix with a tile of queries or more: AMX's cascade where the CPU
+        # has it. W2's shape (16 rows of SmolLM2's heads, behind 256 tokens here); head_dim 128
+        # with a prefix of three key tiles (padded to 64 keys) and a row that is all prefix;
+        # blocks of 32 and 21 queries (a partial tile).
+        ([257 + 7 * i for i in range(16)], 256, 64, 9, 3, 16),
+        ([48, 49, 60, 80, 100, 130, 48, 200], 48, 128, 8, 2, 16),
+        ([70] * 6 + [33], 32, 64, 6, 2, 32),
     ],
 )
 def test_bfloat16_computes_in_float32(
