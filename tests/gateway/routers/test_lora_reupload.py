@@ -118,12 +118,16 @@ class Streams:
         return text, finish_reason
 
     def wait_started(self) -> None:
-        """Until every stream has its first tokens (or one of them failed)."""
+        """Until every stream has its first tokens (or one of them failed). A stream that
+        already finished has started; the others may still be waiting for theirs (sixteen
+        client threads on two cores), so an early finish is not a reason to stop waiting."""
+
+        def failed(f: Future[tuple[str, str | None]]) -> bool:
+            return f.done() and f.exception() is not None
+
         with self._started:
             started = self._started.wait_for(
-                lambda: (
-                    self._num_started == len(self._futures) or any(f.done() for f in self._futures)
-                ),
+                lambda: self._num_started == len(self._futures) or any(map(failed, self._futures)),
                 timeout=120,
             )
         assert started and self._num_started == len(self._futures), self._num_started
