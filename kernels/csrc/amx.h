@@ -33,6 +33,21 @@ struct alignas(64) TileConfig {
   uint8_t rows[16] = {};
 };
 
+// Every tile 16 rows of 64 bytes: 16 x 32 bf16 operands, 16 x 16 float32 sums (what the
+// LoRA runs and the decode cascade use; prefill attention has a layout of its own).
+inline void configure_tiles_16x64() {
+  TileConfig config;
+  for (int t = 0; t < 8; ++t) {
+    config.rows[t] = 16;
+    config.colsb[t] = 64;
+  }
+  _tile_loadconfig(&config);
+}
+
+inline int64_t round_up(int64_t n, int64_t multiple) {
+  return (n + multiple - 1) / multiple * multiple;
+}
+
 }  // namespace loragate
 
 #endif

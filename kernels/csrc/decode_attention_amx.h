@@ -47,17 +47,6 @@ inline bool cascade_on_tiles(int64_t rows, int64_t per_kv, int64_t num_shared, i
   return num_shared > 0 && block_size % 16 == 0 && rows * per_kv >= 16 && amx_permitted();
 }
 
-inline void configure_cascade_tiles() {
-  TileConfig config;
-  for (int t = 0; t < 8; ++t) {
-    config.rows[t] = 16;
-    config.colsb[t] = 64;
-  }
-  _tile_loadconfig(&config);
-}
-
-inline int64_t round_up16(int64_t n, int64_t m) { return (n + m - 1) / m * m; }
-
 // Adds 16 probabilities' rows (tmm0) times key pairs' values for 16 dimensions to sums
 // `acc`, the values' tile loaded into `b`.
 #define LORAGATE_CASCADE_VALUES(acc, b, values, stride) \
@@ -87,11 +76,11 @@ void attend_cascade_amx(const at::Tensor& query, const at::Tensor& key_cache,
     max_len = std::max(max_len, lens[r]);
   }
   const int64_t line = max_len / 16 * 16 + 16;  // as attend_bf16's, >= the prefix to 32 keys
-  const int64_t nq = rows * per_kv, nq16 = round_up16(nq, 16);
-  const int64_t key_tiles = shared_len / 16, shared32 = round_up16(shared_len, 32);
+  const int64_t nq = rows * per_kv, nq16 = round_up(nq, 16);
+  const int64_t key_tiles = shared_len / 16, shared32 = round_up(shared_len, 32);
   // A query's probabilities, the prefix's first (pass 4's tile operand, read to a whole 32
   // keys: the values' pairs past the prefix are zero), then its own blocks'.
-  const int64_t line32 = round_up16(max_len + 1, 32);
+  const int64_t line32 = round_up(max_len + 1, 32);
 
   const bf16* q_base = query.data_ptr<bf16>();
   bf16* o_base = out.data_ptr<bf16>();
@@ -165,7 +154,7 @@ void attend_cascade_amx(const at::Tensor& query, const at::Tensor& key_cache,
   // 2. The prefix's scores, unscaled (pass 3 scales every score as it takes its exp).
   const int64_t q_tiles = nq16 / 16;
   at::parallel_for(0, kv_heads * q_tiles, 1, [&](int64_t begin, int64_t end) {
-    configure_cascade_tiles();
+    configure_tiles_16x64();
     for (int64_t task = begin; task < end; ++task) {
       const int64_t g = task / q_tiles, qt = task % q_tiles;
       const bf16* qtile = qp + (g * nq16 + qt * 16) * kDim;
@@ -196,7 +185,6 @@ void attend_cascade_amx(const at::Tensor& query, const at::Tensor& key_cache,
     thread_local std::vector<__m512bh> q;
     grow(q, per_kv * kChunks);
     __m512i pairs[8 * kVecs];
-    alignas(64) float o[kDim];
     for (int64_t task = begin; task < end; ++task) {
       const int64_t g = task / rows, r = task % rows, len = lens[r];
       const int64_t own_len = len - shared_len;
@@ -208,17 +196,10 @@ void attend_cascade_amx(const at::Tensor& query, const at::Tensor& key_cache,
       for (int64_t h = 0; h < per_kv; ++h)
         for (int i = 0; i < kChunks; ++i)
           q[h * kChunks + i] = load_bf16x32(q_base + r * q_row + (g * per_kv + h) * q_head + 32 * i);
-      for (int64_t b = 0; b < own_blocks; ++b) {
-        const bf16* k = block(k_base, b);
-        const int64_t n = std::min(block_size, own_len - b * block_size);
-        for (int64_t h = 0; h < per_kv; ++h)
-          for (int64_t j = 0; j < n; j += 16) {
-            const int64_t m = std::min<int64_t>(16, n - j);
-            _mm512_mask_storeu_ps(sp + (first + h) * line + len - own_len + b * block_size + j,
-                                  static_cast<__mmask16>((1u << m) - 1),
-                                  scores16<kDim>(q.data() + h * kChunks, k + j * kDim, m, 1.f));
-          }
-      }
+      for (int64_t b = 0; b < own_blocks; ++b)
+        block_scores16<kDim>(q.data(), per_kv, block(k_base, b),
+                             std::min(block_size, own_len - b * block_size), 1.f,
+                             sp + first * line + shared_len + b * block_size, line);
       for (int64_t h = 0; h < per_kv; ++h)  // zeros past len: the odd last key's partner
         su[first + h] = softmax_weights(sp + (first + h) * line, pp + (first + h) * line32, len,
                                         line32, scale);
@@ -226,25 +207,10 @@ void attend_cascade_amx(const at::Tensor& query, const at::Tensor& key_cache,
       for (int64_t h0 = 0; h0 < per_kv; h0 += 4) {
         const int64_t hn = std::min<int64_t>(4, per_kv - h0);
         for (int i = 0; i < kVecs * 4; ++i) acc[i] = _mm512_setzero_ps();
-        for (int64_t b = 0; b < own_blocks; ++b) {
-          const bf16* values = block(v_base, b);
-          const int64_t n = std::min(block_size, own_len - b * block_size);
-          for (int64_t j = 0; j < n; j += 16) {
-            const int64_t m = std::min<int64_t>(16, n - j);
-            interleave_pairs<kDim>(values + j * kDim, m, pairs);
-            for (int64_t h = 0; h < hn; ++h) {
-              const bf16* p = pp + (first + h0 + h) * line32 + shared_len + b * block_size + j;
-              for (int64_t t = 0; t < (m + 1) / 2; ++t) {
-                uint32_t w;
-                __builtin_memcpy(&w, p + 2 * t, sizeof(w));
-                const __m512bh weights = (__m512bh)_mm512_set1_epi32(static_cast<int>(w));
-                for (int i = 0; i < kVecs; ++i)
-                  acc[h * kVecs + i] =
-                      _mm512_dpbf16_ps(acc[h * kVecs + i], weights, (__m512bh)pairs[t * kVecs + i]);
-              }
-            }
-          }
-        }
+        for (int64_t b = 0; b < own_blocks; ++b)
+          block_values16<kDim>(block(v_base, b), std::min(block_size, own_len - b * block_size),
+                               pp + (first + h0) * line32 + shared_len + b * block_size, line32,
+                               hn, pairs, acc);
         for (int64_t h = 0; h < hn; ++h) unpermute<kDim>(acc + h * kVecs, op + (first + h0 + h) * kDim);
       }
     }
@@ -252,7 +218,7 @@ void attend_cascade_amx(const at::Tensor& query, const at::Tensor& key_cache,
 
   // 4. The prefix's weighted sums, added to the rows' own, divided by the sums.
   at::parallel_for(0, kv_heads * q_tiles, 1, [&](int64_t begin, int64_t end) {
-    configure_cascade_tiles();
+    configure_tiles_16x64();
     alignas(64) float weighted[16 * kDim];
     for (int64_t task = begin; task < end; ++task) {
       const int64_t g = task / q_tiles, qt = task % q_tiles;

@@ -99,6 +99,43 @@ inline void unpermute(const __m512* acc, float* o) {
       }
 }
 
+// The scores of `heads` query heads (q: kDim / 32 vectors each) over a block's n keys,
+// scaled: head h's at scores + h * line, sixteen keys at a time.
+template <int kDim>
+inline void block_scores16(const __m512bh* q, int64_t heads, const c10::BFloat16* keys, int64_t n,
+                           float scale, float* scores, int64_t line) {
+  for (int64_t h = 0; h < heads; ++h)
+    for (int64_t j = 0; j < n; j += 16) {
+      const int64_t m = std::min<int64_t>(16, n - j);
+      _mm512_mask_storeu_ps(scores + h * line + j, static_cast<__mmask16>((1u << m) - 1),
+                            scores16<kDim>(q + h * (kDim / 32), keys + j * kDim, m, scale));
+    }
+}
+
+// acc[h * kDim / 16 ...] += a block's n values weighed by head h's bf16 probabilities (at
+// probs + h * line; the odd last key's partner reads as a zero weight), `heads` <= 4 heads,
+// sixteen keys at a time interleaved in pairs into `pairs`.
+template <int kDim>
+inline void block_values16(const c10::BFloat16* values, int64_t n, const c10::BFloat16* probs,
+                           int64_t line, int64_t heads, __m512i* pairs, __m512* acc) {
+  constexpr int kVecs = kDim / 16;
+  for (int64_t j = 0; j < n; j += 16) {
+    const int64_t m = std::min<int64_t>(16, n - j);
+    interleave_pairs<kDim>(values + j * kDim, m, pairs);
+    for (int64_t h = 0; h < heads; ++h) {
+      const c10::BFloat16* p = probs + h * line + j;
+      for (int64_t t = 0; t < (m + 1) / 2; ++t) {
+        uint32_t w;
+        __builtin_memcpy(&w, p + 2 * t, sizeof(w));
+        const __m512bh weights = (__m512bh)_mm512_set1_epi32(static_cast<int>(w));
+        for (int i = 0; i < kVecs; ++i)
+          acc[h * kVecs + i] =
+              _mm512_dpbf16_ps(acc[h * kVecs + i], weights, (__m512bh)pairs[t * kVecs + i]);
+      }
+    }
+  }
+}
+
 // Each task is one (kv head, row), in two streaming passes over the row's blocks: the keys
 // (scores of all its query heads into a row-long line each, then the softmax over the
 // line), then the values (interleaved in pairs sixteen keys at a time, in registers, and
@@ -167,13 +204,7 @@ void attend_bf16(const at::Tensor& query, const at::Tensor& key_cache,
           q[h * kChunks + i] =
               load_bf16x32(q_base + r * q_row + (g * per_kv + h) * q_head + 32 * i);
       stream(k_base, [&](const bf16* keys, int64_t pos, int64_t n) {
-        for (int64_t h = 0; h < per_kv; ++h)
-          for (int64_t j = 0; j < n; j += 16) {
-            const int64_t m = std::min<int64_t>(16, n - j);
-            _mm512_mask_storeu_ps(scores.data() + h * line + pos + j,
-                                  static_cast<__mmask16>((1u << m) - 1),
-                                  scores16<kDim>(q.data() + h * kChunks, keys + j * kDim, m, scale));
-          }
+        block_scores16<kDim>(q.data(), per_kv, keys, n, scale, scores.data() + pos, line);
       });
       for (int64_t h = 0; h < per_kv; ++h) {
         float* s = scores.data() + h * line;
@@ -187,21 +218,7 @@ void attend_bf16(const at::Tensor& query, const at::Tensor& key_cache,
         const int64_t hn = std::min<int64_t>(4, per_kv - h0);
         for (int i = 0; i < kVecs * 4; ++i) acc[i] = _mm512_setzero_ps();
         stream(v_base, [&](const bf16* values, int64_t pos, int64_t n) {
-          for (int64_t j = 0; j < n; j += 16) {
-            const int64_t m = std::min<int64_t>(16, n - j);
-            interleave_pairs<kDim>(values + j * kDim, m, pairs);
-            for (int64_t h = 0; h < hn; ++h) {
-              const bf16* p = probs.data() + (h0 + h) * line + pos + j;
-              for (int64_t t = 0; t < (m + 1) / 2; ++t) {
-                uint32_t w;
-                __builtin_memcpy(&w, p + 2 * t, sizeof(w));
-                const __m512bh weights = (__m512bh)_mm512_set1_epi32(static_cast<int>(w));
-                for (int i = 0; i < kVecs; ++i)
-                  acc[h * kVecs + i] =
-                      _mm512_dpbf16_ps(acc[h * kVecs + i], weights, (__m512bh)pairs[t * kVecs + i]);
-              }
-            }
-          }
+          block_values16<kDim>(values, n, probs.data() + h0 * line + pos, line, hn, pairs, acc);
         });
         for (int64_t h = 0; h < hn; ++h) {
           unpermute<kDim>(acc + h * kVecs, o);

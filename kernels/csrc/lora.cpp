@@ -170,7 +170,7 @@ void run_tiles(at::Tensor& y, const at::Tensor& x, const at::Tensor& pool_a,
                uint64_t call, bool& configured) {
   thread_local LoRATileBuffers buffers;
   if (!configured) {
-    configure_lora_tiles();
+    configure_tiles_16x64();
     configured = true;
   }
   const int64_t in = x.size(1), out = y.size(1);

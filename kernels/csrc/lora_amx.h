@@ -20,6 +20,7 @@
 #pragma once
 
 #include "amx.h"
+#include "lora_avx512.h"  // load16, store16
 
 #ifdef LORAGATE_HAVE_AMX_BF16
 
@@ -36,19 +37,8 @@ namespace loragate {
 
 constexpr int64_t kTileRows = 16;
 
-inline void configure_lora_tiles() {
-  TileConfig config;
-  for (int t = 0; t < 8; ++t) {
-    config.rows[t] = kTileRows;
-    config.colsb[t] = 64;
-  }
-  _tile_loadconfig(&config);
-}
-
 // Whether a linear's runs can take the tiles: x's rows are read 32 inputs a tile.
 inline bool lora_tiles_fit(int64_t in) { return in % 32 == 0; }
-
-inline int64_t round_up(int64_t n, int64_t m) { return (n + m - 1) / m * m; }
 
 struct LoRATileBuffers {
   // What a_pairs and b_pairs hold: the call (its number) and the adapter's rows.
@@ -99,8 +89,30 @@ inline void pair_b(const c10::BFloat16* b, int64_t width, int64_t out, int64_t w
   }
 }
 
-// Adds the float32 sums of one 16 x 16 tile product pair to `sums` ([32][32], 128-byte
-// rows): tmm4-7 hold rows 0-15 x columns 0-15, 0-15 x 16-31, 16-31 x 0-15, 16-31 x 16-31.
+// tmm4-7 = a 32 x 32 block of A @ B over `steps` chunks of 32 of the reduction: A's two
+// 16-row tiles at a and a + 16 * a_row (elements), chunk k 32 elements on; B's two 16-column
+// tiles of pairs at b and b + 16 (rows b_row dwords apart), chunk k 16 * b_row dwords on.
+inline void product_block(const c10::BFloat16* a, int64_t a_row, const uint32_t* b,
+                          int64_t b_row, int64_t steps) {
+  _tile_zero(4);
+  _tile_zero(5);
+  _tile_zero(6);
+  _tile_zero(7);
+  for (int64_t k = 0; k < steps; ++k) {
+    _tile_loadd(0, a + 32 * k, a_row * sizeof(c10::BFloat16));
+    _tile_loadd(1, a + kTileRows * a_row + 32 * k, a_row * sizeof(c10::BFloat16));
+    const uint32_t* bk = b + 16 * k * b_row;
+    _tile_loadd(2, bk, b_row * sizeof(uint32_t));
+    _tile_loadd(3, bk + 16, b_row * sizeof(uint32_t));
+    _tile_dpbf16ps(4, 0, 2);
+    _tile_dpbf16ps(5, 0, 3);
+    _tile_dpbf16ps(6, 1, 2);
+    _tile_dpbf16ps(7, 1, 3);
+  }
+}
+
+// The block's sums into `sums` ([32][32], 128-byte rows): tmm4-7 hold rows 0-15 x columns
+// 0-15, 0-15 x 16-31, 16-31 x 0-15, 16-31 x 16-31.
 inline void store_block(float* sums) {
   _tile_stored(4, sums, 32 * sizeof(float));
   _tile_stored(5, sums + 16, 32 * sizeof(float));
@@ -109,7 +121,7 @@ inline void store_block(float* sums) {
 }
 
 // y[0:rows] += bf16(x[0:rows] @ a.T) @ b for a slot of `width` rows; the caller has
-// configured the tiles (configure_lora_tiles) on this thread. 32 rows by 32 columns at a
+// configured the tiles (configure_tiles_16x64) on this thread. 32 rows by 32 columns at a
 // time: four accumulators, so that a tile product never waits for the one before it (a
 // chain of them into one tile runs at their latency, three times their throughput).
 inline void lora_run_amx(c10::BFloat16* y, int64_t y_stride, const c10::BFloat16* x,
@@ -133,74 +145,37 @@ inline void lora_run_amx(c10::BFloat16* y, int64_t y_stride, const c10::BFloat16
   const uint32_t* a_pairs = buf.a_pairs.data();
   const uint32_t* b_pairs = buf.b_pairs.data();
   alignas(64) float sums[kBlock * 32];
-  const int64_t x_bytes = x_stride * sizeof(c10::BFloat16);
   for (int64_t r0 = 0; r0 < rows; r0 += kBlock) {
     const int64_t m = std::min(kBlock, rows - r0);
     // A short last block reads its rows from a zero-padded copy: past the run lie other
     // runs' rows, or the end of x.
     const c10::BFloat16* xs = x + r0 * x_stride;
-    int64_t xs_bytes = x_bytes, xs_rows = x_stride;
+    int64_t xs_rows = x_stride;
     if (m < kBlock) {
       buf.x_tail.assign(kBlock * in, c10::BFloat16(0.f));
       for (int64_t i = 0; i < m; ++i)
         std::memcpy(buf.x_tail.data() + i * in, xs + i * x_stride, in * sizeof(c10::BFloat16));
       xs = buf.x_tail.data();
-      xs_bytes = in * sizeof(c10::BFloat16);
       xs_rows = in;
     }
     for (int64_t j = 0; j < width32; j += 32) {
-      _tile_zero(4);
-      _tile_zero(5);
-      _tile_zero(6);
-      _tile_zero(7);
-      for (int64_t k = 0; k < in; k += 32) {
-        _tile_loadd(0, xs + k, xs_bytes);
-        _tile_loadd(1, xs + kTileRows * xs_rows + k, xs_bytes);
-        const uint32_t* ap = a_pairs + k / 2 * width32 + j;
-        _tile_loadd(2, ap, width32 * sizeof(uint32_t));
-        _tile_loadd(3, ap + 16, width32 * sizeof(uint32_t));
-        _tile_dpbf16ps(4, 0, 2);
-        _tile_dpbf16ps(5, 0, 3);
-        _tile_dpbf16ps(6, 1, 2);
-        _tile_dpbf16ps(7, 1, 3);
-      }
+      product_block(xs, xs_rows, a_pairs + j, width32, in / 32);
       store_block(sums);
       for (int64_t i = 0; i < kBlock; ++i) {
-        const __m256bh lo = _mm512_cvtneps_pbh(_mm512_load_ps(sums + 32 * i));
-        const __m256bh hi = _mm512_cvtneps_pbh(_mm512_load_ps(sums + 32 * i + 16));
-        auto* dst = reinterpret_cast<__m256i*>(shrunk + i * width32 + j);
-        _mm256_storeu_si256(dst, (__m256i)lo);
-        _mm256_storeu_si256(dst + 1, (__m256i)hi);
+        store16(shrunk + i * width32 + j, load16(sums + 32 * i));
+        store16(shrunk + i * width32 + j + 16, load16(sums + 32 * i + 16));
       }
     }
     c10::BFloat16* ys = y + r0 * y_stride;
-    const int64_t s_bytes = width32 * sizeof(c10::BFloat16);
     for (int64_t c = 0; c < out; c += 32) {
-      _tile_zero(4);
-      _tile_zero(5);
-      _tile_zero(6);
-      _tile_zero(7);
-      for (int64_t k = 0; k < width32; k += 32) {
-        _tile_loadd(0, shrunk + k, s_bytes);
-        _tile_loadd(1, shrunk + kTileRows * width32 + k, s_bytes);
-        const uint32_t* bp = b_pairs + k / 2 * out32 + c;
-        _tile_loadd(2, bp, out32 * sizeof(uint32_t));
-        _tile_loadd(3, bp + 16, out32 * sizeof(uint32_t));
-        _tile_dpbf16ps(4, 0, 2);
-        _tile_dpbf16ps(5, 0, 3);
-        _tile_dpbf16ps(6, 1, 2);
-        _tile_dpbf16ps(7, 1, 3);
-      }
+      product_block(shrunk, width32, b_pairs + c, out32, width32 / 32);
       store_block(sums);
       for (int64_t half = 0; half < 32 && c + half < out; half += 16) {
         const int64_t left = out - c - half;
         const __mmask16 mask = left >= 16 ? 0xffff : (1u << left) - 1;
         for (int64_t i = 0; i < m; ++i) {
           c10::BFloat16* yr = ys + i * y_stride + c + half;
-          const __m256i old16 = _mm256_maskz_loadu_epi16(mask, yr);
-          const __m512 old = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(old16), 16));
-          const __m512 sum = _mm512_add_ps(old, _mm512_load_ps(sums + 32 * i + half));
-          _mm256_mask_storeu_epi16(yr, mask, (__m256i)_mm512_cvtneps_pbh(sum));
+          store16(yr, _mm512_add_ps(load16(yr, mask), load16(sums + 32 * i + half)), mask);
         }
       }
     }
