@@ -28,7 +28,7 @@ from engine.messages import EngineRequest
 from engine.model_runner import ModelRunner, ProgressFn
 from engine.models.llama import eos_token_ids
 from engine.outputs import SequenceUpdate
-from engine.request import Owner, Request, RequestStatus, SamplingParams
+from engine.request import OutputKind, Owner, Request, RequestStatus, SamplingParams
 from engine.sampler import SamplerOutput
 from engine.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
 from engine.spec_decode import NgramIndex, SpeculativeConfig, can_speculate
@@ -455,12 +455,14 @@ class LLMEngine:
                 self.num_drafts += 1
                 request.spec_token_ids = []
             try:
-                updates.append(self._append_tokens(seq, [*drafts, token_id], logprobs, now))
+                update = self._append_tokens(seq, [*drafts, token_id], logprobs, now)
             except Exception as exc:  # noqa: BLE001 - a stop check or detokenizer failure
                 logger.exception("request %s failed after its step", seq.parent_id)
                 self.num_failed_requests += 1
                 updates.append(self._fail(request, failure_message(exc)))
                 continue
+            if update is not None:
+                updates.append(update)
             if speculated and not request.is_finished:
                 self.kv.trim(request, request.num_tokens)  # the rejected drafts' blocks
         return updates
@@ -486,9 +488,10 @@ class LLMEngine:
         token_ids: list[int],
         logprobs: dict[int, float] | None,
         now: float,
-    ) -> SequenceUpdate:
+    ) -> SequenceUpdate | None:
         """Append a step's tokens (one, or accepted drafts and one), checking the stop
-        conditions after each: tokens after a stop are dropped."""
+        conditions after each: tokens after a stop are dropped. Their update, or None for a
+        FINAL_ONLY request that goes on (the request keeps them for its one update)."""
         request = seq.request
         if request.first_token_time is None:
             request.first_token_time = now
@@ -502,6 +505,8 @@ class LLMEngine:
             if status is not None:
                 self._finish(seq, status)
                 break
+        if request.sampling_params.output_kind is OutputKind.FINAL_ONLY:
+            return self._update(seq, [], None) if request.is_finished else None
         return self._update(seq, appended, logprobs)
 
     def _fail_step(self, scheduled: Rows, error: Exception) -> list[SequenceUpdate]:
@@ -588,6 +593,8 @@ class LLMEngine:
     def _update(
         seq: _Sequence, token_ids: list[int], logprobs: dict[int, float] | None
     ) -> SequenceUpdate:
+        """The sequence's update: `token_ids` and `logprobs` are this step's. A FINAL_ONLY
+        request's one update, at its end, carries every token and logprob it made instead."""
         request = seq.request
         detok = seq.detokenizer
         finished = request.is_finished
@@ -595,15 +602,22 @@ class LLMEngine:
         safe = len(detok.text) if finished else detok.num_stream_safe_chars
         delta = detok.text[seq.num_sent_chars : safe]
         seq.num_sent_chars = max(seq.num_sent_chars, safe)
+        new_logprobs = None if logprobs is None else [logprobs]
+        decode_time = 0.0
+        if request.sampling_params.output_kind is OutputKind.FINAL_ONLY:
+            token_ids, new_logprobs = request.output_token_ids, request.logprobs
+            if request.first_token_time is not None:
+                decode_time = time.monotonic() - request.first_token_time
         return SequenceUpdate(
             request_id=seq.parent_id,
             index=seq.index,
             new_token_ids=token_ids,
             text_delta=delta,
-            new_logprobs=None if logprobs is None else [logprobs],
+            new_logprobs=new_logprobs,
             num_prompt_tokens=request.num_prompt_tokens,
             num_cached_tokens=max(0, request.num_cached_tokens),
             queue_time=(request.scheduled_time or request.arrival_time) - request.arrival_time,
+            decode_time=decode_time,
             finish_reason=request.finish_reason if finished else None,
             stop_reason=request.stop_reason,
             error=request.error,

@@ -21,6 +21,10 @@ class SequenceUpdate:
     num_prompt_tokens: int
     num_cached_tokens: int
     queue_time: float = 0.0  # seconds from arrival to first being scheduled
+    # Seconds from the sequence's first token to this update: a FINAL_ONLY update's tokens
+    # were made over that time (its reader's time to first token is that much earlier); 0
+    # where each step's tokens are sent in that step.
+    decode_time: float = 0.0
     finish_reason: str | None = None  # stop | length | abort | error
     stop_reason: int | str | None = None
     error: str | None = None
@@ -44,6 +48,7 @@ class SequenceUpdate:
             num_prompt_tokens=self.num_prompt_tokens,
             num_cached_tokens=max(self.num_cached_tokens, later.num_cached_tokens),
             queue_time=self.queue_time,
+            decode_time=later.decode_time,
             finish_reason=later.finish_reason,
             stop_reason=later.stop_reason,
             error=later.error,

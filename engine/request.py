@@ -47,6 +47,16 @@ class RequestStatus(enum.IntEnum):
         return self >= RequestStatus.FINISHED_STOPPED
 
 
+class OutputKind(enum.StrEnum):
+    """What a request's updates carry (vLLM's RequestOutputKind). DELTA: each step's new
+    tokens and text as they come, for a stream. FINAL_ONLY: one update, when the request
+    finishes, with all of them: an answer collected whole (a batch line) costs no per-step
+    updates to build, send and apply beside everyone else's."""
+
+    DELTA = "delta"
+    FINAL_ONLY = "final_only"
+
+
 FINISH_REASONS = {
     RequestStatus.FINISHED_STOPPED: "stop",
     RequestStatus.FINISHED_LENGTH: "length",
@@ -154,10 +164,13 @@ class SamplingParams:
     logprobs: int | None = None  # number of top logprobs per token; 0 = sampled token only
     skip_special_tokens: bool = True
     guided: GuidedSpec | None = None  # constrain the output to a grammar (engine.guided)
+    output_kind: OutputKind = OutputKind.DELTA
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
             self.stop = [self.stop]
+        # A remote engine's request arrives as JSON: the kind's value.
+        self.output_kind = OutputKind(self.output_kind)
         self.verify()
 
     def verify(self) -> None:

@@ -177,10 +177,17 @@ class Timer:
     def update(self, update: SequenceUpdate) -> None:
         now = time.monotonic()
         if self.last is None:
-            self.latency.ttft.observe(now - self.start)
+            # Earlier by the update's decode time where it holds tokens of several steps.
+            self.latency.ttft.observe(max(0.0, now - self.start - update.decode_time))
             self.latency.queue_time.observe(update.queue_time)
-        else:
+        elif update.decode_time == 0.0:
             self.latency.itl.observe(now - self.last)
+        if update.decode_time > 0.0 and len(update.new_token_ids) > 1:
+            # A FINAL_ONLY update's tokens came over its decode time: their gaps, evenly, so
+            # that the histogram's sum and count stay those of the tokens made.
+            gaps = len(update.new_token_ids) - 1
+            for _ in range(gaps):
+                self.latency.itl.observe(update.decode_time / gaps)
         self.last = now
 
     def finish(self, choices: list[Choice], usage: Usage) -> None:
@@ -273,7 +280,7 @@ class Answer:
     def apply(self, prompt_index: int, update: SequenceUpdate) -> Choice:
         """The update added to its choice (and the usage); the choice it belongs to."""
         self.timer.update(update)
-        self.meter.first_token()
+        self.meter.first_token(update.decode_time)
         choice = self.choices[prompt_index * self.params.n + update.index]
         self.usage.record(prompt_index, update)
         choice.token_ids.extend(update.new_token_ids)

@@ -66,9 +66,11 @@ class Meter:
     # passed by position).
     endpoint: str | None = None
 
-    def first_token(self) -> None:
+    def first_token(self, decode_time: float = 0.0) -> None:
+        """The first update arrived; `decode_time`: how long before it its first token was
+        made (a FINAL_ONLY update's, engine.request.OutputKind)."""
         if self.ttft is None:
-            self.ttft = time.monotonic() - self.start
+            self.ttft = max(0.0, time.monotonic() - self.start - decode_time)
 
     async def end(self, figures: UsageFigures, finish_reason: str | None, status: str) -> None:
         """Durable when this returns (spooled and fsynced). The reservation is released in

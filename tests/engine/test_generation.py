@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import time
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -10,6 +12,8 @@ from transformers import AutoModelForCausalLM
 
 from engine import LLM, SamplingParams
 from engine.detokenizer import IncrementalDetokenizer
+from engine.outputs import SequenceUpdate
+from engine.request import OutputKind
 
 
 @pytest.fixture(scope="module")
@@ -227,4 +231,51 @@ def test_updates_carry_each_character_once_and_never_a_held_back_one(llm: LLM) -
     assert "".join(streams["plain"]) == text
     assert sum(1 for delta in streams["plain"] if delta) > 5  # streamed, not sent at the end
     assert "".join(streams["stopped"]) == text[: text.index(stop)]
+    assert_all_blocks_free(llm)
+
+
+def test_a_final_only_request_gets_one_update_with_what_a_stream_carries(llm: LLM) -> None:
+    """OutputKind.FINAL_ONLY: one update per sequence, at its end, with every token, the
+    whole text and every logprob that the same request's per-step updates carry, beside
+    streamed requests in the same steps; its decode time spans its tokens."""
+    stop = llm.generate([PROMPTS[1]], SamplingParams(temperature=0, max_tokens=40))[0]
+    cases = {
+        "plain": SamplingParams(temperature=0, max_tokens=24, ignore_eos=True),
+        "stopped": SamplingParams(
+            temperature=0, max_tokens=40, ignore_eos=True, stop=[stop.outputs[0].text[10:14]]
+        ),
+        "sampled": SamplingParams(n=2, temperature=1.0, seed=3, max_tokens=20, logprobs=2),
+    }
+    engine = llm.engine
+    received: dict[tuple[str, str, int], list[SequenceUpdate]] = {}
+    for name, params in cases.items():
+        prompt = PROMPTS[len(name) % len(PROMPTS)]
+        engine.add_request(f"delta-{name}", prompt, params)
+        final = replace(params, output_kind=OutputKind.FINAL_ONLY)
+        engine.add_request(f"final-{name}", prompt, final)
+    start = time.monotonic()
+    while engine.has_unfinished_requests():
+        for update in engine.step():
+            kind, name = update.request_id.split("-")
+            received.setdefault((name, kind, update.index), []).append(update)
+    elapsed = time.monotonic() - start
+    for (name, kind, index), updates in received.items():
+        if kind == "delta":
+            continue
+        assert len(updates) == 1 and updates[0].finished, name
+        (final,) = updates
+        streamed = received[(name, "delta", index)]
+        assert final.new_token_ids == [t for u in streamed for t in u.new_token_ids], name
+        assert final.text_delta == "".join(u.text_delta for u in streamed), name
+        assert final.finish_reason == streamed[-1].finish_reason
+        assert final.stop_reason == streamed[-1].stop_reason
+        if cases[name].logprobs is None:
+            assert final.new_logprobs is None
+        else:
+            assert final.new_logprobs == [p for u in streamed for p in u.new_logprobs or []]
+        assert 0.0 < final.decode_time < elapsed
+        assert all(u.decode_time == 0.0 for u in streamed)
+    assert {k for k in received if k[1] == "final"} == {
+        (n, "final", i) for n, p in cases.items() for i in range(p.n)
+    }
     assert_all_blocks_free(llm)

@@ -24,6 +24,7 @@ from typing import Any
 
 from pydantic import ValidationError
 
+from engine.request import OutputKind
 from gateway.http.errors import APIError, api_error, validation_param
 from gateway.openai.answer import Answer
 from gateway.openai.batch_lines import BODIES
@@ -118,7 +119,12 @@ class LineRunner:
         try:
             generation, render = await self._generation(line, tenant)
             generation = dataclasses.replace(
-                generation, endpoint=ENDPOINT, priority=self.priority, stream=False
+                generation,
+                # Collected whole: the engine sends one update at its end, not one a step.
+                params=dataclasses.replace(generation.params, output_kind=OutputKind.FINAL_ONLY),
+                endpoint=ENDPOINT,
+                priority=self.priority,
+                stream=False,
             )
             answer = await self.core.start(
                 generation, tenant, admit=self.core.admission.admit_quota, sink=sink

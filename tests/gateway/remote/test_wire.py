@@ -14,7 +14,7 @@ from engine.errors import ContextLengthExceeded, EngineOverloaded, RequestRefuse
 from engine.lora.types import LoRARequest
 from engine.messages import EngineRequest, EngineStats
 from engine.outputs import SequenceUpdate
-from engine.request import GuidedSpec, SamplingParams
+from engine.request import GuidedSpec, OutputKind, SamplingParams
 from gateway.remote.wire import (
     decode_error,
     decode_request,
@@ -44,6 +44,7 @@ def test_a_request_round_trips_with_the_engine_store_path(tmp_path: Path) -> Non
         stop_token_ids=[2],
         logprobs=3,
         guided=GuidedSpec(json_schema={"type": "object"}, strict=False),
+        output_kind=OutputKind.FINAL_ONLY,
     )
     request = EngineRequest(
         "r1",
@@ -58,6 +59,7 @@ def test_a_request_round_trips_with_the_engine_store_path(tmp_path: Path) -> Non
     store = LocalAdapterStore(tmp_path / "store")
     back = decode_request(_over_the_wire(encode_request(request)), store)  # type: ignore[arg-type]
     assert back.params == params
+    assert back.params.output_kind is OutputKind.FINAL_ONLY
     assert back.lora == LoRARequest("sql", str(store.path(SHA)), SHA)
     assert (back.prompt, back.cache_salt, back.fairness_key, back.fairness_weight) == (
         [5, 6, 7],
@@ -74,6 +76,7 @@ def test_a_request_round_trips_with_the_engine_store_path(tmp_path: Path) -> Non
         {"lora": ["sql", "../../etc"]},  # not a content hash: no path of the peer's choosing
         {"params": {"temperature": -1}},
         {"params": {"no_such_field": 1}},
+        {"params": {"output_kind": "cumulative"}},
         {"prompt": ["a"]},
     ],
 )
