@@ -21,7 +21,17 @@ from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any, cast
 
-from sqlalchemy import CursorResult, and_, exists, or_, select, tuple_, update
+from sqlalchemy import (
+    CursorResult,
+    Table,
+    and_,
+    bindparam,
+    exists,
+    or_,
+    select,
+    tuple_,
+    update,
+)
 from sqlalchemy.dialects import postgresql, sqlite
 
 from tenants.db import Database
@@ -77,6 +87,11 @@ class LineClaims:
         dialect = postgresql if self._postgresql else sqlite
         self._insert_usage = dialect.insert(Usage.__table__).on_conflict_do_nothing(
             index_elements=["request_id"]
+        )
+        # A line's answer by its key, for many lines in one executemany.
+        table = cast(Table, BatchLineRow.__table__)
+        self._write_answer = update(table).where(
+            table.c.batch_id == bindparam("key_batch_id"), table.c.line == bindparam("key_line")
         )
 
     async def claim(
@@ -208,39 +223,52 @@ class LineClaims:
     async def finish_many(
         self, worker: str, answers: list[tuple[LineKey, LineAnswer]]
     ) -> list[bool]:
-        """`finish` for several lines in one transaction (one commit, one fsync): each line's
-        answer written, with its usage row, only if the worker's claim on it still holds."""
+        """`finish` for several lines in one transaction (one commit, one fsync) of three
+        statements whatever their number: the lines whose claim still holds taken (locked),
+        their answers written, their usage rows inserted. A line whose claim was lost is not
+        written and not billed."""
+        if not answers:
+            return []
         line = BatchLineRow
-        written: list[bool] = []
-        usage: list[dict[str, Any]] = []
         async with self.db.session() as session, session.begin():
-            for (batch_id, number), answer in answers:
-                result = await session.execute(
-                    update(line)
-                    .where(
-                        line.batch_id == batch_id,
-                        line.line == number,
-                        line.claimed_by == worker,
-                        line.status == "running",
-                    )
-                    .values(
-                        status=answer.status,
-                        result=answer.result,
-                        prompt_tokens=answer.prompt_tokens,
-                        cached_tokens=answer.cached_tokens,
-                        completion_tokens=answer.completion_tokens,
-                        lease_until=None,
-                        finished_at=utcnow(),
-                    )
-                    .execution_options(synchronize_session=False)
+            # A write that changes nothing, to hold these lines (PostgreSQL's row locks,
+            # SQLite's one writer) until the commit: no claim changes under the next two.
+            held = await session.execute(
+                update(line)
+                .where(
+                    tuple_(line.batch_id, line.line).in_([key for key, _ in answers]),
+                    line.claimed_by == worker,
+                    line.status == "running",
                 )
-                took = cast(CursorResult[Any], result).rowcount == 1
-                written.append(took)
-                if took and answer.usage is not None:
-                    usage.append(answer.usage.row())
+                .values(claimed_by=worker)
+                .returning(line.batch_id, line.line)
+                .execution_options(synchronize_session=False)
+            )
+            mine = {(batch_id, number) for batch_id, number in held.all()}
+            written = [(key, answer) for key, answer in answers if key in mine]
+            if written:
+                now = utcnow()
+                await session.execute(
+                    self._write_answer,
+                    [
+                        {
+                            "key_batch_id": batch_id,
+                            "key_line": number,
+                            "status": answer.status,
+                            "result": answer.result,
+                            "prompt_tokens": answer.prompt_tokens,
+                            "cached_tokens": answer.cached_tokens,
+                            "completion_tokens": answer.completion_tokens,
+                            "lease_until": None,
+                            "finished_at": now,
+                        }
+                        for (batch_id, number), answer in written
+                    ],
+                )
+            usage = [answer.usage.row() for _, answer in written if answer.usage is not None]
             if usage:
                 await session.execute(self._insert_usage, usage)
-        return written
+        return [key in mine for key, _ in answers]
 
     async def release(self, worker: str, keys: list[LineKey]) -> int:
         """Give lines this worker runs back (pending, for any gateway to claim now); how many.

@@ -229,6 +229,40 @@ def test_a_lapsed_lease_is_reclaimed_and_the_stale_answer_writes_nothing(
     run(database_url, body)
 
 
+def test_a_group_writes_the_lines_whose_claims_hold_and_bills_only_those(
+    database_url: str,
+) -> None:
+    async def body(db: Database, a: str, b: str) -> None:
+        store, claims = BatchStore(db), LineClaims(db)
+        made = await store.create(new_batch(a), lines(5), None)
+        mine = await claims.claim("w1", 3, 60)
+        lapsed = await claims.claim("w1", 2, lease=0)
+        taken = await claims.claim("w2", 2, 60)  # the two whose leases lapsed
+        assert {c.key for c in taken} == {c.key for c in lapsed}
+        group = [(c.key, answer(a, made.id, c.line)) for c in [*lapsed[:1], *mine, *lapsed[1:]]]
+        assert await claims.finish_many("w1", group) == [False, True, True, True, False]
+        assert await claims.finish_many("w1", group[1:2]) == [False]  # once
+        assert sorted(r.request_id for r in await usage_rows(db, made.id)) == [
+            f"{made.id}-{c.line}" for c in mine
+        ]
+        async with db.session() as session:
+            rows = {
+                r.line: r
+                for r in await session.scalars(
+                    select(BatchLineRow).where(BatchLineRow.batch_id == made.id)
+                )
+            }
+        for c in mine:
+            assert rows[c.line].status == "done"
+            assert rows[c.line].result == answer(a, made.id, c.line).result
+            assert rows[c.line].completion_tokens == 2 and rows[c.line].finished_at is not None
+        for c in taken:
+            assert (rows[c.line].status, rows[c.line].claimed_by) == ("running", "w2")
+            assert rows[c.line].result is None
+
+    run(database_url, body)
+
+
 def test_finalizing_is_claimed_once_and_fences_unfinished_lines(database_url: str) -> None:
     async def body(db: Database, a: str, b: str) -> None:
         store, claims = BatchStore(db), LineClaims(db)

@@ -109,6 +109,9 @@ class BatchRunner:
         self.num_answered = 0  # lines this runner wrote (done or failed)
         self.num_lost = 0  # answers not written: the claim was gone
         self._running: dict[LineKey, asyncio.Task[None]] = {}
+        # Those of them answered, their writes under way: out of the engine, so their places
+        # are claimed again without waiting for the write.
+        self._answered: set[LineKey] = set()
         self._wake = asyncio.Event()
         self._lock = asyncio.Lock()  # a claim and its tasks, against the beat's comparison
         self._loop_task: asyncio.Task[None] | None = None
@@ -123,6 +126,11 @@ class BatchRunner:
     @property
     def num_running(self) -> int:
         return len(self._running)
+
+    @property
+    def num_in_engine(self) -> int:
+        """Lines claimed and not yet answered."""
+        return len(self._running) - len(self._answered)
 
     async def start(self) -> None:
         """Start claiming and finalizing, in the event loop that serves."""
@@ -197,9 +205,9 @@ class BatchRunner:
     async def _claim(self) -> None:
         """Claim lines to fill the free places, a quarter of them at a time (one transaction
         for many lines, the engine never short of them) or whatever is free once none runs."""
-        free = self.options.max_concurrency - len(self._running)
+        free = self.options.max_concurrency - self.num_in_engine
         refill = max(1, self.options.max_concurrency // 4)
-        if (free < refill and self._running) or time.monotonic() < self._paused_until:
+        if (free < refill and self.num_in_engine) or time.monotonic() < self._paused_until:
             return
         async with self._lock:
             claimed = await self.claims.claim(
@@ -246,6 +254,8 @@ class BatchRunner:
                 self._paused_until = time.monotonic() + RETRY_PAUSE
                 await self.claims.release(self.worker, [line.key])
                 return
+            self._answered.add(line.key)
+            self._wake.set()  # its place in the engine is free
             await self._write(line, answer)
         except asyncio.CancelledError:
             raise  # aborted: its claim is gone, or the gateway stops (and gives it back)
@@ -253,6 +263,7 @@ class BatchRunner:
             logger.exception("batch line %s failed in the runner", request_id(*line.key))
         finally:
             self._running.pop(line.key, None)
+            self._answered.discard(line.key)
             self._wake.set()
 
     async def _answer(self, line: ClaimedLine) -> LineAnswer | Retry:
