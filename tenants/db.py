@@ -42,10 +42,10 @@ class Database:
                 Path(parsed.database).parent.mkdir(parents=True, exist_ok=True)
             kwargs = {"connect_args": {"timeout": 30}}
         self.engine: AsyncEngine = create_async_engine(self.url, **kwargs)
-        self.sessions = async_sessionmaker(self.engine, expire_on_commit=False)
-
-    def session(self) -> AsyncSession:
-        return self.sessions()
+        # `db.session()` makes a session: the sessionmaker itself, not a method around it.
+        self.session: async_sessionmaker[AsyncSession] = async_sessionmaker(
+            self.engine, expire_on_commit=False
+        )
 
     async def close(self) -> None:
         await self.engine.dispose()
