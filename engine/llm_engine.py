@@ -505,8 +505,8 @@ class LLMEngine:
             if status is not None:
                 self._finish(seq, status)
                 break
-        if request.sampling_params.output_kind is OutputKind.FINAL_ONLY:
-            return self._update(seq, [], None) if request.is_finished else None
+        if request.sampling_params.output_kind is OutputKind.FINAL_ONLY and not request.is_finished:
+            return None
         return self._update(seq, appended, logprobs)
 
     def _fail_step(self, scheduled: Rows, error: Exception) -> list[SequenceUpdate]:
