@@ -125,7 +125,9 @@ def _parts(content: Any, role: str, where: str) -> list[dict[str, Any]]:
         raise FieldError(where, "content is a string or a list of content parts")
     parts = []
     for j, part in enumerate(content):
-        part_kind = part.get("type") if isinstance(part, dict) else None
+        if not isinstance(part, dict):
+            raise FieldError(f"{where}[{j}]", "a content part is an object with a type")
+        part_kind = part.get("type")
         if isinstance(part_kind, str) and part_kind in UNSUPPORTED_PARTS:
             raise FieldError(
                 f"{where}[{j}].type",

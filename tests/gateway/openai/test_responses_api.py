@@ -322,6 +322,7 @@ def test_unsupported_values_are_refused_by_name(server: Server) -> None:
             "input[0].content[0].type",
         ),
         ({"input": [{"type": "item_reference", "id": "msg_1"}]}, "input[0].type"),
+        ({"input": [{"role": "user", "content": ["hi", 7]}]}, "input[0].content[0]"),
         ({"background": True, "store": False}, "background"),
         ({"text": {"format": {"type": "xml"}}}, "text.format.type"),
         ({"metadata": {f"k{i}": "v" for i in range(17)}}, "metadata"),
