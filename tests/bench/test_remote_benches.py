@@ -13,7 +13,7 @@ import pytest
 from bench.__main__ import main
 
 sys.path.insert(0, str(Path(__file__).parents[1] / "gateway"))  # live_server lives there
-from live_server import free_port  # noqa: E402
+from live_server import free_port_run  # noqa: E402
 
 
 def test_remote_hop_runs_every_setup(
@@ -22,7 +22,7 @@ def test_remote_hop_runs_every_setup(
     out = tmp_path / "hop.json"
     main([
         "remote-hop", "--model", str(demo_model_dir), "--rounds", "1", "--num-prompts", "4",
-        "--concurrency", "2", "--output-len", "4", "--port", str(free_port()),
+        "--concurrency", "2", "--output-len", "4", "--port", str(free_port_run(8)),
         "--json", str(out),
     ])  # fmt: skip
     runs = json.loads(out.read_text())
@@ -41,7 +41,7 @@ def test_routing_runs_every_setup(
     main([
         "routing", "--model", str(demo_model_dir), "--tenants", "2", "--adapters-per-tenant", "1",
         "--system-tokens", "32", "--num-prompts", "6", "--concurrency", "2", "--output-len", "2",
-        "--port", str(free_port()), "--adapter-dir", str(tmp_path / "adapters"),
+        "--port", str(free_port_run(8)), "--adapter-dir", str(tmp_path / "adapters"),
         "--rounds", "1", "--json", str(out),
     ])  # fmt: skip
     runs = json.loads(out.read_text())

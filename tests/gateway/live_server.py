@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import os
+import random
 import signal
 import socket
 import subprocess
@@ -140,6 +141,24 @@ def free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         return int(sock.getsockname()[1])
+
+
+def free_port_run(count: int) -> int:
+    """The first of `count` consecutive ports that are free now, below Linux's ephemeral range
+    (32768 and up), where outgoing connections take ports at any moment: for a command that
+    puts its own servers on the ports after the one it is given (the remote benches)."""
+    rng = random.Random()
+    for _ in range(200):
+        base = rng.randrange(20_000, 32_768 - count)
+        try:
+            with contextlib.ExitStack() as held:
+                for port in range(base, base + count):
+                    sock = held.enter_context(socket.socket())
+                    sock.bind(("127.0.0.1", port))
+        except OSError:
+            continue
+        return base
+    raise RuntimeError(f"no {count} consecutive free ports")
 
 
 @contextlib.contextmanager
